@@ -1,0 +1,35 @@
+"""accelerate-ssl: make representation learning cheaper inside your own training loop.
+
+Public API (kept small and stable)::
+
+    from accelerate_ssl import create_prior, precompute_targets, TargetStore
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> defining module; resolved on first access so `import accelerate_ssl` stays fast.
+_LAZY: dict[str, str] = {
+    "create_prior": "accelerate_ssl.targets.priors",
+    "list_priors": "accelerate_ssl.targets.priors",
+    "precompute_targets": "accelerate_ssl.targets.precompute",
+    "TargetStore": "accelerate_ssl.targets.store",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'accelerate_ssl' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,1 @@
+"""Parameterized compact self-supervised data sets (paper 002)."""

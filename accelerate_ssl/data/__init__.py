@@ -1,0 +1,16 @@
+"""Data helpers: real data sets without network, dataset fingerprints, and (ReLA) index tracking and
+the per-epoch subset sampler."""
+
+from .datasets import ArrayImageDataset, Digits, FashionMNIST, image_folder, load_fashion_mnist, read_idx
+from .fingerprint import dataset_fingerprint, describe_fingerprint_mismatch
+
+__all__ = [
+    "ArrayImageDataset",
+    "Digits",
+    "FashionMNIST",
+    "image_folder",
+    "load_fashion_mnist",
+    "read_idx",
+    "dataset_fingerprint",
+    "describe_fingerprint_mismatch",
+]

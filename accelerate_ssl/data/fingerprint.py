@@ -1,0 +1,110 @@
+"""Dataset fingerprints: what a TargetStore records so that row i is never matched to the wrong sample.
+
+A fingerprint is ``{"length": N, "kind": ..., "sha256": ...}``. It hashes what identifies the data,
+never what the user's transform does to it, so the same data set fingerprints the same whether it
+yields clean images (precompute) or augmented views (training):
+
+- ``"array"``: data sets holding their samples in ``.data`` (ours, torchvision MNIST/CIFAR): the
+  bytes of ``num_samples`` evenly spaced rows plus the full shape;
+- ``"files"``: data sets listing files in ``.samples`` / ``.imgs`` (ImageFolder) or lightly's
+  ``get_filenames()``: every file name, relative, in order;
+- ``"items"``: anything else: ``num_samples`` evenly spaced items read with the transform as it is;
+  if two reads of one item differ (a random transform), a ``ValueError`` asks for a clean dataset.
+
+``torch.utils.data.Subset`` is unwrapped and its indices hashed too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Subset
+
+DEFAULT_NUM_SAMPLES = 64
+
+
+def _sample_positions(n: int, num_samples: int) -> list[int]:
+    if n == 0:
+        return []
+    k = min(n, num_samples)
+    return sorted({int(round(i * (n - 1) / max(k - 1, 1))) for i in range(k)})
+
+
+def _to_bytes(item: Any) -> bytes:
+    if isinstance(item, torch.Tensor):
+        return item.detach().cpu().contiguous().numpy().tobytes()
+    if isinstance(item, np.ndarray):
+        return np.ascontiguousarray(item).tobytes()
+    if hasattr(item, "tobytes"):  # PIL images
+        return item.tobytes()
+    if isinstance(item, (list, tuple)):
+        return b"|".join(_to_bytes(x) for x in item)
+    if isinstance(item, dict):
+        return b"|".join(_to_bytes(item[k]) for k in sorted(item))
+    return repr(item).encode()
+
+
+def _file_names(dataset) -> list[str] | None:
+    if hasattr(dataset, "samples") and isinstance(dataset.samples, (list, tuple)):
+        paths = [s[0] if isinstance(s, (list, tuple)) else s for s in dataset.samples]
+    elif hasattr(dataset, "imgs") and isinstance(dataset.imgs, (list, tuple)):
+        paths = [s[0] if isinstance(s, (list, tuple)) else s for s in dataset.imgs]
+    elif callable(getattr(dataset, "get_filenames", None)):  # lightly's LightlyDataset
+        paths = list(dataset.get_filenames())
+    else:
+        return None
+    root = str(getattr(dataset, "root", "") or "")
+    return [os.path.relpath(p, root) if root and os.path.isabs(p) else str(p) for p in paths]
+
+
+def dataset_fingerprint(dataset, num_samples: int = DEFAULT_NUM_SAMPLES) -> dict:
+    """Fingerprint ``dataset`` (see module docstring). Cheap: reads at most ``num_samples`` items."""
+    h = hashlib.sha256()
+    base = dataset
+    while isinstance(base, Subset):
+        h.update(b"subset:" + np.asarray(base.indices, dtype=np.int64).tobytes())
+        base = base.dataset
+    n = len(dataset)
+    files = _file_names(base)
+    data = getattr(base, "data", None)
+    if files is not None:
+        kind = "files"
+        h.update("\n".join(files).encode())
+    elif isinstance(data, (torch.Tensor, np.ndarray)) and len(data) == len(base):
+        kind = "array"
+        h.update(repr(tuple(data.shape)).encode())
+        for i in _sample_positions(len(base), num_samples):
+            h.update(_to_bytes(data[i]))
+    else:
+        kind = "items"
+        for i in _sample_positions(n, num_samples):
+            first, second = _to_bytes(dataset[i]), _to_bytes(dataset[i])
+            if first != second:
+                raise ValueError(
+                    f"Cannot fingerprint {type(dataset).__name__}: item {i} differs between two reads "
+                    "(a random transform?). Pass the dataset without its augmentation, or give it a "
+                    "`.data` array or `.samples` file list."
+                )
+            h.update(first)
+    return {"length": n, "kind": kind, "sha256": h.hexdigest()}
+
+
+def describe_fingerprint_mismatch(expected: dict, actual: dict) -> str | None:
+    """A sentence naming what differs between two fingerprints, or ``None`` when they agree."""
+    if expected.get("length") != actual.get("length"):
+        return (
+            f"the store holds {expected.get('length')} rows but the dataset has {actual.get('length')} samples "
+            "(a different split, a subset, or another data set?)"
+        )
+    if expected.get("kind") != actual.get("kind"):
+        return f"the store was fingerprinted from {expected.get('kind')!r} data but this dataset gives {actual.get('kind')!r}"
+    if expected.get("sha256") != actual.get("sha256"):
+        return (
+            f"same length ({actual.get('length')}) but different content (fingerprint "
+            f"{str(expected.get('sha256'))[:12]} vs {str(actual.get('sha256'))[:12]}): another data set, or reordered samples"
+        )
+    return None

@@ -1,0 +1,1 @@
+"""Distilled warm-start sets from a teacher classifier: SRe2L recover core, DWA, FADRM."""

@@ -1,0 +1,1 @@
+"""Prior-model targets (ReLA-D): prior registry, precompute, TargetStore, batch PCA."""
