@@ -1,0 +1,379 @@
+"""The shared SRe2L "recover" core: optimise pixels so a frozen BatchNorm teacher sees its training statistics.
+
+Loss (SRe2L; DWA paper 003 Eq. 3-4 and Eq. 16; FADRM paper 004 App. B)::
+
+    CE(f(aug(x)), y) + r_bn * sum_l m_l * ( ||mu_l(x) - RM_l||_2 + r_var * ||var_l(x) - RV_l||_2 )
+
+mu_l / var_l are the per-channel batch mean and *biased* variance of the input of every ``BatchNorm2d``
+(forward hooks), RM/RV its running statistics, plain (not squared) L2 norms, ``m_1 = first_bn_multiplier``
+(10) for the first BN layer and 1 otherwise. Adam on the pixels (betas 0.5/0.9, lr 0.25) with the cosine
+schedule ``0.5 (1 + cos(pi t / T)) lr`` and no warm-up; every step the whole batch goes through one random
+RandomResizedCrop + flip + circular roll, and after the step the pixels are clamped to the valid range.
+
+Pixel space: everything works in the teacher's *normalised* input space ``(x01 - mean) / std``; the valid
+range per channel is ``[(0 - mean) / std, (1 - mean) / std]``. Saved PNGs are de-normalised.
+
+The teacher is only ever used in eval mode with ``requires_grad`` switched off (restored afterwards), so its
+parameters and BN buffers are bit-identical after synthesis (``frozen_teacher``).
+
+SRe2L (noise init) and SRe2L++ (real-image init) are two configurations of :class:`RecoverConfig`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field, asdict
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class TeacherWithoutBatchNormError(ValueError):
+    """The teacher has no ``BatchNorm2d`` layer, so there are no statistics to match."""
+
+
+# --------------------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclass
+class RecoverConfig:
+    """Hyper-parameters of the recover core (defaults: SRe2L / DWA paper 003 Tables 6-8).
+
+    Args:
+        iterations: optimisation steps per batch (T; 1000 CIFAR, 2000 ImageNet).
+        lr: Adam learning rate on the pixels, cosine-decayed to 0 over ``iterations`` (no warm-up).
+        betas: Adam betas.
+        r_bn: weight of the BN-statistics term.
+        r_var: extra weight of the variance part inside the BN term (DWA's decoupled coefficient:
+            11 CIFAR/Tiny, 2 ImageNet; 1 = plain SRe2L).
+        first_bn_multiplier: ``m_1``, the weight of the first BN layer.
+        crop_scale: RandomResizedCrop area range (SRe2L: 0.08-1).
+        jitter: maximal circular roll in pixels; ``None`` scales it to the image size
+            (4 px up to 64 px, ``size / 7`` above, i.e. 32 px at 224).
+        flip: random horizontal flip of the whole batch.
+        init: ``"noise"`` (SRe2L: standard normal in normalised space) or ``"real"`` (SRe2L++/DWA: one
+            real image per class per batch, none reused).
+        class_chunk: a batch holds one image per class for at most this many classes (100).
+        precision: ``"auto"`` (fp16 autocast + GradScaler on CUDA, fp32 on CPU), ``"fp32"``, ``"bf16"``
+            (autocast; on CPU too) or ``"fp16"`` (CUDA only). Pixels, their gradients and the BN term stay fp32.
+    """
+
+    iterations: int = 1000
+    lr: float = 0.25
+    betas: tuple[float, float] = (0.5, 0.9)
+    r_bn: float = 0.01
+    r_var: float = 1.0
+    first_bn_multiplier: float = 10.0
+    crop_scale: tuple[float, float] = (0.08, 1.0)
+    jitter: Optional[int] = None
+    flip: bool = True
+    init: str = "real"
+    class_chunk: int = 100
+    precision: str = "auto"
+
+    def __post_init__(self):
+        if self.init not in ("noise", "real"):
+            raise ValueError(f"init must be 'noise' or 'real', got {self.init!r}.")
+        if self.precision not in ("auto", "fp32", "bf16", "fp16"):
+            raise ValueError(f"precision must be 'auto', 'fp32', 'bf16' or 'fp16', got {self.precision!r}.")
+        if self.iterations < 1:
+            raise ValueError(f"iterations must be >= 1, got {self.iterations}.")
+        if self.class_chunk < 1:
+            raise ValueError(f"class_chunk must be >= 1, got {self.class_chunk}.")
+        self.betas = tuple(self.betas)
+        self.crop_scale = tuple(self.crop_scale)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_jitter(size: int) -> int:
+    """Roll jitter scaled to the image size: 4 px at 28-64 px (SRe2L's CIFAR/Tiny value), 32 px at 224."""
+    return 4 if size <= 64 else max(1, round(size / 7))
+
+
+def cosine_lr(step: int, total: int, base_lr: float) -> float:
+    """SRe2L's schedule ``0.5 (1 + cos(pi t / T)) lr`` for 0-indexed step ``t`` (no warm-up)."""
+    return 0.5 * (1.0 + math.cos(math.pi * step / total)) * base_lr
+
+
+# --------------------------------------------------------------------------------------------------
+# BatchNorm statistics hooks and loss
+
+
+class BNStatistics:
+    """Forward hooks on every ``BatchNorm2d`` of ``model`` recording the matching loss of its *input*.
+
+    For layer ``l``: ``||mu_l - RM_l||_2 + r_var * ||var_l - RV_l||_2`` with the per-channel batch mean and
+    biased variance computed in fp32 (also under autocast, paper 004 Sec. 3.2). ``loss()`` sums the layers
+    with ``m_1 = first_bn_multiplier`` for the first layer (module order) and 1 for the others.
+    Use as a context manager; the hooks are removed on exit.
+    """
+
+    def __init__(self, model: nn.Module, r_var: float = 1.0, first_bn_multiplier: float = 10.0):
+        self.layers = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+        if not self.layers:
+            raise TeacherWithoutBatchNormError(
+                f"The teacher {type(model).__name__} has no BatchNorm2d layer, so there are no running statistics "
+                "to match; pass a teacher with BatchNorm (e.g. accelerate_ssl.backbones.ResNetSmall, a torchvision "
+                "ResNet) or convert it before distilling."
+            )
+        for m in self.layers:
+            if m.running_mean is None or m.running_var is None:
+                raise TeacherWithoutBatchNormError(
+                    f"BatchNorm2d layer {m} tracks no running statistics (track_running_stats=False); "
+                    "pass a teacher whose BatchNorm layers hold running statistics."
+                )
+        self.r_var = float(r_var)
+        self.first_bn_multiplier = float(first_bn_multiplier)
+        self._losses: list[Optional[torch.Tensor]] = [None] * len(self.layers)
+        self._handles = []
+
+    def _hook(self, index: int):
+        def hook(module: nn.BatchNorm2d, inputs, output):
+            x = inputs[0].float()
+            mean = x.mean(dim=(0, 2, 3))
+            var = x.var(dim=(0, 2, 3), unbiased=False)
+            self._losses[index] = torch.linalg.vector_norm(mean - module.running_mean.float()) + self.r_var * (
+                torch.linalg.vector_norm(var - module.running_var.float())
+            )
+
+        return hook
+
+    def __enter__(self) -> "BNStatistics":
+        self._handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self.layers)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def loss(self) -> torch.Tensor:
+        """Sum of the recorded per-layer losses of the last forward pass."""
+        if any(l is None for l in self._losses):
+            raise RuntimeError("BNStatistics.loss() called before a forward pass through the model.")
+        total = self.first_bn_multiplier * self._losses[0]
+        for l in self._losses[1:]:
+            total = total + l
+        return total
+
+
+@contextlib.contextmanager
+def frozen_teacher(*teachers: nn.Module) -> Iterator[None]:
+    """Eval mode and ``requires_grad=False`` for the duration; both restored afterwards.
+
+    Eval mode is what keeps the BN running statistics untouched during synthesis (a train-mode forward
+    would update them), so parameters and buffers stay bit-identical.
+    """
+    saved = []
+    for t in teachers:
+        saved.append((t, t.training, [(p, p.requires_grad) for p in t.parameters()]))
+        t.eval()
+        for p in t.parameters():
+            p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for t, training, flags in saved:
+            t.train(training)
+            for p, flag in flags:
+                p.requires_grad_(flag)
+
+
+# --------------------------------------------------------------------------------------------------
+# batch-level augmentation (one set of parameters for the whole batch)
+
+
+def sample_crop(size_hw: tuple[int, int], scale: Sequence[float], generator: torch.Generator,
+                ratio: Sequence[float] = (3 / 4, 4 / 3)) -> tuple[int, int, int, int]:
+    """RandomResizedCrop box ``(top, left, height, width)`` drawn from ``generator`` (torchvision's rule:
+    10 tries of area in ``scale`` and log-uniform aspect ``ratio``, else the central crop)."""
+    h, w = size_hw
+    area = h * w
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        u = torch.rand(3, generator=generator).tolist()
+        target_area = area * (scale[0] + (scale[1] - scale[0]) * u[0])
+        aspect = math.exp(log_ratio[0] + (log_ratio[1] - log_ratio[0]) * u[1])
+        cw = int(round(math.sqrt(target_area * aspect)))
+        ch = int(round(math.sqrt(target_area / aspect)))
+        if 0 < cw <= w and 0 < ch <= h:
+            top = int(torch.randint(0, h - ch + 1, (1,), generator=generator))
+            left = int(torch.randint(0, w - cw + 1, (1,), generator=generator))
+            return top, left, ch, cw
+    in_ratio = w / h
+    if in_ratio < ratio[0]:
+        cw, ch = w, int(round(w / ratio[0]))
+    elif in_ratio > ratio[1]:
+        ch, cw = h, int(round(h * ratio[1]))
+    else:
+        cw, ch = w, h
+    return (h - ch) // 2, (w - cw) // 2, ch, cw
+
+
+def crop_resize(x: torch.Tensor, box: tuple[int, int, int, int], size: tuple[int, int]) -> torch.Tensor:
+    """Crop ``box`` from ``x`` [B, C, H, W] and resize it (bilinear, ``align_corners=False``) to ``size``."""
+    top, left, ch, cw = box
+    patch = x[:, :, top : top + ch, left : left + cw]
+    if (ch, cw) == tuple(size):
+        return patch
+    return F.interpolate(patch, size=size, mode="bilinear", align_corners=False)
+
+
+@dataclass
+class BatchAugment:
+    """RandomResizedCrop + horizontal flip + circular roll, one parameter draw for the whole batch (SRe2L).
+
+    Differentiable in the pixels. ``jitter=None`` scales the roll to the image size (:func:`default_jitter`).
+    """
+
+    crop_scale: tuple[float, float] = (0.08, 1.0)
+    flip: bool = True
+    jitter: Optional[int] = None
+
+    def sample(self, size_hw: tuple[int, int], generator: torch.Generator) -> dict:
+        box = sample_crop(size_hw, self.crop_scale, generator)
+        flip = bool(torch.rand(1, generator=generator) < 0.5) if self.flip else False
+        j = default_jitter(max(size_hw)) if self.jitter is None else int(self.jitter)
+        shifts = torch.randint(-j, j + 1, (2,), generator=generator).tolist() if j > 0 else [0, 0]
+        return {"box": box, "flip": flip, "shift": tuple(shifts)}
+
+    @staticmethod
+    def apply(x: torch.Tensor, params: dict) -> torch.Tensor:
+        out = crop_resize(x, params["box"], x.shape[-2:])
+        if params["flip"]:
+            out = out.flip(-1)
+        if any(params["shift"]):
+            out = torch.roll(out, shifts=params["shift"], dims=(2, 3))
+        return out
+
+    def __call__(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return self.apply(x, self.sample(tuple(x.shape[-2:]), generator))
+
+
+# --------------------------------------------------------------------------------------------------
+# precision
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``"auto"`` -> ``"fp16"`` on CUDA (autocast + GradScaler, paper 004 Sec. 3.2), ``"fp32"`` on CPU."""
+    if precision == "auto":
+        return "fp16" if device.type == "cuda" else "fp32"
+    if precision == "fp16" and device.type != "cuda":
+        raise ValueError("precision='fp16' needs a CUDA device (CPU autocast supports bf16); pass precision='bf16' or 'fp32'.")
+    return precision
+
+
+def autocast_context(precision: str, device: torch.device):
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def make_grad_scaler(precision: str, device: torch.device):
+    """A GradScaler for fp16 on CUDA; ``None`` otherwise (bf16 and fp32 need no loss scaling)."""
+    if precision == "fp16" and device.type == "cuda":
+        return torch.amp.GradScaler("cuda")
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# value range
+
+
+def valid_range(mean: Sequence[float], std: Sequence[float], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel bounds ``[(0 - mean)/std, (1 - mean)/std]`` as ``[1, C, 1, 1]`` tensors."""
+    m = torch.tensor(list(mean), dtype=torch.float32, device=device).view(1, -1, 1, 1)
+    s = torch.tensor(list(std), dtype=torch.float32, device=device).view(1, -1, 1, 1)
+    return (0.0 - m) / s, (1.0 - m) / s
+
+
+def clamp_(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return x.copy_(torch.maximum(torch.minimum(x, high), low))
+
+
+# --------------------------------------------------------------------------------------------------
+# one optimisation run
+
+
+@dataclass
+class StepState:
+    """Everything one optimisation step needs besides the pixels."""
+
+    teachers: list[nn.Module]
+    stats: list[BNStatistics]
+    labels: torch.Tensor
+    config: RecoverConfig
+    augment: BatchAugment
+    generator: torch.Generator
+    low: torch.Tensor
+    high: torch.Tensor
+    precision: str
+    history: dict = field(default_factory=lambda: {"loss": [], "ce": [], "bn": []})
+
+
+def recover_loss(teacher: nn.Module, stats: BNStatistics, x_aug: torch.Tensor, labels: torch.Tensor,
+                 config: RecoverConfig, precision: str = "fp32") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(total, ce, bn)`` of the recover objective for an (already augmented) batch; CE under autocast,
+    the BN term in fp32."""
+    with autocast_context(precision, x_aug.device):
+        logits = teacher(x_aug)
+    ce = F.cross_entropy(logits.float(), labels)
+    bn = stats.loss()
+    return ce + config.r_bn * bn, ce, bn
+
+
+def optimise_pixels(x: torch.Tensor, state: StepState, steps: int, start: int, total: int) -> torch.Tensor:
+    """Run ``steps`` Adam steps on a fresh leaf copy of ``x`` (global steps ``start .. start+steps-1`` of the
+    cosine schedule over ``total``); teachers are used round-robin by global step (FADRM+, paper 004).
+    Returns the optimised pixels, detached."""
+    cfg = state.config
+    x = x.detach().clone().requires_grad_(True)
+    optimizer = torch.optim.Adam([x], lr=cfg.lr, betas=cfg.betas, eps=1e-8)
+    scaler = make_grad_scaler(state.precision, x.device)
+    for t in range(start, start + steps):
+        for group in optimizer.param_groups:
+            group["lr"] = cosine_lr(t, total, cfg.lr)
+        index = t % len(state.teachers)
+        x_aug = state.augment(x, state.generator)
+        loss, ce, bn = recover_loss(state.teachers[index], state.stats[index], x_aug, state.labels, cfg, state.precision)
+        optimizer.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+        clamp_(x, state.low, state.high)
+        state.history["loss"].append(float(loss.detach()))
+        state.history["ce"].append(float(ce.detach()))
+        state.history["bn"].append(float(bn.detach()))
+    return x.detach()
+
+
+def recover_batch(teacher: nn.Module | Sequence[nn.Module], x_init: torch.Tensor, labels: torch.Tensor,
+                  config: RecoverConfig, generator: torch.Generator, mean: Sequence[float], std: Sequence[float]
+                  ) -> tuple[torch.Tensor, dict]:
+    """SRe2L recover of one batch (DWA paper 003 Eq. 3 / Alg. 1 lines 10-12 with a fixed teacher).
+
+    Returns ``(pixels, history)`` where history holds the per-step ``loss``, ``ce`` and ``bn`` values.
+    The caller keeps the teacher(s) frozen (:func:`frozen_teacher`).
+    """
+    teachers = list(teacher) if isinstance(teacher, (list, tuple)) else [teacher]
+    stats = [BNStatistics(t, config.r_var, config.first_bn_multiplier) for t in teachers]
+    low, high = valid_range(mean, std, x_init.device)
+    state = StepState(teachers, stats, labels, config, BatchAugment(config.crop_scale, config.flip, config.jitter),
+                      generator, low, high, resolve_precision(config.precision, x_init.device))
+    with contextlib.ExitStack() as stack:
+        for s in stats:
+            stack.enter_context(s)
+        x = optimise_pixels(x_init, state, config.iterations, 0, config.iterations)
+    return x, state.history
