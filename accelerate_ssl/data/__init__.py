@@ -3,6 +3,8 @@ the per-epoch subset sampler."""
 
 from .datasets import ArrayImageDataset, Digits, FashionMNIST, image_folder, load_fashion_mnist, read_idx
 from .fingerprint import dataset_fingerprint, describe_fingerprint_mismatch
+from .indexing import IndexTracker, track_indices
+from .subset import DynamicSubsetSampler
 
 __all__ = [
     "ArrayImageDataset",
@@ -13,4 +15,7 @@ __all__ = [
     "read_idx",
     "dataset_fingerprint",
     "describe_fingerprint_mismatch",
+    "IndexTracker",
+    "track_indices",
+    "DynamicSubsetSampler",
 ]

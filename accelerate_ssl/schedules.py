@@ -1,0 +1,308 @@
+"""lambda controllers for ReLA: how much of the loss is the ReLA term, step by step.
+
+``L = lambda * L_rela + (1 - lambda) * L_ssl``. Every controller is a small stateful object with the
+same interface:
+
+- ``step(loss_rela: float) -> float``: feed the ReLA loss of one *optimiser* step (averaged over
+  micro-batches and processes by :class:`accelerate_ssl.ReLA`), get lambda for the next step;
+- ``value``: the current lambda; ``finished``: True once lambda is 0 for good (ReLA then stops
+  computing its term and stops capturing features);
+- ``state_dict()`` / ``load_state_dict()``.
+
+Controllers (see the table in the README):
+
+=================  =======================================================  =====================
+name               rule                                                     source
+=================  =======================================================  =====================
+``Decay``          continuous 0.8 -> 0 from the ReLA loss plateau           paper 001, App. L, Alg. 1
+``Switch``         lambda 1 until the ReLA loss converges, then 0 for good  paper 000, App. J
+``Constant(lam)``  fixed lambda                                             ablation
+``Epochs(f, T)``   lambda 1 for the first fraction f of T steps, then 0     authors' ``--rela_conlam``
+=================  =======================================================  =====================
+
+Use :func:`create_schedule` to build one by name (``"decay"``, ``"switch"``, ``"constant"``, ``"epochs"``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+
+class Schedule:
+    """Base class: a stateful lambda controller stepped once per optimiser step."""
+
+    #: state entries saved by ``state_dict`` (subclasses extend).
+    _state_keys: tuple[str, ...] = ("value", "steps", "finished")
+
+    def __init__(self) -> None:
+        self.value: float = 1.0
+        self.steps: int = 0
+        self.finished: bool = False
+
+    @property
+    def needs_loss(self) -> bool:
+        """Whether ``step`` reads its ``loss_rela`` argument (False once finished, or for time-based rules)."""
+        return not self.finished
+
+    def step(self, loss_rela: Optional[float] = None) -> float:
+        """Advance by one optimiser step given that step's ReLA loss; return the new lambda."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self._state_keys}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = [k for k in self._state_keys if k not in state]
+        if missing:
+            raise KeyError(
+                f"{type(self).__name__}.load_state_dict: missing {missing}; was this state saved by a "
+                f"different controller? (saved keys: {sorted(state)})"
+            )
+        for k in self._state_keys:
+            setattr(self, k, state[k])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(value={self.value:.4f}, steps={self.steps}, finished={self.finished})"
+
+
+def _check_loss(loss_rela: Optional[float], name: str) -> float:
+    if loss_rela is None:
+        raise ValueError(f"{name}.step needs the ReLA loss of the step; got None. Pass step(loss_rela=float).")
+    loss = float(loss_rela)
+    if not math.isfinite(loss):
+        raise ValueError(f"{name}.step got a non-finite ReLA loss ({loss}); check the targets and features for NaN/inf.")
+    return loss
+
+
+class Decay(Schedule):
+    """Continuous adaptive lambda, paper 001 App. L, Algorithm 1 (the default controller).
+
+    State ``l_m = 2.0`` (EMA of the ReLA loss), ``rho_m = 0.0``. Per optimiser step with ReLA loss ``l_c``::
+
+        rho    = exp(-max(l_m - l_c, 0) * sharpness)        # sharpness = 40
+        rho_m  = rho_momentum * rho_m + (1 - rho_momentum) * rho      # 0.95
+        l_m    = loss_momentum * l_m + (1 - loss_momentum) * l_c      # 0.999
+        lambda = max_lambda - max_lambda * rho_m                      # 0.8
+
+    lambda starts at ``max_lambda`` and falls toward 0 once the ReLA loss stops improving on its EMA.
+    Before the first step ``value == max_lambda``. The controller never reports ``finished`` (lambda
+    only approaches 0) unless ``finish_below`` is set: then lambda is set to 0 for good the first time
+    it drops under that value, and ReLA stops computing its term.
+
+    Run length: with the paper's constants the loss EMA moves at 0.001/step from 2.0, so lambda is
+    still ~0.8 after 600 steps (ImageNet-length runs). Pass ``total_steps`` to scale the loss EMA to
+    the planned run: ``loss_momentum = 1 - 3.5 / (decay_fraction * total_steps)`` (capped at the
+    paper's 0.999), so the EMA closes ~97 % of its initial gap (e^-3.5) within the first
+    ``decay_fraction`` of the run and lambda can reach ~0 by then. An explicit ``loss_momentum`` wins.
+    """
+
+    _state_keys = Schedule._state_keys + ("loss_ema", "rho_ema")
+
+    def __init__(
+        self,
+        *,
+        total_steps: Optional[int] = None,
+        decay_fraction: float = 0.5,
+        max_lambda: float = 0.8,
+        sharpness: float = 40.0,
+        rho_momentum: float = 0.95,
+        loss_momentum: Optional[float] = None,
+        initial_loss: float = 2.0,
+        finish_below: Optional[float] = None,
+    ):
+        super().__init__()
+        if not 0.0 < max_lambda <= 1.0:
+            raise ValueError(f"max_lambda must be in (0, 1], got {max_lambda}.")
+        if not 0.0 < decay_fraction <= 1.0:
+            raise ValueError(f"decay_fraction must be in (0, 1], got {decay_fraction}.")
+        if loss_momentum is None:
+            loss_momentum = 0.999
+            if total_steps is not None:
+                if total_steps <= 0:
+                    raise ValueError(f"total_steps must be positive, got {total_steps}.")
+                loss_momentum = min(0.999, max(0.0, 1.0 - 3.5 / (decay_fraction * total_steps)))
+        for name, m in (("loss_momentum", loss_momentum), ("rho_momentum", rho_momentum)):
+            if not 0.0 <= m < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {m}.")
+        self.max_lambda = float(max_lambda)
+        self.sharpness = float(sharpness)
+        self.rho_momentum = float(rho_momentum)
+        self.loss_momentum = float(loss_momentum)
+        self.finish_below = finish_below
+        self.loss_ema = float(initial_loss)
+        self.rho_ema = 0.0
+        self.value = self.max_lambda
+
+    def step(self, loss_rela: Optional[float] = None) -> float:
+        self.steps += 1
+        if self.finished:
+            return self.value
+        l_c = _check_loss(loss_rela, "Decay")
+        rho = math.exp(-max(self.loss_ema - l_c, 0.0) * self.sharpness)
+        self.rho_ema = self.rho_momentum * self.rho_ema + (1.0 - self.rho_momentum) * rho
+        self.loss_ema = self.loss_momentum * self.loss_ema + (1.0 - self.loss_momentum) * l_c
+        self.value = self.max_lambda - self.max_lambda * self.rho_ema
+        if self.finish_below is not None and self.value < self.finish_below:
+            self.value, self.finished = 0.0, True
+        return self.value
+
+
+class Switch(Schedule):
+    """Two-stage switch, paper 000 App. J, Algorithm 1: lambda = 1 (ReLA only), then 0 for good (SSL only).
+
+    State ``l_s = 2.0``, ``l_f = 1.0``, ``lambda = 1``. Per optimiser step while lambda == 1, with ReLA loss ``l_c``::
+
+        l_f = fast_momentum * l_f + (1 - fast_momentum) * l_c      # 0.999 ("short-term" in the paper)
+        l_s = slow_momentum * l_s + (1 - slow_momentum) * l_f      # 0.99  ("long-term")
+        if exp(-max(l_s - l_f, 0) * sharpness) >= threshold: lambda = 0 for good   # sharpness 1, 0.995
+
+    Only one loss is computed at any step: while lambda == 1 ReLA skips the SSL loss when ``wrap`` gets
+    a callable; after the switch the ReLA term is not computed.
+
+    Facts to know: the paper (and the authors' code) apply the exponential with factor 1
+    (``sharpness=1``), so the switch fires when ``l_s - l_f <= -ln(0.995) ~ 0.005``. ``l_s`` starts 1.0
+    above ``l_f`` and closes that gap at ~1 %/step, so with these constants the switch can never come
+    before ~500 optimiser steps (0.99^t <= 0.005 -> t >= 528 for a flat loss). For short runs pass
+    ``total_steps``: both momenta are scaled so the earliest possible switch comes at
+    ``min_switch_fraction * total_steps`` (default 0.25): ``slow_momentum = 0.005^(1/t_min)`` and
+    ``fast_momentum = 1 - (1 - slow_momentum) / 10`` (the paper's 10:1 ratio of rates). Explicit
+    momenta win.
+    """
+
+    _state_keys = Schedule._state_keys + ("loss_slow", "loss_fast")
+
+    def __init__(
+        self,
+        *,
+        total_steps: Optional[int] = None,
+        min_switch_fraction: float = 0.25,
+        fast_momentum: Optional[float] = None,
+        slow_momentum: Optional[float] = None,
+        threshold: float = 0.995,
+        sharpness: float = 1.0,
+        initial_slow: float = 2.0,
+        initial_fast: float = 1.0,
+    ):
+        super().__init__()
+        scaled_slow, scaled_fast = 0.99, 0.999
+        if total_steps is not None:
+            if total_steps <= 0:
+                raise ValueError(f"total_steps must be positive, got {total_steps}.")
+            if not 0.0 < min_switch_fraction <= 1.0:
+                raise ValueError(f"min_switch_fraction must be in (0, 1], got {min_switch_fraction}.")
+            t_min = max(1.0, min_switch_fraction * total_steps)
+            scaled_slow = min(0.99, 0.005 ** (1.0 / t_min))
+            scaled_fast = 1.0 - (1.0 - scaled_slow) / 10.0
+        self.fast_momentum = float(scaled_fast if fast_momentum is None else fast_momentum)
+        self.slow_momentum = float(scaled_slow if slow_momentum is None else slow_momentum)
+        for name, m in (("fast_momentum", self.fast_momentum), ("slow_momentum", self.slow_momentum)):
+            if not 0.0 <= m < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {m}.")
+        if not 0.0 < threshold <= 1.0:
+            raise ValueError(f"threshold must be in (0, 1], got {threshold}.")
+        self.threshold = float(threshold)
+        self.sharpness = float(sharpness)
+        self.loss_slow = float(initial_slow)
+        self.loss_fast = float(initial_fast)
+        self.value = 1.0
+
+    def step(self, loss_rela: Optional[float] = None) -> float:
+        self.steps += 1
+        if self.finished:
+            return self.value
+        l_c = _check_loss(loss_rela, "Switch")
+        self.loss_fast = self.fast_momentum * self.loss_fast + (1.0 - self.fast_momentum) * l_c
+        self.loss_slow = self.slow_momentum * self.loss_slow + (1.0 - self.slow_momentum) * self.loss_fast
+        if math.exp(-max(self.loss_slow - self.loss_fast, 0.0) * self.sharpness) >= self.threshold:
+            self.value, self.finished = 0.0, True
+        return self.value
+
+
+class Constant(Schedule):
+    """A fixed lambda (ablations; ``Constant(1.0)`` is pure feature regression onto the prior)."""
+
+    _state_keys = Schedule._state_keys + ("lam",)
+
+    def __init__(self, lam: float = 0.5):
+        super().__init__()
+        if not 0.0 <= lam <= 1.0:
+            raise ValueError(f"lam must be in [0, 1], got {lam}.")
+        self.lam = float(lam)
+        self.value = self.lam
+        self.finished = self.lam == 0.0
+
+    @property
+    def needs_loss(self) -> bool:
+        return False
+
+    def step(self, loss_rela: Optional[float] = None) -> float:
+        self.steps += 1
+        return self.value
+
+
+class Epochs(Schedule):
+    """lambda = 1 for the first ``fraction`` of the run, then 0 for good (the authors' ``--rela_conlam``).
+
+    Give the run length as ``total_steps`` or as ``steps_per_epoch * epochs``; the switch happens after
+    ``round(fraction * total_steps)`` optimiser steps.
+    """
+
+    _state_keys = Schedule._state_keys + ("switch_step",)
+
+    def __init__(
+        self,
+        fraction: float,
+        total_steps: Optional[int] = None,
+        *,
+        steps_per_epoch: Optional[int] = None,
+        epochs: Optional[int] = None,
+    ):
+        super().__init__()
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"fraction must be in [0, 1], got {fraction}.")
+        if total_steps is None:
+            if steps_per_epoch is None or epochs is None:
+                raise ValueError(
+                    "Epochs needs the run length: pass total_steps=, or steps_per_epoch= and epochs= "
+                    "(steps_per_epoch = len(dataloader) // accumulation_steps)."
+                )
+            total_steps = steps_per_epoch * epochs
+        if total_steps <= 0:
+            raise ValueError(f"total_steps must be positive, got {total_steps}.")
+        self.switch_step = int(round(fraction * total_steps))
+        self.value = 1.0 if self.switch_step > 0 else 0.0
+        self.finished = self.switch_step == 0
+
+    @property
+    def needs_loss(self) -> bool:
+        return False
+
+    def step(self, loss_rela: Optional[float] = None) -> float:
+        self.steps += 1
+        if self.steps >= self.switch_step:
+            self.value, self.finished = 0.0, True
+        return self.value
+
+
+SCHEDULES = {"decay": Decay, "switch": Switch, "constant": Constant, "epochs": Epochs}
+
+
+def list_schedules() -> list[str]:
+    """Names accepted by :func:`create_schedule`."""
+    return sorted(SCHEDULES)
+
+
+def create_schedule(name: str | Schedule | None = None, **kwargs) -> Schedule:
+    """Build a controller by name (``"decay"`` default, ``"switch"``, ``"constant"``, ``"epochs"``);
+    a :class:`Schedule` instance is returned as is."""
+    if name is None:
+        name = "decay"
+    if isinstance(name, Schedule):
+        if kwargs:
+            raise ValueError("create_schedule got a Schedule instance and keyword arguments; pass one or the other.")
+        return name
+    key = str(name).lower()
+    if key not in SCHEDULES:
+        raise ValueError(f"Unknown schedule {name!r}; choose one of {list_schedules()} or pass a Schedule instance.")
+    return SCHEDULES[key](**kwargs)
