@@ -1,0 +1,390 @@
+"""Run a prior over a dataset once and write a TargetStore (ReLA-D targets; paper 001, Sec. 4).
+
+``precompute_targets(prior, dataset, path)``: eval + ``torch.inference_mode``, dataset order, batched,
+tqdm progress, optional fp16/bf16 autocast (rows are stored as float32).
+
+**Chunks and resuming.** Rows are cut into global chunks of ``chunk_size`` rows; chunk ``k`` covers
+rows ``[k * chunk_size, min((k + 1) * chunk_size, N))`` and is written to ``chunks/chunk-0000k.npy``
+through a ``.tmp`` file and ``os.replace``, so a chunk file on disk is always complete. A small
+``manifest.json`` records the run's settings (prior, preprocessing, dataset fingerprint, precision,
+batch and chunk size); a rerun with the same settings keeps the complete chunks and computes only
+the others (stale ``.tmp`` files are deleted); different settings are refused. At the end the
+main process copies the chunks into ``targets.npy`` (memory-mappable) and writes ``metadata.json``
+last: its atomic rename is the "finished" marker.
+
+**Sharding.** Under ``accelerate launch`` every process (``PartialState``) takes a contiguous range
+of chunks, writes them into the shared folder, then all wait at a barrier and the main process
+consolidates. Batches never cross chunk boundaries, so every row is computed in the same batch
+whatever the number of processes: the store is identical to a 1-process run (bitwise in fp32 on CPU).
+
+**NaN/Inf** rows are rejected at write time with the row indices and the likely cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from .store import (CHUNKS, FORMAT, FORMAT_VERSION, MANIFEST, METADATA, TARGETS, TargetStore, atomic_write_text,
+                    read_json)
+
+_PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+DEFAULT_CHUNK_SIZE = 8192
+
+
+def chunk_path(path: Path, k: int) -> Path:
+    return Path(path) / CHUNKS / f"chunk-{k:05d}.npy"
+
+
+def _chunk_is_complete(file: Path, rows: int, dim: int) -> bool:
+    if not file.is_file():
+        return False
+    try:
+        arr = np.load(file, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError):
+        return False
+    return arr.shape == (rows, dim) and arr.dtype == np.float32
+
+
+def _write_chunk(file: Path, rows: np.ndarray) -> None:
+    """Write one finished chunk atomically (``.tmp`` + ``os.replace``)."""
+    tmp = file.with_name(file.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, rows, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, file)
+
+
+class _Images(torch.utils.data.Dataset):
+    """Yields the image of each item as a tensor ``[C, H, W]`` (uint8 stays uint8: cheap to ship)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        from .priors import Preprocess
+
+        item = self.dataset[i]
+        image = item[0] if isinstance(item, (tuple, list)) else item
+        return Preprocess.to_tensor(image)
+
+
+class _Collate:
+    """Stacks images and applies the prior's preprocessing as one batched tensor op (in the loader
+    workers when ``num_workers > 0``); images of different sizes are preprocessed one by one."""
+
+    def __init__(self, preprocess):
+        self.preprocess = preprocess
+
+    def __call__(self, images: list[torch.Tensor]) -> torch.Tensor:
+        if all(im.shape == images[0].shape and im.dtype == images[0].dtype for im in images):
+            return self.preprocess.batch(torch.stack(images))
+        out = [self.preprocess.batch(im.unsqueeze(0))[0] for im in images]
+        if any(o.shape != out[0].shape for o in out):
+            raise ValueError("Images of different sizes give different input sizes for this prior: create it with "
+                             "size=<pixels> (e.g. create_prior(spec, size=224)) so they are resized and cropped.")
+        return torch.stack(out)
+
+
+class _ChunkBatches(torch.utils.data.Sampler):
+    """Batches of consecutive rows that never cross a chunk boundary, over the given chunks."""
+
+    def __init__(self, chunks: list[tuple[int, int]], batch_size: int):
+        self.batches = [list(range(s, min(s + batch_size, b))) for a, b in chunks for s in range(a, b, batch_size)]
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+
+def _resolve_preprocess(prior, dataset):
+    pre = prior.preprocess
+    if pre.stats == "default" and getattr(dataset, "mean", None) is not None and getattr(dataset, "std", None) is not None:
+        pre = pre.with_stats(list(dataset.mean), list(dataset.std), "dataset")
+    return pre
+
+
+def _python_command(prior, dataset, path) -> str:
+    return (f"precompute_targets(create_prior({prior.spec!r}), <{getattr(dataset, 'name', type(dataset).__name__)}>, "
+            f"{str(path)!r})")
+
+
+def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers: int = 0, precision: str = "fp32",
+                       chunk_size: int = DEFAULT_CHUNK_SIZE, progress: bool = True,
+                       command: Optional[str] = None) -> "TargetStore":
+    """Compute ``prior(preprocess(image))`` for every item of ``dataset`` in order and write a TargetStore.
+
+    Args:
+        prior: a :class:`~accelerate_ssl.targets.priors.Prior` (``create_prior(...)``). A random prior
+            with default statistics is normalised with ``dataset.mean``/``dataset.std`` when present.
+        dataset: map-style, yields ``(image, label)`` or ``image`` (PIL, ndarray or tensor), untransformed.
+        path: the store folder (created; resumed if it holds an unfinished run with the same settings).
+        batch_size, num_workers: the DataLoader's.
+        precision: ``"fp32"``, ``"fp16"`` or ``"bf16"`` (autocast); rows are stored as float32.
+        chunk_size: rows per resumable chunk file.
+        progress: show a tqdm bar (main process only).
+        command: how to reproduce this store, recorded in the metadata (the CLI fills it in).
+
+    Returns:
+        The opened :class:`TargetStore` (on every process).
+    """
+    from accelerate import PartialState
+    from tqdm.auto import tqdm
+
+    from .. import __version__
+    from ..data import dataset_fingerprint
+
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(_PRECISIONS)}, got {precision!r}.")
+    for name, value, low in (("batch_size", batch_size, 1), ("chunk_size", chunk_size, 1), ("num_workers", num_workers, 0)):
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
+    n = len(dataset)
+    if n == 0:
+        raise ValueError("The dataset is empty; pass a dataset with at least one sample.")
+    path = Path(path)
+    state = PartialState()
+    device = state.device
+    pre = _resolve_preprocess(prior, dataset)
+    prior_info = {**prior.describe(), "preprocess": pre.config}
+    fingerprint = dataset_fingerprint(dataset)
+    dim = int(prior.output_dim)
+    command = command or _python_command(prior, dataset, path)
+    settings = {
+        "prior": prior_info,
+        "dataset": {"name": getattr(dataset, "name", type(dataset).__name__), "fingerprint": fingerprint},
+        "num_rows": n, "dim": dim, "dtype": "float32", "precision": precision,
+        "batch_size": batch_size, "chunk_size": chunk_size,
+    }
+    settings = json.loads(json.dumps(settings))  # as it reads back from JSON (lists, not tuples)
+
+    # ---- a finished store at `path`: return it if it is this very computation, refuse otherwise
+    if (path / METADATA).is_file():
+        store = TargetStore.open(path)
+        old = {k: store.metadata.get(k) for k in settings}
+        if old != settings:
+            raise ValueError(_settings_diff(path, old, settings, finished=True))
+        return store
+
+    # ---- manifest: every process checks it, the main process writes it
+    manifest_file = path / MANIFEST
+    if manifest_file.is_file():
+        old = read_json(manifest_file).get("settings")
+        if old != settings:
+            raise ValueError(_settings_diff(path, old or {}, settings, finished=False))
+    state.wait_for_everyone()
+    if state.is_main_process:
+        (path / CHUNKS).mkdir(parents=True, exist_ok=True)
+        if not manifest_file.is_file():
+            atomic_write_text(manifest_file, json.dumps({"settings": settings, "command": command}, indent=1))
+    state.wait_for_everyone()
+
+    # ---- this process's contiguous shard of chunks; skip the complete ones
+    num_chunks = math.ceil(n / chunk_size)
+    ranges = [(k * chunk_size, min((k + 1) * chunk_size, n)) for k in range(num_chunks)]
+    first, last = num_chunks * state.process_index // state.num_processes, num_chunks * (state.process_index + 1) // state.num_processes
+    todo = []
+    for k in range(first, last):
+        file = chunk_path(path, k)
+        stale = file.with_name(file.name + ".tmp")
+        if stale.exists():
+            stale.unlink()
+        if _chunk_is_complete(file, ranges[k][1] - ranges[k][0], dim):
+            continue
+        if file.exists():
+            file.unlink()
+        todo.append(k)
+    if state.is_main_process and progress and last - first > len(todo):
+        print(f"precompute: resuming {path}: {last - first - len(todo)} of {last - first} chunk(s) of this process "
+              "already done", file=sys.stderr)
+
+    if todo:
+        _compute_chunks(prior, dataset, pre, path, todo, ranges, dim, batch_size, num_workers, precision, device,
+                        progress and state.is_main_process, tqdm)
+    state.wait_for_everyone()
+
+    # ---- consolidate (main process), metadata.json last
+    if state.is_main_process:
+        _consolidate(path, ranges, dim, {
+            "format": FORMAT, "format_version": FORMAT_VERSION, **settings, "file": TARGETS,
+            "preprocess": pre.config, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "library_version": __version__, "torch_version": torch.__version__, "num_processes": state.num_processes,
+            "command": command,
+        })
+    state.wait_for_everyone()
+    return TargetStore.open(path)
+
+
+def _compute_chunks(prior, dataset, pre, path, todo, ranges, dim, batch_size, num_workers, precision, device, show, tqdm):
+    prior = prior.to(device).eval()
+    loader = torch.utils.data.DataLoader(
+        _Images(dataset), batch_sampler=_ChunkBatches([ranges[k] for k in todo], batch_size),
+        num_workers=num_workers, collate_fn=_Collate(pre), pin_memory=device.type == "cuda",
+        persistent_workers=False,
+    )
+    dtype = _PRECISIONS[precision]
+    bar = tqdm(total=sum(ranges[k][1] - ranges[k][0] for k in todo), desc=f"precompute {prior.spec}", unit="img",
+               disable=not show, dynamic_ncols=True)
+    batches = iter(loader)
+    try:
+        with torch.inference_mode():
+            for k in todo:
+                a, b = ranges[k]
+                rows = np.empty((b - a, dim), dtype=np.float32)
+                done = 0
+                while done < b - a:
+                    x = next(batches).to(device, non_blocking=True)
+                    if dtype is None:
+                        out = prior(x)
+                    else:
+                        with torch.autocast(device_type=device.type, dtype=dtype):
+                            out = prior(x)
+                    out = out.float()
+                    if out.shape != (x.shape[0], dim):
+                        raise ValueError(f"Prior {prior.spec} returned shape {tuple(out.shape)}, expected "
+                                         f"({x.shape[0]}, {dim}); its output_dim is wrong.")
+                    bad = (~torch.isfinite(out).all(dim=1)).nonzero().flatten()
+                    if len(bad):
+                        idx = [a + done + int(i) for i in bad[:10]]
+                        cause = ("fp16 overflow is the usual cause: rerun with --precision bf16 or fp32"
+                                 if precision == "fp16" else "check the prior's weights and these samples")
+                        raise ValueError(f"Prior {prior.spec} gave NaN/Inf features for {len(bad)} row(s), e.g. dataset "
+                                         f"indices {idx} ({precision}); {cause}. Nothing was written for chunk {k}.")
+                    rows[done : done + len(out)] = out.cpu().numpy()
+                    done += len(out)
+                    bar.update(len(out))
+                _write_chunk(chunk_path(path, k), rows)
+    finally:
+        bar.close()
+
+
+def _consolidate(path: Path, ranges, dim: int, metadata: dict) -> None:
+    n = ranges[-1][1] if ranges else 0
+    missing = [k for k, (a, b) in enumerate(ranges) if not _chunk_is_complete(chunk_path(path, k), b - a, dim)]
+    if missing:
+        raise RuntimeError(f"Chunks {missing[:10]} of {path} are missing after every process finished; rerun the same "
+                           "command to compute them.")
+    final, tmp = path / TARGETS, path / (TARGETS + ".tmp")
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(n, dim))
+    for k, (a, b) in enumerate(ranges):
+        out[a:b] = np.load(chunk_path(path, k), mmap_mode="r")
+    out.flush()
+    del out
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    metadata["file_bytes"] = final.stat().st_size
+    atomic_write_text(path / METADATA, json.dumps(metadata, indent=1))
+    shutil.rmtree(path / CHUNKS, ignore_errors=True)
+    (path / MANIFEST).unlink(missing_ok=True)
+
+
+def _settings_diff(path: Path, old: dict, new: dict, finished: bool) -> str:
+    differ = [k for k in new if old.get(k) != new.get(k)]
+    what = "a finished store" if finished else "an unfinished precompute"
+    return (f"{str(path)!r} holds {what} with other settings (differs in: {', '.join(differ)}). Use another --out / path, "
+            f"or delete {str(path)!r} to recompute it.")
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI: accelerate-ssl precompute
+# ------------------------------------------------------------------------------------------------
+def _dataset_arg(value: str) -> str:
+    if value in ("fashion-mnist", "digits") or (value.startswith("folder:") and len(value) > len("folder:")):
+        return value
+    raise argparse.ArgumentTypeError(f"unknown dataset {value!r}; use 'fashion-mnist', 'digits' or 'folder:<path>' "
+                                     "(a folder with one sub-folder of images per class)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prior", required=True, help="prior spec: random:<arch>, torchvision:<arch>, timm:<name>, "
+                        "open_clip:<arch> or checkpoint:<path> (e.g. random:resnet18)")
+    parser.add_argument("--weights", default=None, help="local weights file for the prior (never downloaded)")
+    parser.add_argument("--dataset", required=True, type=_dataset_arg, help="fashion-mnist, digits or folder:<path>")
+    parser.add_argument("--split", default="train", help="train / test (fashion-mnist, digits), or all (digits)")
+    parser.add_argument("--data-root", default=None, help="folder with the Fashion-MNIST idx files (default: system package)")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N images (fashion-mnist)")
+    parser.add_argument("--out", required=True, help="store folder to write (resumed if interrupted)")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--precision", choices=sorted(_PRECISIONS), default="fp32")
+    parser.add_argument("--num-workers", type=int, default=0)
+    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="rows per resumable chunk file")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def build_dataset(name: str, split: str = "train", data_root: Optional[str] = None, limit: Optional[int] = None):
+    """The CLI's data sets: ``fashion-mnist``, ``digits`` or ``folder:<path>``."""
+    from ..data import Digits, FashionMNIST, image_folder
+
+    if name == "fashion-mnist":
+        return FashionMNIST(split, root=data_root, limit=limit)
+    if limit is not None:
+        raise ValueError("--limit is only supported for fashion-mnist.")
+    if name == "digits":
+        return Digits(split)
+    if name.startswith("folder:"):
+        ds = image_folder(name[len("folder:"):])
+        ds.name = f"folder:{Path(name[len('folder:'):]).resolve()}"
+        return ds
+    raise ValueError(f"unknown dataset {name!r}; use 'fashion-mnist', 'digits' or 'folder:<path>'.")
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    parts = ["accelerate-ssl", "precompute", "--prior", args.prior]
+    if args.weights:
+        parts += ["--weights", args.weights]
+    parts += ["--dataset", args.dataset, "--split", args.split]
+    if args.data_root:
+        parts += ["--data-root", args.data_root]
+    if args.limit is not None:
+        parts += ["--limit", str(args.limit)]
+    parts += ["--out", args.out, "--batch-size", str(args.batch_size), "--precision", args.precision,
+              "--chunk-size", str(args.chunk_size)]
+    return shlex.join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import backbones
+    from .priors import create_prior
+
+    try:
+        dataset = build_dataset(args.dataset, args.split, args.data_root, args.limit)
+        overrides: dict[str, Any] = {}
+        family, _, arch = args.prior.partition(":")
+        if family == "random" and arch in backbones.BACKBONES:
+            channels = int(_image_channels(dataset[0]))
+            overrides["in_channels"] = channels
+        prior = create_prior(args.prior, weights=args.weights, **overrides)
+        store = precompute_targets(prior, dataset, args.out, batch_size=args.batch_size, num_workers=args.num_workers,
+                                   precision=args.precision, chunk_size=args.chunk_size,
+                                   progress=not args.no_progress, command=_command_line(args))
+    except (ValueError, FileNotFoundError, TypeError) as err:
+        print(f"accelerate-ssl precompute: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {store.path}: {len(store)} rows x {store.dim} ({prior.spec}, {args.precision})")
+    return 0
+
+
+def _image_channels(item) -> int:
+    """Channels of a dataset item's image (to build a random backbone prior that matches the data)."""
+    from .priors import Preprocess
+
+    image = item[0] if isinstance(item, (tuple, list)) else item
+    return int(Preprocess.to_tensor(image).shape[0])

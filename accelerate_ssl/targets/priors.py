@@ -1,0 +1,599 @@
+"""Prior models for ReLA-D targets: a registry of frozen feature extractors, each with its own preprocessing.
+
+A *prior* (paper 001, Sec. 4 / ReLA-D) is any frozen network psi whose pooled features become the
+per-sample targets. ``create_prior(spec)`` builds one from a readable spec (timm/open_clip style):
+
+=====================  ==========================================================================
+``random:<arch>``      randomly initialised (seeded, ``seed=0``) torchvision arch (``resnet18``) or
+                       one of :mod:`accelerate_ssl.backbones` (``convnet``, ``resnet_small``;
+                       ``in_channels=1`` by default, pass ``in_channels=3`` for colour data).
+                       Input kept at the data's **native size** (28 px for Fashion-MNIST): a random
+                       network has no training resolution to match, and upscaling to 224 px would
+                       cost ~64x the compute for no benefit. Normalised with the **data set's own**
+                       mean/std (``precompute_targets`` takes them from ``dataset.mean``/``.std``;
+                       ``mean=``/``std=`` override; 0.5/0.5 when neither is known).
+``torchvision:<arch>`` a torchvision model with ImageNet weights from ``weights=<file>`` (or the
+                       torch hub cache); resize 256 -> centre crop 224, bilinear, ImageNet mean/std.
+``timm:<name>``        ``timm.create_model(name, pretrained=False, num_classes=0)`` + ``weights=<file>``;
+                       the model's own ``pretrained_cfg`` preprocessing (size, crop_pct,
+                       interpolation, ImageNet mean/std for ImageNet models).
+``open_clip:<arch>``   the image tower of ``open_clip.create_model(arch, pretrained=None)`` + a local
+                       CLIP checkpoint ``weights=<file>`` (full model or ``visual.*`` only); CLIP's
+                       **own** mean/std and bicubic resize (the authors' code used ImageNet stats for
+                       CLIP: a bug we do not copy).
+``checkpoint:<path>``  a TorchScript file, or a safetensors state_dict written by
+                       :func:`save_prior_checkpoint` whose JSON metadata names the arch
+                       (``convnet``/``resnet_small``, ``torchvision:<arch>``, ``timm:<name>``).
+=====================  ==========================================================================
+
+Every prior outputs pooled features with the classifier removed (``output_dim``). Grayscale input
+is repeated to 3 channels when the network wants RGB (and RGB is converted to luminance for a
+1-channel network). Nothing here ever touches the network: a missing weights file is a
+``FileNotFoundError`` naming the path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+_CHECKPOINT_META_KEY = "accelerate_ssl_prior"
+_LUMA = (0.299, 0.587, 0.114)  # ITU-R 601, as PIL's convert("L")
+
+
+# ----------------------------------------------------------------------------------------------
+# preprocessing
+# ----------------------------------------------------------------------------------------------
+class Preprocess:
+    """A prior's own input pipeline, as batched tensor ops (so per-image and batched calls agree).
+
+    Steps: to float in [0, 1] -> channel adapt (1->3 repeat, 3->1 luminance) -> resize the shorter
+    side to ``resize`` (antialiased, ``interpolation``) -> centre crop ``crop`` x ``crop`` ->
+    ``(x - mean) / std``. ``resize``/``crop`` ``None`` keep the input size. A 1-value mean/std is
+    broadcast over channels.
+
+    Args:
+        channels: channels the network expects.
+        resize, crop: see above.
+        mean, std: normalisation statistics.
+        interpolation: ``"bilinear"`` or ``"bicubic"``.
+        stats: where mean/std came from (``"imagenet"``, ``"clip"``, ``"dataset"``, ``"custom"``,
+            ``"default"`` = placeholder 0.5/0.5 that ``precompute_targets`` replaces by the data set's).
+    """
+
+    def __init__(self, channels: int = 3, resize: Optional[int] = None, crop: Optional[int] = None,
+                 mean: Sequence[float] = (0.5,), std: Sequence[float] = (0.5,), interpolation: str = "bilinear",
+                 stats: str = "custom"):
+        if channels not in (1, 3):
+            raise ValueError(f"channels must be 1 or 3, got {channels}.")
+        if interpolation not in ("bilinear", "bicubic"):
+            raise ValueError(f"interpolation must be 'bilinear' or 'bicubic', got {interpolation!r}.")
+        mean, std = [float(m) for m in mean], [float(s) for s in std]
+        for name, v in (("mean", mean), ("std", std)):
+            if len(v) not in (1, channels):
+                raise ValueError(f"{name} must have 1 or {channels} values for a {channels}-channel prior, got {v}.")
+        if any(s <= 0 for s in std):
+            raise ValueError(f"std values must be positive, got {std}.")
+        self.channels, self.resize, self.crop = int(channels), resize, crop
+        self.mean, self.std, self.interpolation, self.stats = mean, std, interpolation, stats
+
+    @property
+    def config(self) -> dict:
+        return {"channels": self.channels, "resize": self.resize, "crop": self.crop, "mean": self.mean,
+                "std": self.std, "interpolation": self.interpolation, "stats": self.stats}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Preprocess":
+        allowed = {"channels", "resize", "crop", "mean", "std", "interpolation", "stats"}
+        unknown = set(config) - allowed
+        if unknown:
+            raise ValueError(f"Unknown preprocess_config keys {sorted(unknown)}; allowed: {sorted(allowed)}.")
+        return cls(**config)
+
+    def with_stats(self, mean: Sequence[float], std: Sequence[float], stats: str) -> "Preprocess":
+        """A copy with other normalisation statistics (channel count of the stats may be 1)."""
+        return Preprocess(**{**self.config, "mean": list(mean), "std": list(std), "stats": stats})
+
+    @staticmethod
+    def to_tensor(image: Any) -> torch.Tensor:
+        """PIL image / ndarray / tensor -> tensor ``[C, H, W]`` (uint8 kept as uint8; floats in [0, 1])."""
+        if hasattr(image, "mode") and hasattr(image, "convert"):  # PIL
+            if image.mode not in ("L", "RGB"):
+                image = image.convert("RGB")
+            image = np.array(image)  # a writable copy
+        if isinstance(image, np.ndarray):
+            image = torch.from_numpy(np.ascontiguousarray(image) if image.flags.writeable else image.copy())
+            if image.ndim == 3 and image.shape[-1] in (1, 3) and image.shape[0] not in (1, 3):
+                image = image.permute(2, 0, 1)  # HWC -> CHW
+        if not isinstance(image, torch.Tensor):
+            raise TypeError(f"Cannot preprocess a {type(image).__name__}; pass a PIL image, a numpy array or a tensor.")
+        if image.ndim == 2:
+            image = image.unsqueeze(0)
+        if image.ndim != 3 or image.shape[0] not in (1, 3):
+            raise ValueError(f"Expected an image [C, H, W] with 1 or 3 channels, got shape {tuple(image.shape)}.")
+        return image
+
+    def batch(self, x: torch.Tensor) -> torch.Tensor:
+        """Preprocess a batch ``[B, C, H, W]`` (uint8 0..255 or float 0..1) -> float32 ``[B, channels, h, w]``."""
+        x = x.float().div_(255.0) if x.dtype == torch.uint8 else x.float()
+        c = x.shape[1]
+        if c != self.channels:
+            if c == 1 and self.channels == 3:
+                x = x.expand(-1, 3, -1, -1)
+            elif c == 3 and self.channels == 1:
+                x = (x * torch.tensor(_LUMA, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)).sum(1, keepdim=True)
+            else:
+                raise ValueError(f"Cannot adapt {c}-channel images to a {self.channels}-channel prior.")
+        if self.resize is not None:
+            h, w = x.shape[-2:]
+            short = min(h, w)
+            size = (int(round(h * self.resize / short)), int(round(w * self.resize / short)))
+            if size != (h, w):
+                x = torch.nn.functional.interpolate(x, size=size, mode=self.interpolation, align_corners=False, antialias=True)
+                if self.interpolation == "bicubic":
+                    x = x.clamp_(0.0, 1.0)
+        if self.crop is not None:
+            h, w = x.shape[-2:]
+            if h < self.crop or w < self.crop:
+                raise ValueError(f"Image {h}x{w} is smaller than the crop {self.crop}; set resize >= crop.")
+            top, left = (h - self.crop) // 2, (w - self.crop) // 2
+            x = x[..., top : top + self.crop, left : left + self.crop]
+        mean = torch.tensor(self.mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+        std = torch.tensor(self.std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+        return ((x - mean) / std).contiguous()
+
+    def __call__(self, image: Any) -> torch.Tensor:
+        """One image (PIL, uint8/float tensor or ndarray) -> float tensor ``[channels, h, w]``."""
+        return self.batch(self.to_tensor(image).unsqueeze(0))[0]
+
+    def __repr__(self) -> str:
+        return f"Preprocess({self.config})"
+
+
+# ----------------------------------------------------------------------------------------------
+# the prior module
+# ----------------------------------------------------------------------------------------------
+class Prior(nn.Module):
+    """A frozen feature extractor with its own preprocessing (contract: ``accelerate_ssl.targets.priors``).
+
+    Attributes:
+        spec: the spec it was created from (``"random:resnet18"``).
+        output_dim: feature dim of ``forward``.
+        preprocess: :class:`Preprocess` (PIL image / tensor -> ``[C, H, W]`` float).
+        preprocess_config: JSON-able dict of the preprocessing.
+    """
+
+    def __init__(self, model: nn.Module, spec: str, preprocess: Preprocess, info: dict):
+        super().__init__()
+        self.model = model
+        self.spec = spec
+        self.preprocess = preprocess
+        self.info = dict(info)
+        self.model.eval().requires_grad_(False)
+        self.output_dim = int(info["output_dim"])
+
+    @property
+    def preprocess_config(self) -> dict:
+        return self.preprocess.config
+
+    def train(self, mode: bool = True) -> "Prior":  # a prior is always frozen / in eval mode
+        return super().train(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x).flatten(1)
+
+    def describe(self) -> dict:
+        """JSON-able description recorded in a TargetStore's metadata."""
+        return {"spec": self.spec, **self.info, "preprocess": self.preprocess_config}
+
+    def extra_repr(self) -> str:
+        return f"spec={self.spec!r}, output_dim={self.output_dim}"
+
+
+_FAMILIES: dict[str, Callable[..., Prior]] = {}
+
+
+def register_prior(family: str):
+    """Decorator registering ``builder(arch: str, weights: str | None, **overrides) -> Prior`` for ``family:``."""
+
+    def decorator(builder):
+        _FAMILIES[family] = builder
+        return builder
+
+    return decorator
+
+
+def list_priors() -> list[str]:
+    """The registered prior families (``["checkpoint", "open_clip", "random", "timm", "torchvision"]``)."""
+    return sorted(_FAMILIES)
+
+
+_PREPROCESS_OVERRIDES = {"size", "resize", "crop", "mean", "std", "interpolation"}
+
+
+def create_prior(spec: str, weights: Optional[str] = None, **overrides) -> Prior:
+    """Build a frozen prior from ``"<family>:<arch>"`` (see module docstring); never downloads anything.
+
+    Args:
+        spec: e.g. ``"random:resnet18"``, ``"timm:resnet18"``, ``"open_clip:RN50"``, ``"checkpoint:prior.safetensors"``.
+        weights: a local weights file (``.safetensors`` or a ``torch.save``-d state_dict).
+        **overrides: preprocessing (``size`` = resize and crop to this, ``resize``, ``crop``, ``mean``,
+            ``std``, ``interpolation``); for random priors also ``seed`` (default 0) and, for the
+            backbones ``convnet``/``resnet_small``, ``in_channels`` (default 1).
+    """
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"Prior spec must look like '<family>:<arch>' with family in {list_priors()}, got {spec!r} "
+                         "(e.g. 'random:resnet18').")
+    family, arch = spec.split(":", 1)
+    if family not in _FAMILIES:
+        raise ValueError(f"Unknown prior family {family!r} in {spec!r}; choose one of {list_priors()}.")
+    if not arch:
+        raise ValueError(f"Prior spec {spec!r} names no architecture; e.g. '{family}:resnet18'.")
+    if weights is not None:
+        _check_file(weights, "weights file")
+    return _FAMILIES[family](arch, weights, **overrides)
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+def _check_file(path, what: str) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(
+            f"{what} {str(p)!r} does not exist. Pass the path of a local file (accelerate-ssl never downloads "
+            "weights: fetch them on a machine with network access and copy them here)."
+        )
+    return p
+
+
+def _sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_state_dict_file(path) -> dict[str, torch.Tensor]:
+    """A state_dict from ``.safetensors`` or a ``torch.save`` file (unwrapping ``state_dict``/``model``
+    entries and ``module.`` prefixes). Loaded with ``weights_only=True``: no code is executed."""
+    path = _check_file(path, "weights file")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+    else:
+        try:
+            state = torch.load(str(path), map_location="cpu", weights_only=True)
+        except Exception as err:
+            raise ValueError(f"Cannot read weights file {str(path)!r} ({err}); pass a .safetensors or torch.save-d "
+                             "state_dict file.") from err
+        for key in ("state_dict", "model", "model_state_dict"):
+            if isinstance(state, dict) and isinstance(state.get(key), dict):
+                state = state[key]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"Weights file {str(path)!r} does not hold a state_dict of tensors.")
+    if state and all(k.startswith("module.") for k in state):
+        state = {k[len("module."):]: v for k, v in state.items()}
+    return state
+
+
+def _load_weights(model: nn.Module, state: dict, source: str, ignore_prefixes: Sequence[str] = ()) -> None:
+    state = {k: v for k, v in state.items() if not any(k == p or k.startswith(p + ".") for p in ignore_prefixes)}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"Weights {source} do not fit the architecture: missing {list(missing)[:6]}{'...' if len(missing) > 6 else ''}, "
+            f"unexpected {list(unexpected)[:6]}{'...' if len(unexpected) > 6 else ''}. Pass weights saved from the same "
+            "architecture as the spec."
+        )
+
+
+def _strip_classifier(model: nn.Module) -> list[str]:
+    """Replace the final classifier of a torchvision-style model by Identity; return the removed prefixes."""
+    removed = []
+    if isinstance(getattr(model, "fc", None), nn.Linear):
+        model.fc = nn.Identity()
+        removed.append("fc")
+    elif isinstance(getattr(model, "classifier", None), nn.Linear):
+        model.classifier = nn.Identity()
+        removed.append("classifier")
+    elif isinstance(getattr(model, "classifier", None), nn.Sequential):
+        seq = model.classifier
+        for i in range(len(seq) - 1, -1, -1):
+            if isinstance(seq[i], nn.Linear):
+                seq[i] = nn.Identity()
+                removed.append(f"classifier.{i}")
+                break
+    elif isinstance(getattr(model, "heads", None), nn.Sequential) and hasattr(model.heads, "head"):
+        model.heads.head = nn.Identity()
+        removed.append("heads.head")
+    elif isinstance(getattr(model, "head", None), nn.Linear):
+        model.head = nn.Identity()
+        removed.append("head")
+    return removed
+
+
+def _probe_dim(model: nn.Module, channels: int, size: int) -> int:
+    model.eval()
+    with torch.inference_mode():
+        out = model(torch.zeros(1, channels, size, size))
+    if isinstance(out, (tuple, list)):
+        raise ValueError("The prior's forward returns a tuple; wrap it so that it returns pooled features [B, D].")
+    return int(out.flatten(1).shape[1])
+
+
+def _preprocess(defaults: dict, overrides: dict) -> Preprocess:
+    cfg = dict(defaults)
+    if "size" in overrides:
+        size = overrides.pop("size")
+        cfg["resize"], cfg["crop"] = size, size
+    for key in ("resize", "crop", "interpolation"):
+        if key in overrides:
+            cfg[key] = overrides.pop(key)
+    if "mean" in overrides or "std" in overrides:
+        if not ("mean" in overrides and "std" in overrides):
+            raise ValueError("Pass both mean= and std= to override a prior's normalisation.")
+        cfg["mean"], cfg["std"], cfg["stats"] = list(overrides.pop("mean")), list(overrides.pop("std")), "custom"
+    return Preprocess(**cfg)
+
+
+def _reject_unknown(overrides: dict, spec: str, extra: Sequence[str] = ()) -> None:
+    if overrides:
+        raise TypeError(f"Unknown option(s) {sorted(overrides)} for prior {spec!r}; allowed: "
+                        f"{sorted(_PREPROCESS_OVERRIDES | set(extra))}.")
+
+
+class _Features(nn.Module):
+    """Calls ``forward_features`` (pooled) when the backbone has one, else ``forward``."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        f = getattr(self.net, "forward_features", None)
+        return f(x) if f is not None and not hasattr(self.net, "reset_classifier") else self.net(x)
+
+
+def _info(family: str, arch: str, weights, output_dim: int, **extra) -> dict:
+    info = {"family": family, "arch": arch, "output_dim": output_dim,
+            "weights": str(Path(weights).resolve()) if weights else None,
+            "weights_sha256": _sha256(weights) if weights else None}
+    info.update(extra)
+    return info
+
+
+# ----------------------------------------------------------------------------------------------
+# families
+# ----------------------------------------------------------------------------------------------
+@register_prior("random")
+def _random_prior(arch: str, weights: Optional[str] = None, seed: int = 0, in_channels: Optional[int] = None, **overrides) -> Prior:
+    from .. import backbones
+
+    spec = f"random:{arch}"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        if arch in backbones.BACKBONES:
+            channels = 1 if in_channels is None else int(in_channels)
+            kwargs = {"in_channels": channels}
+            if arch == "resnet_small":
+                kwargs["num_classes"] = 0
+            model: nn.Module = _Features(backbones.create_backbone(arch, **kwargs))
+            prefix = "net."
+        else:
+            if in_channels not in (None, 3):
+                raise ValueError(f"in_channels={in_channels} is only for the backbones {sorted(backbones.BACKBONES)}; "
+                                 f"torchvision's {arch} takes 3 channels (grayscale is repeated).")
+            channels = 3
+            model = _torchvision_model(arch, spec)
+            _strip_classifier(model)
+            prefix = ""
+    if weights:
+        state = load_state_dict_file(weights)
+        if prefix and not any(k.startswith(prefix) for k in state):
+            state = {prefix + k: v for k, v in state.items()}
+        _load_weights(model, state, repr(weights), ignore_prefixes=("fc", "classifier", "head", "heads.head", "net.fc"))
+    pre = _preprocess({"channels": channels, "mean": [0.5], "std": [0.5], "stats": "default"}, overrides)
+    _reject_unknown(overrides, spec, ("seed", "in_channels"))
+    dim = _probe_dim(model, channels, pre.crop or 32)
+    return Prior(model, spec, pre, _info("random", arch, weights, dim, seed=int(seed)))
+
+
+def _torchvision_model(arch: str, spec: str) -> nn.Module:
+    import torchvision
+
+    names = torchvision.models.list_models(module=torchvision.models)
+    if arch not in names:
+        raise ValueError(f"Unknown architecture {arch!r} in {spec!r}: not in accelerate_ssl.backbones or torchvision "
+                         f"classification models (e.g. {', '.join(n for n in names if n.startswith('resnet'))}).")
+    return torchvision.models.get_model(arch, weights=None)
+
+
+@register_prior("torchvision")
+def _torchvision_prior(arch: str, weights: Optional[str] = None, **overrides) -> Prior:
+    import torchvision
+
+    spec = f"torchvision:{arch}"
+    model = _torchvision_model(arch, spec)
+    if weights is None:  # the torch hub cache, filled by torchvision on a machine with network
+        try:
+            url = torchvision.models.get_model_weights(arch).DEFAULT.url
+            cached = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url)
+        except Exception:
+            cached = None
+        if cached is None or not cached.is_file():
+            raise FileNotFoundError(
+                f"{spec} needs ImageNet weights, and accelerate-ssl never downloads: pass weights=<local file> "
+                f"(--weights on the CLI){f', or place {cached}' if cached else ''}; use 'random:{arch}' for a "
+                "randomly initialised prior."
+            )
+        weights = str(cached)
+    removed = _strip_classifier(model)
+    _load_weights(model, load_state_dict_file(weights), repr(weights), ignore_prefixes=removed)
+    pre = _preprocess({"channels": 3, "resize": 256, "crop": 224, "mean": list(IMAGENET_MEAN),
+                       "std": list(IMAGENET_STD), "interpolation": "bilinear", "stats": "imagenet"}, overrides)
+    _reject_unknown(overrides, spec)
+    dim = _probe_dim(model, 3, pre.crop or 224)
+    return Prior(model, spec, pre, _info("torchvision", arch, weights, dim))
+
+
+@register_prior("timm")
+def _timm_prior(arch: str, weights: Optional[str] = None, **overrides) -> Prior:
+    import timm
+    from timm.data import resolve_data_config
+
+    spec = f"timm:{arch}"
+    if weights is None:
+        raise FileNotFoundError(f"{spec} needs weights=<local file> (--weights on the CLI): accelerate-ssl never "
+                                f"downloads. Use 'random:<torchvision arch>' for a random prior.")
+    try:
+        model = timm.create_model(arch, pretrained=False, num_classes=0)
+    except RuntimeError as err:
+        raise ValueError(f"Unknown timm model {arch!r} in {spec!r}: {err}; see timm.list_models().") from err
+    head = model.pretrained_cfg.get("classifier") or "fc"
+    heads = [head] if isinstance(head, str) else list(head)
+    _load_weights(model, load_state_dict_file(weights), repr(weights), ignore_prefixes=heads)
+    data_cfg = resolve_data_config({}, model=model)
+    size = int(data_cfg["input_size"][-1])
+    crop_pct = float(data_cfg.get("crop_pct") or 1.0)
+    mean = list(data_cfg["mean"])
+    stats = "imagenet" if tuple(round(m, 3) for m in mean) == tuple(round(m, 3) for m in IMAGENET_MEAN) else "model"
+    pre = _preprocess({"channels": 3, "resize": int(size / crop_pct), "crop": size, "mean": mean,
+                       "std": list(data_cfg["std"]), "interpolation": data_cfg.get("interpolation", "bicubic")
+                       if data_cfg.get("interpolation") in ("bilinear", "bicubic") else "bicubic", "stats": stats}, overrides)
+    _reject_unknown(overrides, spec)
+    return Prior(model, spec, pre, _info("timm", arch, weights, int(model.num_features)))
+
+
+@register_prior("open_clip")
+def _open_clip_prior(arch: str, weights: Optional[str] = None, **overrides) -> Prior:
+    import open_clip
+
+    spec = f"open_clip:{arch}"
+    if weights is None:
+        raise FileNotFoundError(f"{spec} needs a local CLIP checkpoint: pass weights=<file> (--weights on the CLI), "
+                                "e.g. open_clip's RN50 'openai' .pt/.safetensors copied here; accelerate-ssl never downloads.")
+    if arch not in open_clip.list_models():
+        raise ValueError(f"Unknown open_clip architecture {arch!r}; choose one of open_clip.list_models() (e.g. 'RN50', 'ViT-B-32').")
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # silence "No pretrained weights loaded" (we load them ourselves)
+    try:
+        clip = open_clip.create_model(arch, pretrained=None)
+    finally:
+        root.setLevel(level)
+    visual = clip.visual
+    state = load_state_dict_file(weights)
+    if any(k.startswith("visual.") for k in state):
+        state = {k[len("visual."):]: v for k, v in state.items() if k.startswith("visual.")}
+    _load_weights(visual, state, repr(weights))
+    cfg = dict(getattr(visual, "preprocess_cfg", {}) or {})
+    size = cfg.get("size", visual.image_size)
+    size = int(size[0] if isinstance(size, (tuple, list)) else size)
+    interp = cfg.get("interpolation", "bicubic")
+    pre = _preprocess({"channels": 3, "resize": size, "crop": size,
+                       "mean": list(cfg.get("mean", open_clip.OPENAI_DATASET_MEAN)),
+                       "std": list(cfg.get("std", open_clip.OPENAI_DATASET_STD)),
+                       "interpolation": interp if interp in ("bilinear", "bicubic") else "bicubic", "stats": "clip"}, overrides)
+    _reject_unknown(overrides, spec)
+    return Prior(visual, spec, pre, _info("open_clip", arch, weights, int(visual.output_dim)))
+
+
+def _build_arch(arch: str, arch_kwargs: dict) -> nn.Module:
+    from .. import backbones
+
+    if arch in backbones.BACKBONES:
+        return backbones.create_backbone(arch, **arch_kwargs)
+    if arch.startswith("torchvision:"):
+        import torchvision
+
+        return torchvision.models.get_model(arch.split(":", 1)[1], weights=None, **arch_kwargs)
+    if arch.startswith("timm:"):
+        import timm
+
+        return timm.create_model(arch.split(":", 1)[1], pretrained=False, **arch_kwargs)
+    raise ValueError(f"Unknown checkpoint arch {arch!r}; use one of {sorted(backbones.BACKBONES)}, "
+                     "'torchvision:<arch>' or 'timm:<name>'.")
+
+
+def save_prior_checkpoint(model: nn.Module, path, arch: str, arch_kwargs: Optional[dict] = None,
+                          preprocess_config: Optional[dict] = None) -> Path:
+    """Save ``model`` as a prior loadable by ``create_prior("checkpoint:<path>")`` (safetensors, atomic).
+
+    The safetensors header metadata holds JSON ``{"arch", "arch_kwargs", "preprocess_config"}``;
+    ``arch`` is a :mod:`accelerate_ssl.backbones` name or ``"torchvision:<arch>"``/``"timm:<name>"``,
+    rebuilt with ``arch_kwargs``. ``preprocess_config`` holds :class:`Preprocess` keys (default:
+    native size, 1 channel for backbones else 3, mean/std 0.5).
+    """
+    from safetensors.torch import save_file
+
+    arch_kwargs = dict(arch_kwargs or {})
+    default_channels = arch_kwargs.get("in_channels", 3)
+    pre = Preprocess.from_config({"channels": default_channels, **(preprocess_config or {})})
+    _build_arch(arch, arch_kwargs)  # fail now, not at load time
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise ValueError(f"Prior checkpoints are safetensors files; name it '*.safetensors', got {str(path)!r}.")
+    meta = {"arch": arch, "arch_kwargs": arch_kwargs, "preprocess_config": pre.config, "format": 1}
+    state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(state, str(tmp), metadata={_CHECKPOINT_META_KEY: json.dumps(meta)})
+    os.replace(tmp, path)
+    return path
+
+
+@register_prior("checkpoint")
+def _checkpoint_prior(arch: str, weights: Optional[str] = None, **overrides) -> Prior:
+    path = _check_file(arch, "checkpoint")
+    spec = f"checkpoint:{arch}"
+    if weights is not None:
+        raise ValueError(f"{spec} already holds its weights; drop weights=.")
+    sidecar = path.with_name(path.name + ".json")
+    meta = json.loads(sidecar.read_text()) if sidecar.is_file() else None
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+        if _CHECKPOINT_META_KEY in header:
+            meta = json.loads(header[_CHECKPOINT_META_KEY])
+        if meta is None or "arch" not in meta:
+            raise ValueError(f"{str(path)!r} names no architecture: write it with save_prior_checkpoint(...) or put "
+                             f"{{'arch': ..., 'arch_kwargs': ..., 'preprocess_config': ...}} in {str(sidecar)!r}.")
+        net = _build_arch(meta["arch"], dict(meta.get("arch_kwargs") or {}))
+        _load_weights(net, load_state_dict_file(path), repr(str(path)))
+        if hasattr(net, "reset_classifier"):
+            net.reset_classifier(0)
+        else:
+            _strip_classifier(net)
+        model: nn.Module = _Features(net)
+        arch_name = meta["arch"]
+    else:
+        try:
+            model = torch.jit.load(str(path), map_location="cpu")
+        except Exception as err:
+            raise ValueError(f"{str(path)!r} is neither a safetensors prior checkpoint nor a TorchScript file ({err}); "
+                             "write one with save_prior_checkpoint(...) or torch.jit.save(...).") from err
+        arch_name = "torchscript"
+        if meta is None and not {"mean", "std"} <= set(overrides):
+            raise ValueError(f"TorchScript prior {str(path)!r} has no preprocessing: pass mean=, std= (and size=) or "
+                             f"write {{'preprocess_config': {{...}}}} to {str(sidecar)!r}.")
+    pre_cfg = dict((meta or {}).get("preprocess_config") or {"channels": 3})
+    pre = _preprocess(Preprocess.from_config(pre_cfg).config, overrides)
+    _reject_unknown(overrides, spec)
+    dim = _probe_dim(model, pre.channels, pre.crop or 32)
+    return Prior(model, spec, pre, _info("checkpoint", arch_name, None, dim, checkpoint=str(path.resolve()),
+                                         checkpoint_sha256=_sha256(path)))

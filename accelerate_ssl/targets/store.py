@@ -1,0 +1,215 @@
+"""TargetStore: the per-sample prior targets on disk, memory-mapped, refusing the wrong dataset.
+
+A store is a folder::
+
+    metadata.json        written last, atomically: its presence marks a finished store
+    targets.npy          float32 [N, dim], row i = dataset index i
+    pca/<key>.safetensors fitted batch-PCA states (``store.pca(...)``)
+
+While a precompute runs the folder holds ``manifest.json`` (the run's settings) and
+``chunks/chunk-XXXXX.npy`` instead (see :mod:`accelerate_ssl.targets.precompute`).
+
+**Why .npy, not safetensors, for the rows:** ``np.load(path, mmap_mode="r")`` gives a true
+memory-mapped array on every numpy version, so opening a store costs nothing and random row reads
+touch only those rows; ``safetensors.safe_open`` loads whole tensors into memory on several versions.
+The metadata records the file's byte size so truncation is detected on open.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+METADATA = "metadata.json"
+TARGETS = "targets.npy"
+MANIFEST = "manifest.json"
+CHUNKS = "chunks"
+PCA_DIR = "pca"
+FORMAT = "accelerate-ssl-targets"
+FORMAT_VERSION = 1
+
+
+class TargetStoreMismatchError(ValueError):
+    """The store was computed for another dataset (length or content differ)."""
+
+
+class TargetStoreCorruptError(ValueError):
+    """A store file is unreadable, truncated, or disagrees with metadata.json."""
+
+
+class TargetStoreIncompleteError(TargetStoreCorruptError):
+    """The folder holds an interrupted precompute (chunks, no metadata.json)."""
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict:
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise TargetStoreCorruptError(f"{path} is not valid JSON ({err}); the store is damaged: recompute it "
+                                      "(delete the folder and rerun the precompute).") from err
+    if not isinstance(value, dict):
+        raise TargetStoreCorruptError(f"{path} does not hold a JSON object; recompute the store.")
+    return value
+
+
+class TargetStore:
+    """Memory-mapped prior targets with their provenance (contract: ``accelerate_ssl.targets.store``).
+
+    Use :meth:`open`; ``store[idx]`` gives float32 rows (``idx``: int -> ``[dim]``; LongTensor, list,
+    ndarray or slice -> ``[len(idx), dim]``).
+    """
+
+    def __init__(self, path: Path, metadata: dict, array: np.ndarray):
+        self.path = Path(path)
+        self.metadata = metadata
+        self._array = array
+
+    # ------------------------------------------------------------------ opening
+    @classmethod
+    def open(cls, path, dataset=None) -> "TargetStore":
+        """Open the store folder ``path`` memory-mapped; with ``dataset``, also :meth:`verify` it."""
+        path = Path(path)
+        meta_path = path / METADATA
+        if not path.is_dir():
+            raise FileNotFoundError(f"No target store at {str(path)!r}; create one with `accelerate-ssl precompute "
+                                    f"--prior SPEC --dataset NAME --out {path}` or precompute_targets(...).")
+        if not meta_path.is_file():
+            manifest = path / MANIFEST
+            chunks = sorted((path / CHUNKS).glob("chunk-*.npy")) if (path / CHUNKS).is_dir() else []
+            if manifest.is_file() or chunks:
+                command = None
+                if manifest.is_file():
+                    try:
+                        command = json.loads(manifest.read_text()).get("command")
+                    except (OSError, json.JSONDecodeError):
+                        pass
+                how = f"`{command}`" if command else "the same precompute command / precompute_targets(...) call"
+                raise TargetStoreIncompleteError(
+                    f"{str(path)!r} holds an unfinished precompute ({len(chunks)} chunk file(s), no {METADATA}): it was "
+                    f"interrupted. Resume it by rerunning {how} with the same --out; finished chunks are kept."
+                )
+            raise FileNotFoundError(f"{str(path)!r} is not a target store (no {METADATA}); create one with "
+                                    "`accelerate-ssl precompute ... --out` or precompute_targets(...).")
+        metadata = read_json(meta_path)
+        if metadata.get("format") != FORMAT:
+            raise TargetStoreCorruptError(f"{meta_path} is not accelerate-ssl target-store metadata; recompute the store.")
+        for key in ("num_rows", "dim", "dtype", "file", "file_bytes"):
+            if key not in metadata:
+                raise TargetStoreCorruptError(f"{meta_path} lacks {key!r}; the store is damaged: recompute it.")
+        data_path = path / metadata["file"]
+        if not data_path.is_file():
+            raise TargetStoreCorruptError(f"{data_path} is missing; the store is damaged: recompute it.")
+        size = data_path.stat().st_size
+        if size != metadata["file_bytes"]:
+            raise TargetStoreCorruptError(f"{data_path} has {size} bytes but {METADATA} says {metadata['file_bytes']} "
+                                          "(truncated or replaced); recompute the store.")
+        try:
+            array = np.load(data_path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError) as err:
+            raise TargetStoreCorruptError(f"{data_path} is not a readable .npy file ({err}); recompute the store.") from err
+        expected = (int(metadata["num_rows"]), int(metadata["dim"]))
+        if tuple(array.shape) != expected or str(array.dtype) != metadata["dtype"]:
+            raise TargetStoreCorruptError(f"{data_path} holds {array.dtype} {tuple(array.shape)} but {METADATA} says "
+                                          f"{metadata['dtype']} {expected}; recompute the store.")
+        store = cls(path, metadata, array)
+        if dataset is not None:
+            store.verify(dataset)
+        return store
+
+    # ------------------------------------------------------------------ checks
+    def verify(self, dataset) -> None:
+        """Raise :class:`TargetStoreMismatchError` unless ``dataset`` fingerprints like the stored one."""
+        from ..data import dataset_fingerprint, describe_fingerprint_mismatch
+
+        expected = self.metadata.get("dataset", {}).get("fingerprint", {})
+        if len(dataset) != expected.get("length"):  # cheap check first, no reads
+            problem = describe_fingerprint_mismatch(expected, {"length": len(dataset)})
+        else:
+            problem = describe_fingerprint_mismatch(expected, dataset_fingerprint(dataset))
+        if problem is None:
+            return
+        name = self.metadata.get("dataset", {}).get("name", "?")
+        command = self.metadata.get("command")
+        raise TargetStoreMismatchError(
+            f"Target store {str(self.path)!r} does not match this dataset: {problem}. It was computed from "
+            f"{name!r} ({expected.get('length')} samples) with prior {self.metadata.get('prior', {}).get('spec')!r}. "
+            "Fix: pass that same dataset (same split, order, subset), or recompute the targets for this dataset into a "
+            "new folder" + (f" (this store was made by: `{command}`)." if command else ".")
+        )
+
+    # ------------------------------------------------------------------ access
+    def __len__(self) -> int:
+        return int(self._array.shape[0])
+
+    @property
+    def dim(self) -> int:
+        return int(self._array.shape[1])
+
+    @property
+    def array(self) -> np.ndarray:
+        """The memory-mapped ``[N, dim]`` array (read-only)."""
+        return self._array
+
+    def __getitem__(self, idx: Any) -> torch.Tensor:
+        if isinstance(idx, torch.Tensor):
+            idx = idx.detach().cpu().numpy()
+        if isinstance(idx, (list, tuple)):
+            idx = np.asarray(idx, dtype=np.int64)
+        if isinstance(idx, np.ndarray):
+            if idx.dtype == bool:
+                raise TypeError("Boolean masks are not supported; pass row indices.")
+            idx = idx.astype(np.int64, copy=False)
+            if idx.size and (idx.min() < -len(self) or idx.max() >= len(self)):
+                raise IndexError(f"Row index out of range for a store of {len(self)} rows.")
+        rows = np.array(self._array[idx], dtype=np.float32)
+        return torch.from_numpy(rows)
+
+    # ------------------------------------------------------------------ PCA
+    def pca(self, n_components: Optional[int] = None, standardize: bool = True, block_size: int = 4096,
+            progress: bool = False):
+        """Batch PCA of the stored rows (paper 001, Eq. 41, App. N Alg. 2): loaded from ``pca/`` when fitted
+        before with the same settings, else fitted over the memory-mapped rows and saved there atomically."""
+        from safetensors.torch import load_file, save_file
+
+        from .pca import TargetPCA
+
+        n = self.dim if n_components is None else min(int(n_components), self.dim)
+        file = self.path / PCA_DIR / f"pca-n{n}-{'zscore' if standardize else 'centre'}.safetensors"
+        if file.is_file():
+            try:
+                return TargetPCA.from_state_dict(load_file(str(file)))
+            except Exception as err:
+                raise TargetStoreCorruptError(f"{file} is unreadable ({err}); delete it and call store.pca(...) again "
+                                              "to refit.") from err
+        fitted = TargetPCA.fit(self._array, n, standardize=standardize, block_size=block_size, progress=progress)
+        try:
+            file.parent.mkdir(exist_ok=True)
+            tmp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
+            save_file(fitted.state_dict(), str(tmp), metadata={"n_components": str(n), "standardize": str(standardize)})
+            os.replace(tmp, file)
+        except OSError:  # a read-only store still works, the fit is just not cached
+            pass
+        return fitted
+
+    def fitted_pca(self) -> list[str]:
+        """Names of the PCA states saved with this store."""
+        folder = self.path / PCA_DIR
+        return sorted(p.name for p in folder.glob("pca-*.safetensors")) if folder.is_dir() else []
+
+    def __repr__(self) -> str:
+        return (f"TargetStore({str(self.path)!r}, rows={len(self)}, dim={self.dim}, "
+                f"prior={self.metadata.get('prior', {}).get('spec')!r})")
