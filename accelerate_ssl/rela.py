@@ -205,6 +205,10 @@ def _flatten_output(output: Any, where: str) -> torch.Tensor:
 def _first_tensor(item: Any) -> Optional[torch.Tensor]:
     if isinstance(item, torch.Tensor):
         return item if item.ndim >= 1 and item.is_floating_point() else None
+    if hasattr(item, "getbands") and hasattr(item, "size"):  # a PIL image (a clean dataset): as ToTensor would give
+        from torchvision.transforms.functional import to_tensor
+
+        return to_tensor(item)
     if isinstance(item, dict):
         item = list(item.values())
     if isinstance(item, (list, tuple)):
@@ -231,9 +235,12 @@ def _infer_feature_dim(backbone: nn.Module, dataset) -> Optional[int]:
             param = next(backbone.parameters(), None)
             x = x.unsqueeze(0).to(param.device if param is not None else "cpu")
             backbone.eval()
-            with torch.no_grad():
-                out = backbone(x)
-        return _flatten_output(out, f"backbone {type(backbone).__name__}").shape[1]
+            try:
+                with torch.no_grad():
+                    out = backbone(x)
+                return _flatten_output(out, f"backbone {type(backbone).__name__}").shape[1]
+            except Exception:  # not the input the backbone takes (e.g. a raw clean image): build the head lazily
+                return None
     finally:
         for m, mode in modes.items():
             m.training = mode
@@ -309,7 +316,9 @@ class ReLA:
         self.n_components = n_components
         self.head_lr = 1e-3 if head_lr is None else float(head_lr)
         self.head_weight_decay = 0.01 if head_weight_decay is None else float(head_weight_decay)
-        self.head_mode = head_optimizer  # becomes "user" / "own" at the first optimiser step in auto mode
+        self.head_optimizer = head_optimizer  # what was asked for
+        #: who trains the head: "user" / "own"; None until decided at your optimiser's first step ("auto")
+        self.head_mode: Optional[str] = None if head_optimizer == "auto" else head_optimizer
 
         self.head: Optional[nn.Linear] = None
         self.pca = None
@@ -325,9 +334,8 @@ class ReLA:
         self.steps = 0
         self._backbone_param_ids = {id(p) for p in backbone.parameters()}
 
-        if feature_dim is None:
-            source = dataset if dataset is not None else getattr(dataloader, "dataset", None)
-            if source is not None:
+        for source in (dataset, getattr(dataloader, "dataset", None)):
+            if feature_dim is None and source is not None:
                 feature_dim = _infer_feature_dim(backbone, source)
         if feature_dim is not None:
             self._build(int(feature_dim), next((p.device for p in backbone.parameters()), torch.device("cpu")))
@@ -555,14 +563,20 @@ class ReLA:
         if self.head is not None:
             head_ids = {id(p) for p in self.head.parameters()}
             in_user = user_optimizer is not None and self._holds(user_optimizer, head_ids)
-            if self.head_mode == "auto":
+            if self.head_optimizer == "auto":
                 if in_user and self._own_optimizer is not None:
                     raise RuntimeError(
                         "ReLA's transport head is now in your optimiser, but ReLA has already been training it with "
                         "its own AdamW (the head was added to your optimiser after training started). Either add "
                         "rela.parameters() to your optimiser before the first step, or leave them out."
                     )
-                self.head_mode = "user" if in_user else "own"
+                if self.head_mode is None:
+                    self.head_mode = "user" if in_user else "own"
+                elif self.head_mode == "user" and user_optimizer is not None and not in_user:
+                    raise RuntimeError(
+                        "ReLA's transport head was in your optimiser but is not in the one that just stepped; keep "
+                        "rela.parameters() in the optimiser that steps the backbone."
+                    )
             elif self.head_mode == "own" and in_user:
                 raise RuntimeError(
                     "ReLA(head_optimizer='own') but your optimiser also holds rela.parameters(): the head would be "
@@ -655,7 +669,7 @@ class ReLA:
                 )
             self.head.load_state_dict(state["head"])
         self.schedule.load_state_dict(sched)
-        self.head_mode = state["head_mode"]
+        self.head_mode = state["head_mode"] if self.head_optimizer == "auto" else self.head_optimizer
         self.steps = int(state["steps"])
         if state["own_optimizer"] is not None:
             self._own_optimizer = torch.optim.AdamW(self.head.parameters(), lr=self.head_lr, weight_decay=self.head_weight_decay)

@@ -92,9 +92,11 @@ class Decay(Schedule):
 
     Run length: with the paper's constants the loss EMA moves at 0.001/step from 2.0, so lambda is
     still ~0.8 after 600 steps (ImageNet-length runs). Pass ``total_steps`` to scale the loss EMA to
-    the planned run: ``loss_momentum = 1 - 3.5 / (decay_fraction * total_steps)`` (capped at the
-    paper's 0.999), so the EMA closes ~97 % of its initial gap (e^-3.5) within the first
-    ``decay_fraction`` of the run and lambda can reach ~0 by then. An explicit ``loss_momentum`` wins.
+    the planned run: ``loss_momentum = 1 - 6 / (decay_fraction * total_steps)`` (capped at the
+    paper's 0.999), so the EMA closes 99.75 % of its initial gap (e^-6) within the first
+    ``decay_fraction`` of the run; lambda then falls as fast as the ReLA loss plateaus (while the
+    loss still drops fast, ``l_m - l_c`` stays large and lambda stays high: that is the rule). An
+    explicit ``loss_momentum`` wins.
     """
 
     _state_keys = Schedule._state_keys + ("loss_ema", "rho_ema")
@@ -121,7 +123,7 @@ class Decay(Schedule):
             if total_steps is not None:
                 if total_steps <= 0:
                     raise ValueError(f"total_steps must be positive, got {total_steps}.")
-                loss_momentum = min(0.999, max(0.0, 1.0 - 3.5 / (decay_fraction * total_steps)))
+                loss_momentum = min(0.999, max(0.0, 1.0 - 6.0 / (decay_fraction * total_steps)))
         for name, m in (("loss_momentum", loss_momentum), ("rho_momentum", rho_momentum)):
             if not 0.0 <= m < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {m}.")

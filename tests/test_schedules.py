@@ -1,0 +1,110 @@
+"""Each controller against its recurrence written independently from the paper's text."""
+
+import math
+
+import pytest
+
+from accelerate_ssl.schedules import Constant, Decay, Epochs, Switch, create_schedule
+
+
+def _losses(n=6000):
+    # a ReLA loss that falls quickly, then plateaus with small wiggles
+    return [0.3 + 0.7 * math.exp(-t / 80) + 0.01 * math.sin(t / 3) for t in range(n)]
+
+
+def test_decay_matches_paper_001_alg1():
+    # paper 001 App. L, Alg. 1 as printed: l_m=2.0, rho_m=0.0
+    l_m, rho_m, expected = 2.0, 0.0, []
+    for l_c in _losses():
+        rho = math.exp(-max(l_m - l_c, 0) * 40)
+        rho_m = 0.95 * rho_m + 0.05 * rho
+        l_m = 0.999 * l_m + 0.001 * l_c
+        expected.append(0.8 - rho_m * 0.8)
+    d = Decay()
+    assert d.value == pytest.approx(0.8)
+    got = [d.step(l) for l in _losses()]
+    assert got == pytest.approx(expected, abs=1e-12)
+    assert got[-1] < got[100] <= 0.8 and not d.finished
+
+
+def test_decay_total_steps_reaches_low_lambda_within_run():
+    losses = _losses(400)
+    paper, scaled = Decay(), Decay(total_steps=400)
+    for l in losses:
+        paper.step(l), scaled.step(l)
+    assert paper.value > 0.7  # the paper's constants barely move in 400 steps
+    assert scaled.value < 0.35
+
+
+def test_decay_finish_below():
+    d = Decay(total_steps=1000, finish_below=0.2)
+    for l in _losses(1000):
+        d.step(l)
+    assert d.finished and d.value == 0.0
+
+
+def test_switch_matches_paper_000_appJ():
+    # paper 000 App. J: l_s=2.0, l_f=1.0, lambda=1; while lambda == 1: update; exp(-max(l_s-l_f,0)) >= 0.995 -> 0
+    l_s, l_f, lam, expected = 2.0, 1.0, 1.0, []
+    for l_c in _losses():
+        if lam == 1:
+            l_f = 0.999 * l_f + 0.001 * l_c
+            l_s = 0.99 * l_s + 0.01 * l_f
+        if math.exp(-max(l_s - l_f, 0)) >= 0.995:
+            lam = 0.0
+        expected.append(lam)
+    s = Switch()
+    got = [s.step(l) for l in _losses()]
+    assert got == expected
+    first_zero = got.index(0.0)
+    assert first_zero >= 500  # "can never switch before ~500 steps"
+    assert s.finished
+
+
+def test_switch_flat_loss_earliest_and_scaled():
+    s = Switch()
+    n = 0
+    while not s.finished:
+        s.step(1.0)
+        n += 1
+    assert 500 <= n <= 560
+    s = Switch(total_steps=200, min_switch_fraction=0.25)
+    n = 0
+    while not s.finished:
+        s.step(1.0)
+        n += 1
+    assert 40 <= n <= 60
+
+
+def test_constant_and_epochs():
+    c = Constant(0.3)
+    assert [c.step(1.0) for _ in range(3)] == [0.3] * 3 and not c.finished
+    assert Constant(0.0).finished
+    e = Epochs(0.25, steps_per_epoch=10, epochs=4)
+    seen = [e.value]
+    for _ in range(12):
+        seen.append(e.step())
+    # lambda used at step t is the value before stepping: exactly 10 steps at lambda 1
+    assert seen[:10] == [1.0] * 10 and seen[10:] == [0.0] * 3 and e.finished
+    with pytest.raises(ValueError, match="run length"):
+        Epochs(0.5)
+
+
+@pytest.mark.parametrize("make", [Decay, Switch, lambda: Constant(0.4), lambda: Epochs(0.5, 100)])
+def test_state_dict_roundtrip(make):
+    a, b = make(), make()
+    for l in _losses(300)[:150]:
+        a.step(l)
+    b.load_state_dict(a.state_dict())
+    rest = _losses(300)[150:]
+    assert [a.step(l) for l in rest] == [b.step(l) for l in rest]
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="non-finite"):
+        Decay().step(float("nan"))
+    with pytest.raises(ValueError, match="Unknown schedule"):
+        create_schedule("cosine")
+    with pytest.raises(KeyError, match="different controller"):
+        Decay().load_state_dict(Switch().state_dict())
+    assert isinstance(create_schedule("switch", total_steps=100), Switch)
