@@ -160,7 +160,9 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
     if n == 0:
         raise ValueError("The dataset is empty; pass a dataset with at least one sample.")
     path = Path(path)
-    state = PartialState()
+    # cpu=True when there is no GPU: `accelerate launch --multi_gpu` then still runs gloo CPU processes
+    # (accelerate would otherwise see no GPU and treat every process as a lone one).
+    state = PartialState(cpu=not torch.cuda.is_available())
     device = state.device
     pre = _resolve_preprocess(prior, dataset)
     prior_info = {**prior.describe(), "preprocess": pre.config}

@@ -179,7 +179,9 @@ class Prior(nn.Module):
         self.spec = spec
         self.preprocess = preprocess
         self.info = dict(info)
-        self.model.eval().requires_grad_(False)
+        self.model.eval()
+        for p in self.model.parameters():  # (Module.requires_grad_ is missing on TorchScript modules)
+            p.requires_grad_(False)
         self.output_dim = int(info["output_dim"])
 
     @property
@@ -291,7 +293,11 @@ def load_state_dict_file(path) -> dict[str, torch.Tensor]:
 
 def _load_weights(model: nn.Module, state: dict, source: str, ignore_prefixes: Sequence[str] = ()) -> None:
     state = {k: v for k, v in state.items() if not any(k == p or k.startswith(p + ".") for p in ignore_prefixes)}
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # shape mismatches
+        raise ValueError(f"Weights {source} do not fit the architecture ({str(err).splitlines()[1].strip()} ...). "
+                         "Pass weights saved from the same architecture as the spec.") from err
     if missing or unexpected:
         raise ValueError(
             f"Weights {source} do not fit the architecture: missing {list(missing)[:6]}{'...' if len(missing) > 6 else ''}, "
