@@ -15,6 +15,8 @@ from typing import Optional, Sequence
 # name -> (module that implements it, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "precompute": ("accelerate_ssl.targets.precompute", "run a prior model over a data set once and write a TargetStore"),
+    "demo": ("accelerate_ssl.demo", "ReLA's speed-up over plain BYOL on Fashion-MNIST, on CPU (table + PNG + JSON)"),
+    "distill": ("accelerate_ssl.distill.cli", "synthesise a distilled warm-start set (SRe2L / DWA / FADRM) from a BatchNorm teacher"),
 }
 
 

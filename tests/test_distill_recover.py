@@ -1,0 +1,122 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from accelerate_ssl.backbones import ConvNet
+from accelerate_ssl.distill.recover import (
+    BatchAugment,
+    BNStatistics,
+    RecoverConfig,
+    TeacherWithoutBatchNormError,
+    cosine_lr,
+    default_jitter,
+    frozen_teacher,
+    recover_batch,
+    recover_loss,
+    valid_range,
+)
+from accelerate_ssl.distill.synthesize import synthesize
+from distill_helpers import CLASSES, MEAN, SIZE, STD, assert_bit_identical, one_thread, state_copy, tiny_real, tiny_teacher
+
+_one_thread = pytest.fixture(autouse=True)(one_thread)
+
+
+def test_bn_loss_is_zero_when_batch_stats_equal_running_stats():
+    teacher = tiny_teacher()
+    x = torch.randn(8, 1, SIZE, SIZE)
+    bns = [m for m in teacher.modules() if isinstance(m, nn.BatchNorm2d)]
+    recorded = {}
+
+    def rec(i):
+        def hook(module, inputs, output):
+            v = inputs[0]
+            recorded[i] = (v.mean(dim=(0, 2, 3)), v.var(dim=(0, 2, 3), unbiased=False))
+        return hook
+
+    handles = [m.register_forward_hook(rec(i)) for i, m in enumerate(bns)]
+    with torch.no_grad():
+        for _ in range(len(bns) + 1):  # each pass fixes at least one more layer (topological order)
+            teacher(x)
+            for i, m in enumerate(bns):
+                m.running_mean.copy_(recorded[i][0])
+                m.running_var.copy_(recorded[i][1])
+    for h in handles:
+        h.remove()
+    with BNStatistics(teacher, r_var=11.0) as stats, torch.no_grad():
+        teacher(x)
+        assert float(stats.loss()) < 1e-5
+    # and it is clearly positive for other data
+    with BNStatistics(teacher) as stats, torch.no_grad():
+        teacher(x * 3 + 1)
+        assert float(stats.loss()) > 1.0
+
+
+def test_bn_loss_weights_first_layer_and_variance():
+    teacher = tiny_teacher()
+    x = torch.randn(4, 1, SIZE, SIZE)
+    with BNStatistics(teacher, r_var=0.0, first_bn_multiplier=1.0) as s, torch.no_grad():
+        teacher(x)
+        base = float(s.loss())
+        first = float(s._losses[0])
+    with BNStatistics(teacher, r_var=0.0, first_bn_multiplier=10.0) as s, torch.no_grad():
+        teacher(x)
+        assert math.isclose(float(s.loss()), base + 9 * first, rel_tol=1e-5)
+
+
+def test_teacher_without_batchnorm_is_refused_with_a_clear_error():
+    teacher = nn.Sequential(ConvNet(1, (4, 8), norm="group"), nn.Linear(8, CLASSES))
+    with pytest.raises(TeacherWithoutBatchNormError, match="no BatchNorm2d"):
+        synthesize(teacher, method="sre2l", ipc=1, image_size=SIZE, channels=1, mean=MEAN, std=STD, iterations=2, progress=False)
+
+
+def test_recover_loss_decreases_and_pixels_stay_in_range():
+    teacher = tiny_teacher()
+    x0 = torch.randn(CLASSES, 1, SIZE, SIZE)
+    labels = torch.arange(CLASSES)
+    cfg = RecoverConfig(iterations=60, init="noise", crop_scale=(0.5, 1.0))
+    with frozen_teacher(teacher):
+        x, hist = recover_batch(teacher, x0, labels, cfg, torch.Generator().manual_seed(0), MEAN, STD)
+        with BNStatistics(teacher) as stats, torch.no_grad():
+            before = recover_loss(teacher, stats, x0.clamp(*valid_range(MEAN, STD)), labels, cfg)[0]
+            after = recover_loss(teacher, stats, x, labels, cfg)[0]
+    assert float(after) < 0.6 * float(before)
+    assert len(hist["loss"]) == 60
+    low, high = valid_range(MEAN, STD)
+    assert float(x.min()) >= float(low) - 1e-6 and float(x.max()) <= float(high) + 1e-6
+
+
+def test_teacher_bit_identical_after_every_method_and_flags_restored():
+    teacher = tiny_teacher()
+    second = tiny_teacher(seed=1, widths=(4, 4, 8))
+    teacher.train()  # synthesis must switch to eval itself and restore the mode
+    before, before2 = state_copy(teacher), state_copy(second)
+    real = tiny_real()
+    for method in ("sre2l", "sre2l++", "dwa", "fadrm"):
+        synthesize(teacher, method=method, ipc=2, real=real, mean=MEAN, std=STD, iterations=4, progress=False)
+        assert_bit_identical(teacher, before)
+    synthesize([teacher, second], method="fadrm+", ipc=1, real=real, mean=MEAN, std=STD, iterations=4, progress=False)
+    assert_bit_identical(teacher, before)
+    assert_bit_identical(second, before2)
+    assert teacher.training and all(p.requires_grad for p in teacher.parameters())
+    assert all(p.grad is None for p in teacher.parameters())
+
+
+def test_schedule_augmentation_and_bf16_precision():
+    assert cosine_lr(0, 100, 0.25) == 0.25 and abs(cosine_lr(100, 100, 0.25)) < 1e-12
+    assert math.isclose(cosine_lr(50, 100, 0.25), 0.125)
+    assert default_jitter(28) == 4 and default_jitter(32) == 4 and default_jitter(224) == 32
+    aug = BatchAugment()
+    x = torch.randn(3, 1, SIZE, SIZE, requires_grad=True)
+    y = aug(x, torch.Generator().manual_seed(0))
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad is not None
+    teacher = tiny_teacher()
+    d = synthesize(teacher, method="sre2l++", ipc=1, real=tiny_real(), mean=MEAN, std=STD, iterations=3,
+                   precision="bf16", progress=False)
+    assert d.images.dtype == torch.float32 and torch.isfinite(d.images).all()
+    with pytest.raises(ValueError, match="CUDA"):
+        synthesize(teacher, method="sre2l++", ipc=1, real=tiny_real(), mean=MEAN, std=STD, iterations=3,
+                   precision="fp16", device="cpu", progress=False)
