@@ -52,7 +52,7 @@ class DistillConfig:
     m: Optional[int] = None
     allow_over_budget: bool = False
     approx_hidden: int = 4
-    approx_steps: int = 2000
+    approx_steps: int = 500
     steps: int = 30000
     lr: float = 1e-3
     weight_decay: float = 0.01         # AdamW default
