@@ -238,6 +238,7 @@ def synthesize(
         "teachers": [{"spec": s or type(t).__name__, "fingerprint": teacher_fingerprint(t)} for s, t in zip(specs, teachers)],
         "real_indices": {str(c): v for c, v in chosen.items()} if chosen else None,
     }
+    run = json.loads(json.dumps(run))  # the form it has on disk (tuples -> lists), for resume comparisons
 
     out = Path(out_dir) if out_dir is not None else None
     partial = None
