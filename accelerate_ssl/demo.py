@@ -1,0 +1,376 @@
+"""``accelerate-ssl demo`` (``make demo``): ReLA's speed-up over plain BYOL on real Fashion-MNIST, on CPU.
+
+What it does, end to end (defaults: under 10 minutes on 2 CPU cores):
+
+1. **Targets**: embeds the training images once with a prior (default: the small BYOL ConvNet that
+   ships in ``accelerate_ssl/assets/``, trained on *unlabelled* Fashion-MNIST by
+   ``benchmarks/train_demo_prior.py``; it never saw a label) and writes a
+   :class:`~accelerate_ssl.TargetStore` into the output folder (re-used by later runs).
+2. **Two BYOL runs** with the same seed, data order and initialisation (lightly's heads and
+   ``NegativeCosineSimilarity``, a small GroupNorm ConvNet): plain BYOL, and BYOL with
+   ``loss = rela.wrap(byol_loss)`` for ``--budget`` steps. Plain BYOL runs ``--plain-multiple``
+   times longer, so the demo can measure how many steps it needs to catch up.
+3. **Linear probes** (:func:`accelerate_ssl.evaluate.linear_probe`) at checkpoints of both runs.
+4. **Speed-up** = (steps plain BYOL needs to reach ReLA's accuracy at the budget) / budget, with
+   linear interpolation between plain checkpoints (first crossing); "> X" if plain never gets there
+   within its measured range.
+
+It prints a table, and writes ``demo.png`` (accuracy vs steps for both runs, and lambda) and
+``demo.json`` (every number measured, the command, the machine) into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+DEFAULT_PRIOR_FILE = Path(__file__).resolve().parent / "assets" / "demo_prior_convnet.safetensors"
+DEFAULT_PRIOR = "demo"  # shorthand for checkpoint:<DEFAULT_PRIOR_FILE>
+SCHEDULE_NAMES = ("decay", "switch", "constant", "epochs")
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--budget", type=int, default=250, help="training steps of the ReLA run (default 250)")
+    parser.add_argument("--plain-multiple", type=float, default=4.0,
+                        help="plain BYOL runs this many times the budget, to measure when it catches up (default 4)")
+    parser.add_argument("--probes", type=int, default=4,
+                        help="linear-probe checkpoints per budget length, for both curves (default 4)")
+    parser.add_argument("--prior", default=DEFAULT_PRIOR,
+                        help="prior spec for create_prior (e.g. 'checkpoint:/path/prior.safetensors', 'random:convnet'); "
+                             "'demo' (default) is the shipped BYOL ConvNet trained on unlabelled Fashion-MNIST")
+    parser.add_argument("--schedule", default="switch",
+                        help="lambda controller: 'decay', 'switch' (default), 'constant:<lambda>' or 'epochs:<fraction>'; "
+                             "decay/switch constants are scaled to --budget")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="demo-output", help="output folder (targets cache, demo.json, demo.png)")
+    parser.add_argument("--train-size", type=int, default=20000, help="Fashion-MNIST train images used (default 20000)")
+    parser.add_argument("--test-size", type=int, default=10000, help="Fashion-MNIST test images for the probe (default 10000)")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate of both runs (and the ReLA head)")
+    parser.add_argument("--widths", type=int, nargs="+", default=[32, 64, 128], help="student ConvNet block widths")
+    parser.add_argument("--probe-epochs", type=int, default=30, help="linear-probe epochs (default 30)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def parse_schedule(spec: str, budget: int):
+    """``'decay' | 'switch' | 'constant:<lam>' | 'epochs:<fraction>'`` -> a controller sized to ``budget``."""
+    from .schedules import Constant, Decay, Epochs, Switch
+
+    name, _, arg = spec.partition(":")
+    try:
+        if name == "decay" and not arg:
+            return Decay(total_steps=budget)
+        if name == "switch" and not arg:
+            return Switch(total_steps=budget)
+        if name == "constant":
+            return Constant(float(arg or 0.5))
+        if name == "epochs":
+            return Epochs(float(arg or 0.5), total_steps=budget)
+    except ValueError as err:
+        raise ValueError(f"--schedule {spec!r}: {err}") from err
+    raise ValueError(f"--schedule must be 'decay', 'switch', 'constant:<lambda>' or 'epochs:<fraction>', got {spec!r}.")
+
+
+def _check_args(args) -> None:
+    for name in ("budget", "train_size", "test_size", "batch_size", "probes", "probe_epochs"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
+    if args.plain_multiple < 1:
+        raise ValueError(f"--plain-multiple must be >= 1 (plain BYOL must run at least the budget), got {args.plain_multiple}.")
+    if args.batch_size > args.train_size:
+        raise ValueError(f"--batch-size {args.batch_size} exceeds --train-size {args.train_size}; lower the batch size.")
+    parse_schedule(args.schedule, args.budget)
+
+
+def resolve_prior_spec(spec: str) -> str:
+    if spec == DEFAULT_PRIOR:
+        if not DEFAULT_PRIOR_FILE.is_file():
+            raise FileNotFoundError(
+                f"The demo's shipped prior {DEFAULT_PRIOR_FILE} is missing (a broken install?). Re-install the package, "
+                "re-create it with `python benchmarks/train_demo_prior.py`, or pass --prior random:convnet."
+            )
+        return f"checkpoint:{DEFAULT_PRIOR_FILE}"
+    return spec
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+def probe_steps(budget: int, total: int, per_budget: int) -> list[int]:
+    """Checkpoints: 0, then ``per_budget`` evenly spaced per budget length up to ``total``."""
+    every = max(1, budget // per_budget)
+    steps = sorted({0, *range(every, total + 1, every), budget, total})
+    return [s for s in steps if s <= total]
+
+
+def steps_to_reach(curve: list[tuple[int, float]], target: float) -> Optional[float]:
+    """First step where the piecewise-linear curve ``[(step, acc), ...]`` reaches ``target`` (None: never)."""
+    curve = sorted(curve)
+    if curve and curve[0][1] >= target:
+        return float(curve[0][0])
+    for (s0, a0), (s1, a1) in zip(curve, curve[1:]):
+        if a1 >= target:
+            return s0 + (target - a0) / (a1 - a0) * (s1 - s0)
+    return None
+
+
+def speedup(plain_curve: list[tuple[int, float]], rela_acc: float, budget: int) -> dict:
+    """Speed-up = steps plain needs to reach ``rela_acc`` / ``budget``; a lower bound if it never does."""
+    s = steps_to_reach(plain_curve, rela_acc)
+    if s is None:
+        last = max(step for step, _ in plain_curve)
+        return {"steps_plain": None, "speedup": last / budget, "lower_bound": True,
+                "text": f"> {last / budget:.1f}x (plain BYOL never reached {rela_acc:.2f} % within {last} steps)"}
+    return {"steps_plain": s, "speedup": s / budget, "lower_bound": False,
+            "text": f"{s / budget:.2f}x (plain BYOL needs {s:.0f} steps to reach {rela_acc:.2f} %)"}
+
+
+class _Probe:
+    """Linear probe of a backbone on fixed train/test tensors (features extracted in eval mode)."""
+
+    def __init__(self, train_x, train_y, test_x, test_y, epochs: int, seed: int):
+        from torch.utils.data import TensorDataset
+
+        self.train = TensorDataset(train_x, train_y)
+        self.test = TensorDataset(test_x, test_y)
+        self.epochs, self.seed = epochs, seed
+
+    def __call__(self, backbone) -> float:
+        from .evaluate import extract_features, linear_probe
+
+        ftr, ytr = extract_features(backbone, self.train, batch_size=1024)
+        fte, yte = extract_features(backbone, self.test, batch_size=1024)
+        return linear_probe(ftr, ytr, fte, yte, epochs=self.epochs, seed=self.seed)["top1"]
+
+
+def _uint8_tensor(image):
+    import numpy as np
+
+    return torch.from_numpy(np.array(image, dtype=np.uint8)).unsqueeze(0)
+
+
+def train_byol(args, train, probe, steps: int, checkpoints: list[int], store=None, desc: str = "BYOL") -> dict:
+    """BYOL for ``steps`` steps (ReLA when ``store`` is given), probing at ``checkpoints``.
+
+    Both runs seed the same way, so they share the initial weights and the order of the batches; the
+    only difference is ``rela.wrap`` around the BYOL loss. Returns the curve and per-step lambda.
+    """
+    from torch.utils.data import DataLoader
+    from tqdm.auto import tqdm
+
+    from .backbones import ConvNet
+    from .demo_recipe import BYOL, BYOL_VIEWS, images_to_tensor, random_views
+
+    torch.manual_seed(args.seed)
+    backbone = ConvNet(widths=tuple(args.widths))
+    model = BYOL(backbone, backbone.feature_dim)
+    loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True,
+                        generator=torch.Generator().manual_seed(args.seed))
+    params = [p for p in model.parameters() if p.requires_grad]
+    rela = None
+    if store is not None:
+        from .rela import ReLA
+
+        rela = ReLA(store, backbone, dataloader=loader, schedule=parse_schedule(args.schedule, args.budget),
+                    feature_dim=backbone.feature_dim)
+        params += list(rela.parameters())  # the transport head trains with the model (same AdamW)
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
+    views = torch.Generator().manual_seed(args.seed + 1)
+    curve: list[dict] = []
+    lambdas: list[float] = []
+    train_seconds = 0.0
+
+    def checkpoint(step: int) -> None:
+        t = time.perf_counter()
+        acc = probe(backbone)
+        lam = lambdas[-1] if lambdas else (rela.lam if rela is not None else 0.0)
+        curve.append({"step": step, "top1": acc, "lambda": lam, "train_seconds": train_seconds,
+                      "probe_seconds": time.perf_counter() - t})
+        bar.set_postfix(probe=f"{acc:.2f}%")
+
+    bar = tqdm(total=steps, desc=desc, unit="step", dynamic_ncols=True)
+    step = 0
+    if 0 in checkpoints:
+        checkpoint(0)
+    while step < steps:
+        for images, _ in loader:
+            t0 = time.perf_counter()
+            model.train()
+            x = images_to_tensor(images.squeeze(1))
+            v0, v1 = random_views(x, BYOL_VIEWS, views), random_views(x, BYOL_VIEWS, views)
+            f0, f1 = backbone(v0), backbone(v1)
+            byol_loss = lambda: model.loss_from_features(f0, f1, v0, v1)  # noqa: E731
+            if rela is not None:
+                lambdas.append(rela.lam)
+                loss = rela.wrap(byol_loss)  # lambda * L_rela + (1 - lambda) * L_byol
+            else:
+                loss = byol_loss()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            model.update_momentum(0.99)
+            step += 1
+            train_seconds += time.perf_counter() - t0
+            bar.update(1)
+            if step in checkpoints:
+                checkpoint(step)
+            if step >= steps:
+                break
+    bar.close()
+    if rela is not None:
+        rela.close()
+    return {"curve": curve, "lambda_per_step": lambdas, "train_seconds": train_seconds}
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+def format_table(result: dict) -> str:
+    plain = {c["step"]: c for c in result["plain"]["curve"]}
+    rela = {c["step"]: c for c in result["rela"]["curve"]}
+    lines = ["| steps | plain BYOL top-1 % | ReLA top-1 % | lambda | plain time s | ReLA time s |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for s in sorted(set(plain) | set(rela)):
+        p, r = plain.get(s), rela.get(s)
+        lines.append("| {} | {} | {} | {} | {} | {} |".format(
+            s, f"{p['top1']:.2f}" if p else "", f"{r['top1']:.2f}" if r else "",
+            f"{r['lambda']:.2f}" if r else "", f"{p['train_seconds']:.0f}" if p else "",
+            f"{r['train_seconds']:.0f}" if r else ""))
+    return "\n".join(lines)
+
+
+def write_png(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budget = result["settings"]["budget"]
+    fig, (ax, axl) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    for key, label, style in (("plain", "plain BYOL", "o-"), ("rela", "BYOL + ReLA", "s-")):
+        c = result[key]["curve"]
+        ax.plot([p["step"] for p in c], [p["top1"] for p in c], style, label=label)
+    sp = result["speedup"]
+    ax.axhline(result["rela_top1"], color="gray", ls=":", lw=1)
+    if sp["steps_plain"] is not None:
+        ax.axvline(sp["steps_plain"], color="gray", ls=":", lw=1)
+    ax.axvline(budget, color="k", ls="--", lw=0.8)
+    ax.set_ylabel("linear probe top-1 (%)")
+    ax.set_title(f"Fashion-MNIST, BYOL vs BYOL + ReLA: speed-up {sp['text'].split(' (')[0]}")
+    ax.legend(loc="lower right")
+    lam = result["rela"]["lambda_per_step"]
+    axl.plot(range(1, len(lam) + 1), lam, color="C1")
+    axl.set_ylabel("lambda")
+    axl.set_xlabel("training steps")
+    axl.set_ylim(-0.05, 1.05)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _write_json(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------- main
+def run(args) -> int:
+    t_start = time.perf_counter()
+    _check_args(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from .data import FashionMNIST
+    from .demo_recipe import images_to_tensor
+    from .targets.precompute import precompute_targets
+    from .targets.priors import create_prior
+    from .targets.store import TargetStore
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+
+    train = FashionMNIST("train", limit=args.train_size)
+    test = FashionMNIST("test", limit=args.test_size)
+
+    # 1. targets from the prior (clean images, the prior's own preprocessing), cached in --out
+    spec = resolve_prior_spec(args.prior)
+    t = time.perf_counter()
+    prior = create_prior(spec)
+    sha = str(prior.describe().get("checkpoint_sha256") or "")[:10]
+    store_dir = out / "targets" / "-".join(x for x in (_safe_name(args.prior), sha, str(args.train_size)) if x)
+    if (store_dir / "metadata.json").is_file():  # made by an earlier run with the same prior file and data
+        store = TargetStore.open(store_dir, dataset=train)
+        print(f"targets: re-using {store_dir} ({len(store)} x {store.dim})")
+    else:
+        store = precompute_targets(prior, train, store_dir, progress=True,
+                                   command=" ".join(shlex.quote(a) for a in ["accelerate-ssl", *sys.argv[1:]]))
+    targets_seconds = time.perf_counter() - t
+
+    # 2-3. the two runs, probed on the same train subset / test set
+    train.transform = _uint8_tensor  # training batches: uint8 [1, 28, 28] tensors; views are made per batch
+    probe = _Probe(images_to_tensor(train.data), train.targets, images_to_tensor(test.data), test.targets,
+                   epochs=args.probe_epochs, seed=args.seed)
+    plain_steps = int(round(args.plain_multiple * args.budget))
+    plain_ckpts = probe_steps(args.budget, plain_steps, args.probes)
+    rela_ckpts = probe_steps(args.budget, args.budget, args.probes)
+    rela = train_byol(args, train, probe, args.budget, [s for s in rela_ckpts if s > 0], store=store, desc="BYOL + ReLA")
+    plain = train_byol(args, train, probe, plain_steps, plain_ckpts, desc="plain BYOL")
+    # step 0 is the same network for both runs (same seed, same initialisation): probed once
+    step0 = next(c for c in plain["curve"] if c["step"] == 0)
+    rela["curve"].insert(0, {**step0, "lambda": rela["lambda_per_step"][0] if rela["lambda_per_step"] else 0.0})
+
+    rela_top1 = next(c["top1"] for c in rela["curve"] if c["step"] == args.budget)
+    plain_at_budget = next(c["top1"] for c in plain["curve"] if c["step"] == args.budget)
+    sp = speedup([(c["step"], c["top1"]) for c in plain["curve"]], rela_top1, args.budget)
+    result = {
+        "command": " ".join(shlex.quote(a) for a in ["accelerate-ssl", *sys.argv[1:]]),
+        "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "platform": platform.platform(), "python": platform.python_version()},
+        "settings": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "command"},
+        "prior": prior.describe(),
+        "targets": {"path": str(store_dir), "rows": len(store), "dim": store.dim, "seconds": targets_seconds},
+        "plain": plain, "rela": rela,
+        "rela_top1": rela_top1, "plain_top1_at_budget": plain_at_budget, "speedup": sp,
+    }
+    result["settings"]["prior_spec"] = spec
+    result["wall_seconds"] = time.perf_counter() - t_start
+    table = format_table(result)
+    result["table"] = table
+    png = out / "demo.png"
+    write_png(result, png)
+    _write_json(result, out / "demo.json")
+
+    print()
+    print(table)
+    print()
+    print(f"ReLA at {args.budget} steps: {rela_top1:.2f} %   plain BYOL at {args.budget} steps: {plain_at_budget:.2f} %")
+    print(f"speed-up: {sp['text']}")
+    print(f"wall time: {result['wall_seconds']:.0f} s (targets {targets_seconds:.0f} s, plain {plain['train_seconds']:.0f} s "
+          f"+ ReLA {rela['train_seconds']:.0f} s of training, the rest probes)")
+    print(f"wrote {png} and {out / 'demo.json'}")
+    return 0
+
+
+def _safe_name(spec: str) -> str:
+    name = Path(spec.split(":", 1)[-1]).stem if ":" in spec else spec
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name) or "prior"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="accelerate-ssl demo", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

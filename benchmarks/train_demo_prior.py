@@ -1,0 +1,161 @@
+"""Train the demo's default prior: BYOL on *unlabelled* Fashion-MNIST train images, CPU only.
+
+The prior that ``accelerate-ssl demo`` uses by default ships inside the package
+(``accelerate_ssl/assets/``). It was made by this script and never saw a label: training reads only
+the 60k train images; labels are used only afterwards, to report the prior's own linear-probe
+accuracy (train split -> test split).
+
+Every hyper-parameter is independent of the total number of steps (constant learning rate and
+EMA momentum), so the checkpoint this script writes at step k is exactly the model a run with
+``--steps k`` produces: the run is resumable from ``--cache`` and can be stopped at any checkpoint.
+
+    .venv/bin/python benchmarks/train_demo_prior.py --steps 2000
+
+writes ``accelerate_ssl/assets/demo_prior_convnet.safetensors`` (+ its JSON metadata) and
+``benchmarks/results/train_demo_prior.json`` (command, machine, timings, probe accuracy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from accelerate_ssl.backbones import ConvNet  # noqa: E402
+from accelerate_ssl.data import FashionMNIST  # noqa: E402
+from accelerate_ssl.demo_recipe import (BYOL, BYOL_VIEWS, FASHION_MNIST_MEAN, FASHION_MNIST_STD,  # noqa: E402
+                                        images_to_tensor, random_views)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=4000, help="BYOL optimiser steps")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant)")
+    p.add_argument("--momentum", type=float, default=0.99, help="EMA momentum of the target network (constant)")
+    p.add_argument("--widths", type=int, nargs="+", default=[32, 64, 128], help="ConvNet block widths")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--checkpoint-every", type=int, default=250)
+    p.add_argument("--cache", default=str(ROOT / "benchmarks/cache/demo_prior"), help="resumable checkpoints")
+    p.add_argument("--out", default=str(ROOT / "accelerate_ssl/assets/demo_prior_convnet.safetensors"))
+    p.add_argument("--results", default=str(ROOT / "benchmarks/results/train_demo_prior.json"))
+    return p.parse_args(argv)
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+@torch.no_grad()
+def probe_accuracy(backbone, train_x, train_y, test_x, test_y, epochs: int = 30, seed: int = 0) -> float:
+    """Linear probe (standardised frozen features, Adam 1e-3, minibatch 256) -> test top-1 %."""
+    backbone.eval()
+    f_tr = torch.cat([backbone(train_x[i : i + 1024]) for i in range(0, len(train_x), 1024)])
+    f_te = torch.cat([backbone(test_x[i : i + 1024]) for i in range(0, len(test_x), 1024)])
+    mu, sd = f_tr.mean(0), f_tr.std(0) + 1e-6
+    f_tr, f_te = (f_tr - mu) / sd, (f_te - mu) / sd
+    g = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(f_tr.shape[1], 10)
+    opt = torch.optim.Adam(head.parameters(), 1e-3)
+    with torch.enable_grad():
+        for _ in range(epochs):
+            perm = torch.randperm(len(f_tr), generator=g)
+            for i in range(0, len(perm), 256):
+                idx = perm[i : i + 256]
+                loss = torch.nn.functional.cross_entropy(head(f_tr[idx]), train_y[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    return float((head(f_te).argmax(1) == test_y).float().mean() * 100)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    cache = Path(args.cache)
+    cache.mkdir(parents=True, exist_ok=True)
+
+    train = FashionMNIST("train")
+    images = images_to_tensor(train.data)  # labels are NOT read for training
+    backbone = ConvNet(widths=tuple(args.widths))
+    model = BYOL(backbone, backbone.feature_dim)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(args.seed)
+    step, elapsed = 0, 0.0
+    ckpt = cache / "last.pt"
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        if state["args"]["widths"] != args.widths or state["args"]["seed"] != args.seed:
+            raise ValueError(f"{ckpt} was made with other settings ({state['args']}); delete it or pass --cache elsewhere.")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        gen.set_state(state["gen"])
+        step, elapsed = state["step"], state["elapsed"]
+        print(f"resumed from {ckpt} at step {step}")
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=args.steps, initial=min(step, args.steps), desc="BYOL prior", unit="step")
+    t0 = time.perf_counter() - elapsed
+    while step < args.steps:
+        model.train()
+        idx = torch.randint(len(images), (args.batch_size,), generator=gen)
+        x = images[idx]
+        loss = model.loss(random_views(x, BYOL_VIEWS, gen), random_views(x, BYOL_VIEWS, gen))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        model.update_momentum(args.momentum)
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        if step % args.checkpoint_every == 0 or step == args.steps:
+            state = {"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "step": step,
+                     "elapsed": time.perf_counter() - t0, "args": vars(args)}
+            _atomic_torch_save(state, ckpt)
+            _atomic_torch_save({"backbone": backbone.state_dict(), "step": step}, cache / f"backbone_{step:06d}.pt")
+    bar.close()
+    train_time = time.perf_counter() - t0
+
+    test = FashionMNIST("test")
+    probe_n = 20000
+    acc = probe_accuracy(backbone, images[:probe_n], train.targets[:probe_n], images_to_tensor(test.data), test.targets, seed=args.seed)
+    print(f"prior linear probe (first {probe_n} train -> 10k test): {acc:.2f} %")
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    from accelerate_ssl.targets.priors import save_prior_checkpoint
+
+    preprocess = {"channels": 1, "mean": [FASHION_MNIST_MEAN], "std": [FASHION_MNIST_STD], "stats": "dataset"}
+    save_prior_checkpoint(backbone, out, arch="convnet", arch_kwargs=backbone.config, preprocess_config=preprocess)
+    record = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "machine": {"cpu_count": os.cpu_count(), "threads": args.threads, "torch": torch.__version__, "platform": platform.platform()},
+        "args": vars(args), "train_seconds": train_time, "steps": step,
+        "linear_probe_top1": acc, "probe_protocol": f"first {probe_n} train images -> 10k test, standardised features, Adam 1e-3, 30 epochs",
+        "weights": str(out), "labels_used_for_training": False,
+    }
+    res = Path(args.results)
+    res.parent.mkdir(parents=True, exist_ok=True)
+    tmp = res.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=2))
+    os.replace(tmp, res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
