@@ -1,0 +1,269 @@
+"""ReLA in a lightly training loop with one added line (papers 000 / 001; see :mod:`accelerate_ssl.rela`).
+
+lightly's examples build a ``DataLoader`` over a torchvision-style dataset (or a ``LightlyDataset``)
+whose transform makes the views, and a model with a ``backbone``. :func:`attach_rela` takes exactly
+those two objects and does everything ReLA needs behind one line::
+
+    rela = attach_rela(model.backbone, dataloader, prior="random:convnet", cache_dir="rela-targets")
+    ...
+    loss = rela.wrap(0.5 * (criterion(p0, z1) + criterion(p1, z0)))
+
+1. finds the *clean* dataset under the loader (:func:`clean_dataset`: the same samples without the
+   augmentation; for a ``LightlyDataset`` its underlying torchvision dataset),
+2. precomputes the prior's targets for it once into ``cache_dir/<prior>-<fingerprint>`` (sharded when
+   run under ``accelerate launch``), or opens that store if it is already there — the dataset
+   fingerprint is checked, so a stale cache is refused, never silently reused,
+3. records the dataset's file names next to the store (``filenames.json``) when it has any, so rows can
+   also be found by file name (``LightlyDataset`` items are ``(sample, target, fname)``),
+4. returns a :class:`LightlyReLA` (a :class:`~accelerate_ssl.rela.ReLA`) that tracks the loader's sample
+   indices and hooks the backbone's features.
+
+``rela.wrap(loss, filenames=fnames)`` looks rows up by file name instead of the tracked index (for
+loaders whose indices cannot be tracked, e.g. a custom iterable over a ``LightlyDataset``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from accelerate_ssl.rela import ReLA
+
+__all__ = ["attach_rela", "clean_dataset", "dataset_filenames", "FilenameIndex", "LightlyReLA", "open_or_precompute",
+           "FILENAMES_SIDECAR"]
+
+#: sidecar written next to a store: the dataset's file names in row order (``get_filenames()`` order).
+FILENAMES_SIDECAR = "filenames.json"
+
+
+# ---------------------------------------------------------------------------------------------- datasets
+def _without_transform(dataset):
+    """A shallow copy of a torchvision-style dataset with ``transform=None`` (the data are shared)."""
+    clean = copy.copy(dataset)
+    clean.transform = None
+    if getattr(clean, "transforms", None) is not None:  # torchvision VisionDataset applies .transforms
+        from torchvision.datasets.vision import StandardTransform
+
+        clean.transforms = StandardTransform(None, getattr(clean, "target_transform", None))
+    return clean
+
+
+def _is_lightly_dataset(dataset) -> bool:
+    return type(dataset).__name__ == "LightlyDataset" and hasattr(dataset, "dataset") and hasattr(dataset, "get_filenames")
+
+
+def clean_dataset(dataset):
+    """The samples of ``dataset`` without its augmentation, as ``(image, label)`` items in the same order.
+
+    - lightly's ``LightlyDataset``: its underlying torchvision dataset, transform removed;
+    - ``torch.utils.data.Subset``: a Subset of the clean inner dataset with the same indices;
+    - any dataset with a ``transform`` attribute (torchvision, ``accelerate_ssl.data``): a shallow copy
+      with ``transform=None``.
+
+    Raises a ``TypeError`` naming the fix for datasets without a ``transform`` attribute.
+    """
+    from torch.utils.data import Subset
+
+    if isinstance(dataset, Subset):
+        return Subset(clean_dataset(dataset.dataset), dataset.indices)
+    if _is_lightly_dataset(dataset):
+        return _without_transform(dataset.dataset)
+    if hasattr(dataset, "transform"):
+        return _without_transform(dataset)
+    raise TypeError(
+        f"Cannot find the clean (un-augmented) samples of {type(dataset).__name__}: it has no `transform` attribute. "
+        "Precompute the targets yourself (accelerate_ssl.precompute_targets(prior, clean_dataset, path)) and create "
+        "ReLA(path, model.backbone, dataloader=dataloader)."
+    )
+
+
+def dataset_filenames(dataset) -> Optional[list[str]]:
+    """The file names of ``dataset`` in index order, as lightly names them (``LightlyDataset.get_filenames()``,
+    or paths relative to ``root`` for ImageFolder-style datasets); ``None`` if it has no files."""
+    if _is_lightly_dataset(dataset):
+        return [str(f) for f in dataset.get_filenames()]
+    samples = getattr(dataset, "samples", None)
+    if isinstance(samples, (list, tuple)):
+        root = str(getattr(dataset, "root", "") or "")
+        paths = [s[0] if isinstance(s, (list, tuple)) else s for s in samples]
+        return [os.path.relpath(p, root) if root and os.path.isabs(p) else str(p) for p in paths]
+    return None
+
+
+class FilenameIndex:
+    """File name -> target row, from the names recorded (in row order) when the store was computed."""
+
+    def __init__(self, filenames: Sequence[str]):
+        self.filenames = [str(f) for f in filenames]
+        self._rows = {name: i for i, name in enumerate(self.filenames)}
+        if len(self._rows) != len(self.filenames):
+            raise ValueError("The dataset lists the same file name twice; rows cannot be found by file name. "
+                             "Use the index lookup (rela.wrap(loss) with a tracked DataLoader).")
+
+    @classmethod
+    def load(cls, store_path: Union[str, os.PathLike]) -> "FilenameIndex":
+        file = Path(store_path) / FILENAMES_SIDECAR
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"{file} does not exist: this target store was computed without file names. Rebuild it with "
+                "accelerate_ssl.integrations.lightly.open_or_precompute(prior, dataset, cache_dir) from a dataset with "
+                "files (LightlyDataset / ImageFolder), or look rows up by index."
+            )
+        return cls(json.loads(file.read_text())["filenames"])
+
+    def __len__(self) -> int:
+        return len(self.filenames)
+
+    def rows(self, filenames: Sequence[str]) -> torch.Tensor:
+        """LongTensor of the rows of ``filenames`` (a batch's ``fname`` list)."""
+        if isinstance(filenames, str):
+            filenames = [filenames]
+        try:
+            return torch.tensor([self._rows[str(f)] for f in filenames], dtype=torch.long)
+        except KeyError as err:
+            raise KeyError(
+                f"File {err.args[0]!r} is not in the target store's file list ({len(self)} files, e.g. "
+                f"{self.filenames[:3]}); the targets were computed on another folder. Recompute them for this dataset."
+            ) from None
+
+
+def _write_json_atomic(path: Path, payload: Any) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-")[:60]
+
+
+def _image_channels(clean) -> int:
+    from accelerate_ssl.targets.priors import Preprocess
+
+    item = clean[0]
+    image = item[0] if isinstance(item, (tuple, list)) else item
+    return int(Preprocess.to_tensor(image).shape[0])
+
+
+def open_or_precompute(prior: Union[str, nn.Module], dataset, cache_dir: Union[str, os.PathLike],
+                       weights: Optional[str] = None, batch_size: int = 256, progress: bool = True):
+    """The TargetStore of ``prior`` over the clean ``dataset``, computed once under ``cache_dir``.
+
+    The store folder is ``cache_dir/<prior spec>-<dataset fingerprint>``, so another dataset (or another
+    prior) gets another folder, and opening checks the fingerprint again. ``prior`` is a spec for
+    :func:`~accelerate_ssl.targets.priors.create_prior` (random backbones get the data's channel count)
+    or a ready ``Prior``. Under ``accelerate launch`` the precompute is sharded across the processes.
+    File names (if the dataset has them) are written to ``filenames.json`` in the store folder.
+    """
+    from accelerate_ssl import backbones
+    from accelerate_ssl.data import dataset_fingerprint
+    from accelerate_ssl.targets.precompute import precompute_targets
+    from accelerate_ssl.targets.priors import create_prior
+    from accelerate_ssl.targets.store import METADATA, TargetStore
+
+    if isinstance(prior, str):
+        family, _, arch = prior.partition(":")
+        overrides = {"in_channels": _image_channels(dataset)} if family == "random" and arch in backbones.BACKBONES else {}
+        spec = prior
+        prior = create_prior(prior, weights=weights, **overrides)
+    else:
+        spec = getattr(prior, "spec", type(prior).__name__)
+    fingerprint = dataset_fingerprint(dataset)
+    path = Path(cache_dir) / f"{_slug(spec)}-{fingerprint['length']}-{fingerprint['sha256'][:12]}"
+    if (path / METADATA).is_file():
+        store = TargetStore.open(path, dataset=dataset)
+    else:
+        store = precompute_targets(prior, dataset, path, batch_size=batch_size, progress=progress)
+    names = dataset_filenames(dataset)
+    sidecar = path / FILENAMES_SIDECAR
+    if names is not None and not sidecar.is_file():
+        if len(names) != len(store):
+            raise ValueError(f"{len(names)} file names for a {len(store)}-row store; the dataset changed while "
+                             f"precomputing. Delete {path} and rerun.")
+        _write_json_atomic(sidecar, {"filenames": names})
+    return store
+
+
+# ---------------------------------------------------------------------------------------------- ReLA
+class LightlyReLA(ReLA):
+    """:class:`~accelerate_ssl.rela.ReLA` that can also find a batch's targets by file name.
+
+    ``wrap(loss, filenames=fnames)``: rows from the file names (lightly's ``(sample, target, fname)``
+    items) through the names recorded at precompute time, instead of the tracked index.
+    ``log_every=k`` prints ``step / lambda / loss_rela / loss_ssl`` every k optimiser steps.
+    """
+
+    def __init__(self, *args, filename_index: Optional[FilenameIndex] = None, log_every: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.filename_index = filename_index
+        self.log_every = int(log_every)
+        self._last_logged = -1
+
+    def wrap(self, loss, *, index=None, features=None, filenames: Optional[Sequence[str]] = None):
+        if filenames is not None:
+            if index is not None:
+                raise ValueError("Pass index= or filenames= to wrap, not both.")
+            if self.filename_index is None:
+                raise ValueError("This ReLA has no file-name list (the dataset has no files); pass index= or track "
+                                 "the DataLoader instead of filenames=.")
+            index = self.filename_index.rows(filenames)
+        if self.log_every and self.steps % self.log_every == 0 and self.steps != self._last_logged:
+            self._last_logged = self.steps
+            if self.steps:
+                s = self.stats
+                fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+                print(f"rela: step {s['step']:5d}  lambda {s['lambda']:.3f}  loss_rela {fmt(s['loss_rela'])}  "
+                      f"loss_ssl {fmt(s['loss_ssl'])}", flush=True)
+        return super().wrap(loss, index=index, features=features)
+
+
+class _NoReLA:
+    """``attach_rela(..., enabled=False)``: the same loop without ReLA (``wrap`` returns the loss)."""
+
+    stats = {"lambda": 0.0, "loss_rela": None, "loss_ssl": None, "step": 0, "finished": True}
+
+    def wrap(self, loss, *, index=None, features=None, filenames=None):
+        return loss() if callable(loss) else loss
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def attach_rela(backbone: nn.Module, dataloader, *, prior: Union[str, nn.Module] = "random:convnet",
+                cache_dir: Union[str, os.PathLike] = "rela-targets", weights: Optional[str] = None,
+                enabled: bool = True, log_every: int = 0, progress: bool = True, **rela_kwargs):
+    """One line to add ReLA to a lightly loop: precompute/open the targets of ``dataloader``'s dataset and
+    return a :class:`LightlyReLA` tracking ``dataloader`` and hooking ``backbone``.
+
+    Args:
+        backbone: the student's feature extractor (``model.backbone``).
+        dataloader: the training DataLoader (its dataset's transform makes the views; any map-style
+            dataset with a ``transform`` attribute, or a ``LightlyDataset``).
+        prior: prior spec (``create_prior``) or a ``Prior``; ``weights`` a local weights file for it.
+        cache_dir: folder holding the stores (one per prior and dataset).
+        enabled: ``False`` returns an object whose ``wrap`` returns the loss unchanged (same loop, no ReLA).
+        log_every: print lambda and both losses every ``log_every`` optimiser steps (0: never).
+        progress: tqdm bar while precomputing.
+        **rela_kwargs: passed to :class:`~accelerate_ssl.rela.ReLA` (``schedule``, ``n_components``, ...).
+    """
+    if not enabled:
+        return _NoReLA()
+    dataset = getattr(dataloader, "dataset", None)
+    if dataset is None:
+        raise TypeError(f"attach_rela needs a torch DataLoader, got {type(dataloader).__name__}.")
+    clean = clean_dataset(dataset)
+    store = open_or_precompute(prior, clean, cache_dir, weights=weights, progress=progress)
+    names_file = Path(store.path) / FILENAMES_SIDECAR
+    index = FilenameIndex.load(store.path) if names_file.is_file() else None
+    return LightlyReLA(store, backbone, dataset=clean, dataloader=dataloader, filename_index=index,
+                       log_every=log_every, **rela_kwargs)
