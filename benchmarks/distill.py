@@ -1,0 +1,382 @@
+"""Distilled warm-start sets on Fashion-MNIST: random real vs SRe2L, SRe2L++, DWA, FADRM, FADRM+ at IPC 10.
+
+Protocol (identical for every row):
+  * teacher A: ResNetSmall (BatchNorm, widths 16/32/64) trained here for --teacher-epochs on --teacher-train
+    images (cached in benchmarks/cache/); teacher B for FADRM+: a BatchNorm ConvNet + linear classifier.
+  * synthesis: --iterations recover steps per batch for every method (FADRM: the same budget B, k = 3,
+    alpha = 0.5, MRO with D_ds = --ds-size; "FADRM (no MRO)" is the same budget at 28 px, for the cost ratio).
+  * student: a fresh ResNetSmall (8/16/32) trained by online KD (KL, T = --temperature, CutMix, AdamW
+    1e-3 / wd 0.01, cosine) on the 100 images for --student-epochs, evaluated on the 10k test split;
+    3 student seeds -> mean +- std. Soft labels: teacher A (FADRM+: mean logits of A and B, as the paper).
+  * cost: synthesis seconds per image of the full run; cost *ratios* from a separate interleaved pass
+    (--timing-rounds rounds, each times one batch of every method in turn, order rotated), median of the
+    per-round ratios. Peak memory: peak RSS above the RSS before the run, sampled every 2 ms by a thread
+    (tracemalloc does not see torch's CPU allocator). On CUDA also max_memory_allocated, and FADRM with
+    and without mixed precision.
+
+Run:  .venv/bin/python benchmarks/distill.py              (about 15-25 min on 2 loaded CPU cores)
+      .venv/bin/python benchmarks/distill.py --quick      (a few minutes, smoke test)
+Scale up: --iterations 1000 --student-epochs 300 --teacher-epochs 10 --teacher-train 60000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+
+from accelerate_ssl.backbones import ConvNet, ResNetSmall  # noqa: E402
+from accelerate_ssl.data import FashionMNIST  # noqa: E402
+from accelerate_ssl.distill import DistilledSet, mro_cost_ratio, synthesize, train_student  # noqa: E402
+from accelerate_ssl.distill.dataset import atomic_write_json  # noqa: E402
+
+ROWS = ["random real", "SRe2L", "SRe2L++", "DWA", "FADRM", "FADRM (no MRO)", "FADRM+ (2 teachers)"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--ipc", type=int, default=10)
+    p.add_argument("--iterations", type=int, default=300, help="recover steps per batch, same for every method")
+    p.add_argument("--ds-size", type=int, default=14, help="FADRM's MRO resolution D_ds at 28 px")
+    p.add_argument("--teacher-epochs", type=int, default=2)
+    p.add_argument("--teacher-train", type=int, default=20000, help="training images for the teachers")
+    p.add_argument("--student-epochs", type=int, default=60)
+    p.add_argument("--student-batch", type=int, default=20)
+    p.add_argument("--temperature", type=float, default=4.0)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="student seeds")
+    p.add_argument("--timing-rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest on a shared machine)")
+    p.add_argument("--fresh", action="store_true", help="re-synthesise even when a cached set exists")
+    p.add_argument("--quick", action="store_true", help="smoke test: tiny budgets (numbers not meaningful)")
+    p.add_argument("--out", default=str(ROOT / "results" / "distill.json"))
+    p.add_argument("--cache", default=str(ROOT / "cache" / "distill"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.iterations, args.teacher_epochs, args.teacher_train = 20, 1, 3000
+        args.student_epochs, args.seeds, args.timing_rounds, args.ipc = 4, [0], 1, 2
+    return args
+
+
+# ------------------------------------------------------------------------------------------------ memory
+
+
+class PeakRSS:
+    """Peak resident set size above the value at entry, sampled every 2 ms in a background thread (MB)."""
+
+    def __init__(self):
+        import psutil
+
+        self.proc = psutil.Process()
+        self.peak = 0
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.002)
+
+    def __enter__(self):
+        self.base = self.proc.memory_info().rss
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.mb = (self.peak - self.base) / 2**20
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+class ConvNetClassifier(nn.Sequential):
+    def __init__(self):
+        super().__init__(ConvNet(1, (16, 32, 64), norm="batch"), nn.Linear(64, 10))
+
+
+def normalise(images_u8: torch.Tensor, mean, std) -> torch.Tensor:
+    return (images_u8.float().div(255.0).unsqueeze(1) - mean[0]) / std[0]
+
+
+def train_teacher(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, seed: int) -> nn.Module:
+    """Plain supervised training (Adam 2e-3, batch 128, random 2-px shift + flip)."""
+    from tqdm.auto import tqdm
+
+    torch.manual_seed(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    steps = epochs * ((len(x) + 127) // 128)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps)
+    model.train()
+    bar = tqdm(total=steps, desc=f"teacher {type(model).__name__}", unit="step")
+    for _ in range(epochs):
+        perm = torch.randperm(len(x))
+        for i in range(0, len(x), 128):
+            idx = perm[i : i + 128]
+            xb = x[idx]
+            dx, dy = torch.randint(-2, 3, (2,)).tolist()
+            xb = torch.roll(xb, (dy, dx), (2, 3))
+            if torch.rand(1) < 0.5:
+                xb = xb.flip(-1)
+            loss = F.cross_entropy(model(xb), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            bar.update(1)
+    bar.close()
+    return model.eval()
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    model.eval()
+    correct = 0
+    for i in range(0, len(x), 1000):
+        correct += int((model(x[i : i + 1000]).argmax(1) == y[i : i + 1000]).sum())
+    return correct / len(x)
+
+
+def cached_teacher(name, factory, x, y, epochs, seed, cache: Path):
+    key = hashlib.sha256(json.dumps([name, epochs, seed, len(x)]).encode()).hexdigest()[:12]
+    path = cache / f"teacher_{name}_{key}.pt"
+    model = factory()
+    if path.exists():
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        return model.eval(), True
+    t0 = time.perf_counter()
+    train_teacher(model, x, y, epochs, seed)
+    print(f"trained {name} in {time.perf_counter() - t0:.0f} s")
+    tmp = Path(str(path) + ".tmp")
+    torch.save(model.state_dict(), tmp)
+    os.replace(tmp, path)
+    return model, False
+
+
+# ------------------------------------------------------------------------------------------------ methods
+
+
+def method_specs(args, teacher_a, teacher_b):
+    """row name -> (synthesize method, teachers, hyper-parameters); one shared iteration budget."""
+    it = args.iterations
+    return {
+        "SRe2L": ("sre2l", teacher_a, {"iterations": it}),
+        "SRe2L++": ("sre2l++", teacher_a, {"iterations": it}),
+        "DWA": ("dwa", teacher_a, {"iterations": it}),
+        "FADRM": ("fadrm", teacher_a, {"iterations": it, "ds_size": args.ds_size}),
+        "FADRM (no MRO)": ("fadrm", teacher_a, {"iterations": it, "ds_size": None}),
+        "FADRM+ (2 teachers)": ("fadrm+", [teacher_a, teacher_b], {"iterations": it, "ds_size": args.ds_size}),
+    }
+
+
+def random_real(train: FashionMNIST, ipc: int, seed: int, mean, std) -> DistilledSet:
+    g = torch.Generator().manual_seed(seed)
+    idx = []
+    for c in range(10):
+        pool = torch.nonzero(train.targets == c).flatten()
+        idx += pool[torch.randperm(len(pool), generator=g)[:ipc]].tolist()
+    idx = torch.tensor(idx)
+    return DistilledSet(normalise(train.data[idx], mean, std), train.targets[idx],
+                        {"mean": list(mean), "std": list(std), "num_classes": 10, "method": "random real"})
+
+
+def interleaved_timing(specs, train, mean, std, args) -> dict:
+    """Seconds per image of one batch (10 images) of every method, interleaved over rounds."""
+    names = [n for n in specs]
+    per = {n: [] for n in names}
+    for r in range(args.timing_rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for n in order:
+            method, teachers, hp = specs[n]
+            d = synthesize(teachers, method=method, ipc=1, real=train, mean=mean, std=std, seed=1000 + r,
+                           progress=False, **hp)
+            per[n].append(d.manifest["seconds_per_image"])
+            print(f"  timing round {r}: {n:22s} {per[n][-1]:.3f} s/image", flush=True)
+    return per
+
+
+def cuda_section(teacher_a, train, mean, std, args) -> dict:
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device on this machine; on a GPU this section reports FADRM seconds/image and "
+                           "peak GPU memory with and without mixed precision (fp16 autocast + GradScaler)."}
+    import copy
+
+    dev = torch.device("cuda")
+    t = copy.deepcopy(teacher_a).to(dev)
+    out = {"device": torch.cuda.get_device_name(dev)}
+    for precision in ("fp32", "fp16"):
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        d = synthesize(t, method="fadrm", ipc=max(1, args.ipc), real=train, mean=mean, std=std, seed=0,
+                       iterations=args.iterations, ds_size=args.ds_size, precision=precision, device=dev, progress=False)
+        out[precision] = {"seconds_per_image": d.manifest["seconds_per_image"],
+                          "peak_memory_mb": (torch.cuda.max_memory_allocated(dev) - base) / 2**20}
+    out["speedup_mixed_precision"] = out["fp32"]["seconds_per_image"] / out["fp16"]["seconds_per_image"]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    cache = Path(args.cache)
+    cache.mkdir(parents=True, exist_ok=True)
+
+    train = FashionMNIST("train")
+    test = FashionMNIST("test")
+    mean, std = train.mean, train.std
+    g = torch.Generator().manual_seed(0)
+    sub = torch.randperm(len(train), generator=g)[: args.teacher_train]
+    x_tr, y_tr = normalise(train.data[sub], mean, std), train.targets[sub]
+    x_te, y_te = normalise(test.data, mean, std), test.targets
+
+    teacher_a, cached_a = cached_teacher("resnet_small", lambda: ResNetSmall(1, 10, (16, 32, 64)), x_tr, y_tr, args.teacher_epochs, 0, cache)
+    teacher_b, cached_b = cached_teacher("convnet_bn", ConvNetClassifier, x_tr, y_tr, args.teacher_epochs, 1, cache)
+    teacher_acc = {"A resnet_small(16,32,64)": accuracy(teacher_a, x_te, y_te), "B convnet_bn(16,32,64)+linear": accuracy(teacher_b, x_te, y_te)}
+    print("teacher test accuracy:", teacher_acc, flush=True)
+
+    specs = method_specs(args, teacher_a, teacher_b)
+    sets, synth = {}, {}
+    sets["random real"] = random_real(train, args.ipc, 0, mean, std)
+    for name, (method, teachers, hp) in specs.items():
+        key = hashlib.sha256(json.dumps([name, method, hp, args.ipc, args.teacher_epochs, args.teacher_train]).encode()).hexdigest()[:12]
+        out_dir = cache / f"set_{method}_{key}"
+        was_cached = (out_dir / "manifest.json").exists() and not args.fresh
+        if args.fresh and out_dir.exists():
+            import shutil
+
+            shutil.rmtree(out_dir)
+        with PeakRSS() as mem:
+            d = synthesize(teachers, method=method, ipc=args.ipc, real=train, mean=mean, std=std, seed=0,
+                           out_dir=str(out_dir), teacher_spec=["resnet_small", "convnet_bn"][: 2 if method == "fadrm+" else 1],
+                           **hp)
+        sets[name] = d
+        synth[name] = {"seconds_per_image": d.manifest["seconds_per_image"], "peak_rss_mb": None if was_cached else mem.mb,
+                       "from_cache": was_cached, "hparams": d.manifest["hparams"], "folder": str(out_dir)}
+        print(f"{name}: {synth[name]['seconds_per_image']:.3f} s/image (cached={was_cached})", flush=True)
+
+    print("interleaved timing pass", flush=True)
+    timing = interleaved_timing(specs, train, mean, std, args)
+
+    def ratio(a, b):
+        return statistics.median([x / y for x, y in zip(timing[a], timing[b])])
+
+    cost = {
+        "dwa_over_sre2lpp": ratio("DWA", "SRe2L++"),
+        "fadrm_mro_over_no_mro": ratio("FADRM", "FADRM (no MRO)"),
+        "fadrm_cost_model": mro_cost_ratio(args.iterations, 3, args.ds_size, 28),
+        "fadrm_plus_over_fadrm": ratio("FADRM+ (2 teachers)", "FADRM"),
+        "per_round_seconds_per_image": timing,
+    }
+
+    results = {}
+    for name in ROWS:
+        accs = []
+        for seed in args.seeds:
+            torch.manual_seed(seed)
+            student = ResNetSmall(1, 10, (8, 16, 32))
+            teachers = [teacher_a, teacher_b] if name.startswith("FADRM+") else teacher_a
+            train_student(student, sets[name], teachers=teachers, epochs=args.student_epochs, batch_size=args.student_batch,
+                          temperature=args.temperature, mix="cutmix", crop_scale=(0.25, 1.0), seed=seed, progress=False)
+            accs.append(accuracy(student, x_te, y_te))
+        results[name] = {"accuracy_mean": float(np.mean(accs)), "accuracy_std": float(np.std(accs)), "accuracies": accs,
+                         **synth.get(name, {})}
+        print(f"{name:22s} acc {np.mean(accs) * 100:.2f} +- {np.std(accs) * 100:.2f}", flush=True)
+
+    acc = {n: results[n]["accuracy_mean"] for n in ROWS}
+    goals = {
+        "dwa_beats_sre2lpp": {"met": acc["DWA"] > acc["SRe2L++"], "margin_pts": 100 * (acc["DWA"] - acc["SRe2L++"])},
+        "dwa_beats_random_real": {"met": acc["DWA"] > acc["random real"], "margin_pts": 100 * (acc["DWA"] - acc["random real"])},
+        "sre2lpp_beats_random_real": {"met": acc["SRe2L++"] > acc["random real"], "margin_pts": 100 * (acc["SRe2L++"] - acc["random real"])},
+        "dwa_cost_le_1.10x_sre2lpp": {"met": cost["dwa_over_sre2lpp"] <= 1.10, "ratio": cost["dwa_over_sre2lpp"]},
+        "fadrm_mro_cost_le_model": {"met": cost["fadrm_mro_over_no_mro"] <= cost["fadrm_cost_model"],
+                                    "ratio": cost["fadrm_mro_over_no_mro"], "model": cost["fadrm_cost_model"]},
+    }
+    report = {
+        "command": "python " + " ".join([sys.argv[0]] + (sys.argv[1:] if argv is None else list(argv))),
+        "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "platform": platform.platform(), "cuda": torch.cuda.is_available()},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "cache")},
+        "protocol": {"student": "ResNetSmall(8,16,32), online KD (KL, T=%g), CutMix, crop 0.25-1, AdamW 1e-3 wd 0.01 cosine, "
+                                "batch %d, %d epochs over the 100 images; test accuracy on the 10k test split" % (
+                                    args.temperature, args.student_batch, args.student_epochs),
+                     "memory": "peak RSS above the RSS at the start of each full synthesis, sampled every 2 ms (MB); "
+                               "None when the set came from the cache",
+                     "cost_ratios": "median of per-round ratios in the interleaved timing pass (one 10-image batch per method per round)"},
+        "teacher_accuracy": teacher_acc,
+        "teachers_from_cache": {"A": cached_a, "B": cached_b},
+        "rows": results,
+        "cost": cost,
+        "goals": goals,
+        "cuda": cuda_section(teacher_a, train, mean, std, args),
+        "wall_seconds": time.perf_counter() - t_start,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out, report)
+    plot(report, sets, out.with_suffix(".png"))
+    print(json.dumps({"goals": goals, "cost": {k: v for k, v in cost.items() if k != "per_round_seconds_per_image"}}, indent=1))
+    print(f"wrote {out} and {out.with_suffix('.png')} in {report['wall_seconds']:.0f} s")
+
+
+def plot(report, sets, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = ROWS
+    fig = plt.figure(figsize=(13, 9))
+    gs = fig.add_gridspec(2, 2, height_ratios=[1, 1.3])
+    ax = fig.add_subplot(gs[0, 0])
+    m = [100 * report["rows"][r]["accuracy_mean"] for r in rows]
+    s = [100 * report["rows"][r]["accuracy_std"] for r in rows]
+    ax.barh(rows, m, xerr=s, color="tab:blue")
+    ax.set_xlim(min(m) - 10, max(m) + 5)
+    ax.invert_yaxis()
+    ax.set_xlabel("student test accuracy (%)")
+    ax.set_title(f"Fashion-MNIST IPC {report['settings']['ipc']}, {len(report['settings']['seeds'])} seeds")
+    ax = fig.add_subplot(gs[0, 1])
+    t = {r: statistics.median(report["cost"]["per_round_seconds_per_image"][r]) for r in rows[1:]}
+    ax.barh(list(t), list(t.values()), color="tab:orange")
+    ax.invert_yaxis()
+    ax.set_xlabel("synthesis s / image (interleaved, median)")
+    ax.set_title(f"DWA/SRe2L++ {report['cost']['dwa_over_sre2lpp']:.2f}x; FADRM MRO/no-MRO "
+                 f"{report['cost']['fadrm_mro_over_no_mro']:.2f}x (model {report['cost']['fadrm_cost_model']:.3f})")
+    ax = fig.add_subplot(gs[1, :])
+    grid = []
+    for r in rows:
+        d = sets[r]
+        first = torch.stack([d.images_01()[(d.labels == c).nonzero()[0, 0]] for c in range(10)])
+        grid.append(torch.cat(list(first[:, 0]), dim=1))
+    ax.imshow(torch.cat(grid, 0).numpy(), cmap="gray", vmin=0, vmax=1)
+    ax.set_yticks([14 + 28 * i for i in range(len(rows))], rows)
+    ax.set_xticks([14 + 28 * c for c in range(10)], [str(c) for c in range(10)])
+    ax.set_title("first image of every class")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=90)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    main()
