@@ -1,0 +1,142 @@
+"""Precompute throughput vs the bare prior forward, and peak RSS vs N (issue 2 benchmark).
+
+On Fashion-MNIST (train) with ``random:resnet18`` (torchvision resnet18, random seeded weights, the
+prior's own preprocessing at the data's native 28 px, the data set's mean/std), in one process:
+
+(a) bare forward: ``prior(x)`` under ``torch.inference_mode`` over the same preprocessed batches,
+    already in memory (no data loading, no preprocessing, no writing);
+(b) ``precompute_targets``: data loading + preprocessing + forward + NaN check + chunk writes +
+    consolidation into the memory-mapped store.
+
+Reports images/s of both (wall clock, and per second of process CPU time, which is less
+sensitive to other jobs on a shared machine), the ratio b/a (goal >= 0.9), and the peak RSS during (b) (psutil, sampled
+every 10 ms in a thread) for N and N/4, to show RSS does not grow with N. Runs alternate (b) and
+(a) per N so that the load of a shared machine hits both alike.
+
+    .venv/bin/python benchmarks/precompute.py [--limit 4000] [--batch-size 256] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from accelerate_ssl.data import FashionMNIST  # noqa: E402
+from accelerate_ssl.targets.precompute import precompute_targets  # noqa: E402
+from accelerate_ssl.targets.priors import create_prior  # noqa: E402
+
+
+class PeakRSS:
+    """Peak resident set size of this process while the block runs (sampled in a thread)."""
+
+    def __init__(self, interval: float = 0.01):
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        self._proc = psutil.Process()
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        self.start = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+def bare_forward(prior, dataset, batch_size: int) -> tuple[float, float]:
+    """(images/s wall, images/s of process CPU time) of the forward alone over preprocessed in-memory batches."""
+    pre = prior.preprocess.with_stats(dataset.mean, dataset.std, "dataset")
+    batches = [pre.batch(dataset.data[a : a + batch_size].unsqueeze(1)) for a in range(0, len(dataset), batch_size)]
+    with torch.inference_mode():
+        prior(batches[0][:8])  # warm-up
+        start, cpu = time.perf_counter(), time.process_time()
+        for x in batches:
+            prior(x)
+        return len(dataset) / (time.perf_counter() - start), len(dataset) / (time.process_time() - cpu)
+
+
+def full_precompute(prior, dataset, batch_size: int, num_workers: int, workdir: Path):
+    """(images/s wall, images/s of CPU time, peak RSS, RSS before) of precompute_targets."""
+    out = workdir / f"store-{len(dataset)}"
+    shutil.rmtree(out, ignore_errors=True)
+    with PeakRSS() as rss:
+        start, cpu = time.perf_counter(), time.process_time()
+        store = precompute_targets(prior, dataset, out, batch_size=batch_size, num_workers=num_workers, progress=False)
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+    assert len(store) == len(dataset)
+    shutil.rmtree(out, ignore_errors=True)
+    return len(dataset) / seconds, len(dataset) / cpu_seconds, rss.peak, rss.start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--limit", type=int, default=4000, help="N (first N training images; 60000 = all)")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--num-workers", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating repetitions per N (best is kept)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "precompute.json"))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    prior = create_prior("random:resnet18")
+    sizes = [max(1, args.limit // 4), args.limit]
+    results = []
+    with tempfile.TemporaryDirectory(dir=ROOT / "benchmarks") as tmp:
+        for n in sizes:
+            dataset = FashionMNIST("train", limit=n)
+            b = b_cpu = a = a_cpu = 0.0
+            peak = start = 0
+            for _ in range(args.rounds):  # alternate (b) and (a); best of the rounds (a shared machine is noisy)
+                rb, rb_cpu, rpeak, rstart = full_precompute(prior, dataset, args.batch_size, args.num_workers, Path(tmp))
+                ra, ra_cpu = bare_forward(prior, dataset, args.batch_size)
+                b, b_cpu, a, a_cpu = max(b, rb), max(b_cpu, rb_cpu), max(a, ra), max(a_cpu, ra_cpu)
+                peak, start = max(peak, rpeak), rstart if not start else start
+            row = {"n": n, "bare_forward_img_s": round(a, 1), "precompute_img_s": round(b, 1),
+                   "ratio": round(b / a, 3), "bare_forward_img_per_cpu_s": round(a_cpu, 1),
+                   "precompute_img_per_cpu_s": round(b_cpu, 1), "ratio_cpu_time": round(b_cpu / a_cpu, 3),
+                   "peak_rss_mb": round(peak / 2**20, 1),
+                   "rss_before_mb": round(start / 2**20, 1), "rss_growth_mb": round((peak - start) / 2**20, 1)}
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    report = {
+        "command": "python benchmarks/precompute.py " + " ".join(sys.argv[1:]),
+        "prior": "random:resnet18", "input": "28x28 native, 3 channels (repeated), Fashion-MNIST mean/std",
+        "dataset": "fashion-mnist train", "batch_size": args.batch_size, "num_workers": args.num_workers,
+        "machine": {"cpu_count": os.cpu_count(), "torch_threads": args.threads, "torch": torch.__version__,
+                    "python": platform.python_version(), "load_avg_1min": round(os.getloadavg()[0], 2)},
+        "results": results,
+        "goal": "precompute >= 0.9 x bare forward; peak RSS flat in N",
+        "rss_ratio_large_over_small": round(results[-1]["peak_rss_mb"] / results[0]["peak_rss_mb"], 3),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp_file = out.with_name(out.name + ".tmp")
+    tmp_file.write_text(json.dumps(report, indent=1))
+    os.replace(tmp_file, out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
