@@ -1,0 +1,210 @@
+"""HF Accelerate integration: prepared-loader index tracking, the subset sampler under prepare, a 2-process
+(gloo, CPU) run of examples/accelerate_byol.py with identical lambda and averaged loss on both processes,
+resume from accelerator.save_state, and the sharded precompute command."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from accelerate_ssl.data.datasets import fashion_mnist_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "accelerate_byol.py"
+ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+HAVE_FMNIST = any((fashion_mnist_dir() / f).exists() for f in ("train-images-idx3-ubyte.gz", "train-images-idx3-ubyte"))
+needs_fmnist = pytest.mark.skipif(not HAVE_FMNIST, reason="Fashion-MNIST idx files not installed")
+
+#: the README's commands (README section "HF Accelerate"); the tests below run exactly these.
+LAUNCH = "accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no"
+README_PRECOMPUTE = (f"{LAUNCH} -m accelerate_ssl.cli precompute --prior random:convnet --dataset fashion-mnist "
+                     "--limit 512 --out rela-targets/fmnist-512")
+README_TRAIN = (f"{LAUNCH} examples/accelerate_byol.py --steps 6 --limit 512 --batch-size 32 --fraction 0.25 "
+                "--log-json logs --save-state ckpt --save-at 3")
+README_RESUME = ("python examples/accelerate_byol.py --steps 6 --limit 512 --batch-size 32 --fraction 0.25 "
+                 "--resume ckpt --log-json logs-resumed")
+
+
+def _argv(command: str) -> list[str]:
+    words = shlex.split(command)
+    head = {"accelerate": [ACCELERATE], "python": [sys.executable]}[words[0]]
+    return head + [str(ROOT / w) if w.startswith("examples/") else w for w in words[1:]]
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def _run(command: str, cwd: Path, timeout: int = 170) -> subprocess.CompletedProcess:
+    done = subprocess.run(_argv(command), cwd=cwd, env=_env(), text=True, capture_output=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+# ---------------------------------------------------------------------------------------------- in-process
+class IndexIsLabel(Dataset):
+    def __init__(self, n=40):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.full((3,), float(i)), i
+
+
+def _rela(n=40):
+    from accelerate_ssl.rela import ReLA
+
+    return ReLA(torch.randn(n, 4), nn.Linear(3, 5), feature_dim=5)
+
+
+@pytest.fixture(scope="module")
+def accelerator():
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=True)
+
+
+def test_prepared_loader_indices_match_each_yielded_batch(accelerator):
+    from accelerate_ssl.integrations.accelerate import track_prepared
+
+    rela = _rela()
+    prepared = accelerator.prepare(DataLoader(IndexIsLabel(), batch_size=4, shuffle=True))
+    loader = track_prepared(rela, prepared)
+    assert len(loader) == len(prepared) == 10
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        seen = []
+        for x, label in loader:
+            # accelerate's DataLoaderShard reads one batch ahead: the naive inner tracker would be off by one
+            assert torch.equal(loader.tracker.current, label) and torch.equal(rela._current_index, label)
+            seen += label.tolist()
+        assert sorted(seen) == list(range(40))
+    # an early break, then a new epoch: still aligned
+    for i, (x, label) in enumerate(loader):
+        if i == 2:
+            break
+    for x, label in loader:
+        assert torch.equal(loader.tracker.current, label)
+
+
+def test_skip_first_batches_stays_aligned(accelerator):
+    from accelerate_ssl.integrations.accelerate import track_prepared
+
+    prepared = accelerator.prepare(DataLoader(IndexIsLabel(), batch_size=4, shuffle=False))
+    skipped = accelerator.skip_first_batches(prepared, 3)
+    loader = track_prepared(_rela(), skipped)
+    labels = []
+    for x, label in loader:
+        assert torch.equal(loader.tracker.current, label)
+        labels.append(label)
+    assert torch.cat(labels).tolist() == list(range(12, 40))
+
+
+def test_subset_sampler_under_prepare(accelerator):
+    from accelerate_ssl.data import DynamicSubsetSampler
+    from accelerate_ssl.integrations.accelerate import subset_sampler, track_prepared
+
+    ds = IndexIsLabel()
+    sampler = subset_sampler(ds, 0.5, seed=3)
+    loader = track_prepared(_rela(), accelerator.prepare(DataLoader(ds, batch_size=4, sampler=sampler)))
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)  # reaches the DynamicSubsetSampler through accelerate's shard
+        got = torch.cat([label for _, label in loader]).tolist()
+        assert got == sampler.subset(epoch).tolist()
+    assert sampler.subset(0).tolist() != sampler.subset(1).tolist()
+    # a sampler that shards itself would be sharded twice by accelerate: refused
+    twice = DynamicSubsetSampler(ds, 0.5, num_replicas=2, rank=0)
+    with pytest.raises(ValueError, match="shards its batches again"):
+        track_prepared(_rela(), accelerator.prepare(DataLoader(ds, batch_size=4, sampler=twice)))
+    with pytest.raises(TypeError, match="returned by accelerator.prepare"):
+        track_prepared(_rela(), DataLoader(ds))
+
+
+def test_rela_can_be_registered_for_checkpointing(accelerator, tmp_path):
+    rela = _rela()
+    accelerator.register_for_checkpointing(rela)
+    try:
+        rela.schedule.step(0.5)
+        rela.steps = 7
+        accelerator.save_state(str(tmp_path / "state"))
+        want = rela.state_dict()
+        rela.schedule.step(0.1)
+        rela.steps = 9
+        with torch.no_grad():
+            rela.head.weight.add_(1.0)
+        accelerator.load_state(str(tmp_path / "state"))
+        got = rela.state_dict()
+        assert got["steps"] == 7 and got["schedule"] == want["schedule"]
+        assert torch.equal(got["head"]["weight"], want["head"]["weight"])
+    finally:
+        accelerator._custom_objects.remove(rela)
+
+
+@pytest.mark.xfail(strict=True, reason="needs rela.py/indexing.py: track_indices(loader) should accept accelerate's "
+                   "DataLoaderShard (track loader.base_dataloader, publish at the shard's yield); until then use "
+                   "integrations.accelerate.track_prepared")
+def test_rela_track_accepts_a_prepared_loader(accelerator):
+    rela = _rela()
+    prepared = accelerator.prepare(DataLoader(IndexIsLabel(), batch_size=4))
+    rela.track(prepared)  # AttributeError: type object 'DataLoaderShard' has no attribute '_get_iterator'
+    for x, label in prepared:
+        assert torch.equal(rela._current_index, label)
+
+
+def test_multi_gpu_config_file_is_one_machine_n_gpus():
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "integrations" / "accelerate_multi_gpu.yaml").read_text())
+    assert cfg["distributed_type"] == "MULTI_GPU" and cfg["num_machines"] == 1 and cfg["machine_rank"] == 0
+    assert cfg["gpu_ids"] == "all" and cfg["num_processes"] >= 1 and cfg["use_cpu"] is False
+
+
+# ---------------------------------------------------------------------------------------------- 2 processes
+@needs_fmnist
+def test_sharded_precompute_command(tmp_path):
+    from accelerate_ssl.data import FashionMNIST
+    from accelerate_ssl.targets.store import TargetStore
+
+    _run(README_PRECOMPUTE + " --no-progress", tmp_path)
+    store = TargetStore.open(tmp_path / "rela-targets" / "fmnist-512", dataset=FashionMNIST("train", limit=512))
+    assert len(store) == 512 and store.metadata["num_processes"] == 2
+
+
+@needs_fmnist
+def test_two_process_training_and_resume(tmp_path):
+    _run(README_TRAIN, tmp_path)
+    logs = [json.loads((tmp_path / "logs" / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert [log["world"] for log in logs] == [2, 2]
+    a, b = logs[0]["steps"], logs[1]["steps"]
+    assert len(a) == len(b) == 6
+    lambdas = [s["lambda_next"] for s in a]
+    assert lambdas[-1] < lambdas[0]  # lambda really moves in this run (so "equal on both" means something)
+    for x, y in zip(a, b):
+        assert x["lambda"] == y["lambda"] and x["lambda_next"] == y["lambda_next"]  # same lambda every step
+        assert abs(x["loss_mean"] - y["loss_mean"]) <= 1e-6  # process-averaged loss agrees
+        assert x["loss"] != y["loss"]  # ... while each process's own batch loss differs
+        # subset sampler under prepare: disjoint per-process batches from the epoch's common subset
+        subset = set(logs[0]["epoch_subsets"][str(x["epoch"])])
+        assert not set(x["index"]) & set(y["index"])
+        assert set(x["index"]) | set(y["index"]) <= subset
+    assert logs[0]["epoch_subsets"] == logs[1]["epoch_subsets"]
+    # head gradients averaged + controller fed the averaged loss: identical ReLA state on both processes
+    assert logs[0]["final"] == logs[1]["final"]
+    assert logs[0]["final"]["steps"] == 6 and logs[0]["saved"]["steps"] == 3
+
+    # resume from the accelerate checkpoint written at step 3: ReLA's state is restored exactly
+    _run(README_RESUME, tmp_path)
+    resumed = json.loads((tmp_path / "logs-resumed" / "rank-0.json").read_text())
+    assert resumed["resumed"] == logs[0]["saved"]  # lambda, step, controller state, head weights (bitwise)
+    assert [s["step"] for s in resumed["steps"]] == [4, 5, 6] and resumed["final"]["steps"] == 6
