@@ -21,7 +21,7 @@ def _images(n=64, size=8):
 
 def _config(**kw):
     base = dict(budget_images=12, steps=6, real_batch=16, pool_size=2, pool_max_steps=3, pool_width=4, pool_depth=2,
-                approx_steps=50, approx_hidden=2, seed=0)
+                approx_steps=50, approx_hidden=2, U=8, V=8, seed=0)
     return DistillConfig(**{**base, **kw})
 
 
@@ -48,13 +48,16 @@ def test_pixel_krr_st_trains_images_and_targets():
 
 
 def test_storage_count_within_budget_and_refusal():
-    for n, shape, dy, A in [(100, (1, 28, 28), 128, 3), (100, (3, 32, 32), 512, 3), (10, (1, 28, 28), 64, 5), (20, (1, 8, 8), 24, 3)]:
+    for n, shape, dy, A in [(100, (1, 28, 28), 128, 3), (100, (3, 32, 32), 512, 3), (10, (1, 28, 28), 64, 5), (40, (1, 8, 8), 24, 3)]:
         plan = plan_storage(n, shape, dy, num_augmentations=A)
         assert plan.m >= 1 and plan.total_floats <= plan.budget_floats
         # m is the largest that fits
         with pytest.raises(StorageBudgetError):
             plan_storage(n, shape, dy, num_augmentations=A, m=plan.m + 1)
-    assert plan_storage(100, (3, 32, 32), 512).U == 200  # reproduces paper 002 Table 5 at CIFAR-100 N = 100
+    cifar = plan_storage(100, (3, 32, 32), 512)  # paper 002 Table 5 at CIFAR-100 N = 100: U = V = 200
+    assert (cifar.U, cifar.V, cifar.m) == (200, 200, 114)
+    fmnist = plan_storage(100, (1, 28, 28), 64)  # the benchmark's geometry: full-rank 196-dim image basis
+    assert (fmnist.U, fmnist.V, fmnist.m) == (196, 64, 131) and fmnist.total_floats <= 100 * 784
     with pytest.raises(StorageBudgetError, match="allow_over_budget"):
         plan_storage(100, (1, 28, 28), 128, m=1000)
     over = plan_storage(100, (1, 28, 28), 128, m=1000, allow_over_budget=True)

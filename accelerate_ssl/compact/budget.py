@@ -6,11 +6,11 @@ approximation nets ``Q_a`` (``2 V H + H + V`` floats each). Everything stored is
 
 Choices (the paper never states ``m``):
 
-- ``U = min(2N, d_x^b // 2)`` and ``V = min(2N, d_y // 2)`` unless given. The paper uses ``2N``
-  capped by the dimension (CIFAR-100, N = 100: U = V = 200, which these caps reproduce). On
-  Fashion-MNIST at 14x14 (``d_x^b = 196``) the paper's cap would store a full-rank image basis,
-  which compresses nothing and leaves fewer images than the budget (m = 62 < N for a 128-d
-  teacher); half the dimension keeps the basis a compression.
+- ``U = min(2N, d_x^b)`` and ``V = min(2N, d_y)`` unless given: the paper's rule (App. A.1: "twice
+  the memory budget, except where this exceeds the dimension"; CIFAR-100, N = 100: U = V = 200).
+  On Fashion-MNIST at 14x14 (``d_x^b = 196``) this makes the image basis full rank (the
+  parameterisation still trains it, it just does not compress the images); with a 64-d teacher
+  and rotations, ``m = 131`` images fit a budget of 100.
 - ``m`` is then the largest count for which the total fits: ``floor((budget - bases - Q) / (U + V))``.
 - A plan over budget raises ``StorageBudgetError`` unless ``allow_over_budget=True``.
 """
@@ -94,8 +94,8 @@ def plan_storage(budget_images: int, image_shape: Sequence[int], target_dim: int
     if h % scale or w % scale:
         raise ValueError(f"scale {scale} must divide the image size {h}x{w}; pick e.g. 2 for 28x28 images.")
     small = c * (h // scale) * (w // scale)
-    U = U if U is not None else max(1, min(2 * budget_images, small // 2))
-    V = V if V is not None else max(1, min(2 * budget_images, target_dim // 2))
+    U = U if U is not None else min(2 * budget_images, small)
+    V = V if V is not None else min(2 * budget_images, target_dim)
     if not 1 <= U <= small:
         raise ValueError(f"U (image bases) must be in [1, {small}] for {c}x{h // scale}x{w // scale} bases, got {U}.")
     if not 1 <= V <= target_dim:

@@ -125,7 +125,7 @@ class CompactDataset:
             if METADATA_KEY not in meta:
                 raise ValueError(f"{path} is a safetensors file without accelerate-ssl compact metadata; "
                                  "pass a file written by CompactDataset.save / `accelerate-ssl compact distill`.")
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            tensors = {k: f.get_tensor(k).clone() for k in f.keys()}  # owned, aligned memory
         metadata = json.loads(meta[METADATA_KEY])
         metadata.pop("format_version", None)
         return cls(tensors, metadata)
