@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .data.indexing import IndexTracker, track_indices
+from .data.indexing import IndexTracker, track_loader
 from .schedules import Schedule, create_schedule
 
 __all__ = ["ReLA", "rela_loss"]
@@ -356,8 +356,12 @@ class ReLA:
 
         handles = [self._hook_handle, register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
         self._finalizer = weakref.finalize(self, lambda hs: [h.remove() for h in hs], handles)
-        if dataloader is not None:
-            self.track(dataloader)
+        if dataloader is not None and self.track(dataloader) is not dataloader:
+            raise ValueError(
+                f"{type(dataloader).__name__} (a loader prepared by HF Accelerate) reads one batch ahead, so it must be "
+                "iterated through the wrapper that rela.track returns: create ReLA without dataloader= and write "
+                "`loader = rela.track(accelerator.prepare(loader))`."
+            )
 
     # ------------------------------------------------------------------ setup
     def _build(self, student_dim: int, device) -> None:
@@ -374,9 +378,12 @@ class ReLA:
         self.head = nn.Linear(student_dim, target_dim).to(device)
 
     def track(self, dataloader: DataLoader) -> DataLoader:
-        """Record the dataset indices of every batch ``dataloader`` yields (it yields exactly what it did);
-        returns the loader. See :mod:`accelerate_ssl.data.indexing`."""
-        tracker = track_indices(dataloader)
+        """Record the dataset indices of every batch ``dataloader`` yields (it yields exactly what it did) and
+        return the loader to iterate: ``dataloader`` itself for a DataLoader; for a loader prepared by HF
+        Accelerate (which reads one batch ahead) a thin wrapper that publishes each batch's indices as it is
+        yielded, so write ``loader = rela.track(accelerator.prepare(loader))``. See
+        :mod:`accelerate_ssl.data.indexing`."""
+        dataloader, tracker = track_loader(dataloader)
         if tracker not in self._trackers:
             ref = weakref.ref(self)
 

@@ -7,7 +7,7 @@
 
 What is distributed and how (see accelerate_ssl/integrations/accelerate.py):
 - the targets are precomputed once, sharded across the processes (open_or_precompute -> precompute_targets);
-- ``accelerator.prepare`` wraps model, optimiser and loader; ``track_prepared`` gives ReLA the indices of
+- ``accelerator.prepare`` wraps model, optimiser and loader; ``rela.track(loader)`` gives ReLA the indices of
   each process's batches; with ``--fraction`` each epoch trains on a fresh subset (paper 001 Eq. 43),
   identical on every process and split into per-process batches by accelerate;
 - ReLA averages its head's gradients and its loss across processes: every process has the same lambda;
@@ -30,7 +30,7 @@ from torch import nn
 
 from accelerate_ssl.backbones import ConvNet
 from accelerate_ssl.data import FashionMNIST
-from accelerate_ssl.integrations.accelerate import subset_sampler, track_prepared
+from accelerate_ssl.integrations.accelerate import subset_sampler
 from accelerate_ssl.integrations.lightly import open_or_precompute
 from accelerate_ssl.rela import ReLA
 from accelerate_ssl.schedules import create_schedule
@@ -110,7 +110,7 @@ def main(argv=None):
     rela = ReLA(store, model.backbone, dataset=clean, schedule=schedule)
     optimizer = torch.optim.AdamW(list(model.parameters()) + list(rela.parameters()), lr=args.lr, weight_decay=0.01)
     model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
-    dataloader = track_prepared(rela, dataloader)
+    dataloader = rela.track(dataloader)  # a wrapper that publishes each yielded batch's indices
     accelerator.register_for_checkpointing(rela)
     criterion = NegativeCosineSimilarity()
     byol = accelerator.unwrap_model(model)

@@ -76,11 +76,9 @@ def accelerator():
 
 
 def test_prepared_loader_indices_match_each_yielded_batch(accelerator):
-    from accelerate_ssl.integrations.accelerate import track_prepared
-
     rela = _rela()
     prepared = accelerator.prepare(DataLoader(IndexIsLabel(), batch_size=4, shuffle=True))
-    loader = track_prepared(rela, prepared)
+    loader = rela.track(prepared)
     assert len(loader) == len(prepared) == 10
     for epoch in range(2):
         loader.set_epoch(epoch)
@@ -99,11 +97,9 @@ def test_prepared_loader_indices_match_each_yielded_batch(accelerator):
 
 
 def test_skip_first_batches_stays_aligned(accelerator):
-    from accelerate_ssl.integrations.accelerate import track_prepared
-
     prepared = accelerator.prepare(DataLoader(IndexIsLabel(), batch_size=4, shuffle=False))
     skipped = accelerator.skip_first_batches(prepared, 3)
-    loader = track_prepared(_rela(), skipped)
+    loader = _rela().track(skipped)
     labels = []
     for x, label in loader:
         assert torch.equal(loader.tracker.current, label)
@@ -113,11 +109,11 @@ def test_skip_first_batches_stays_aligned(accelerator):
 
 def test_subset_sampler_under_prepare(accelerator):
     from accelerate_ssl.data import DynamicSubsetSampler
-    from accelerate_ssl.integrations.accelerate import subset_sampler, track_prepared
+    from accelerate_ssl.integrations.accelerate import subset_sampler
 
     ds = IndexIsLabel()
     sampler = subset_sampler(ds, 0.5, seed=3)
-    loader = track_prepared(_rela(), accelerator.prepare(DataLoader(ds, batch_size=4, sampler=sampler)))
+    loader = _rela().track(accelerator.prepare(DataLoader(ds, batch_size=4, sampler=sampler)))
     for epoch in (0, 1):
         loader.set_epoch(epoch)  # reaches the DynamicSubsetSampler through accelerate's shard
         got = torch.cat([label for _, label in loader]).tolist()
@@ -126,9 +122,9 @@ def test_subset_sampler_under_prepare(accelerator):
     # a sampler that shards itself would be sharded twice by accelerate: refused
     twice = DynamicSubsetSampler(ds, 0.5, num_replicas=2, rank=0)
     with pytest.raises(ValueError, match="shards its batches again"):
-        track_prepared(_rela(), accelerator.prepare(DataLoader(ds, batch_size=4, sampler=twice)))
-    with pytest.raises(TypeError, match="returned by accelerator.prepare"):
-        track_prepared(_rela(), DataLoader(ds))
+        _rela().track(accelerator.prepare(DataLoader(ds, batch_size=4, sampler=twice)))
+    plain = DataLoader(ds)
+    assert _rela().track(plain) is plain  # a plain DataLoader is tracked in place
 
 
 def test_rela_can_be_registered_for_checkpointing(accelerator, tmp_path):
@@ -151,15 +147,18 @@ def test_rela_can_be_registered_for_checkpointing(accelerator, tmp_path):
         accelerator._custom_objects.remove(rela)
 
 
-@pytest.mark.xfail(strict=True, reason="needs rela.py/indexing.py: track_indices(loader) should accept accelerate's "
-                   "DataLoaderShard (track loader.base_dataloader, publish at the shard's yield); until then use "
-                   "integrations.accelerate.track_prepared")
-def test_rela_track_accepts_a_prepared_loader(accelerator):
+def test_rela_track_of_a_prepared_loader_publishes_at_its_yield(accelerator):
     rela = _rela()
     prepared = accelerator.prepare(DataLoader(IndexIsLabel(), batch_size=4))
-    rela.track(prepared)  # AttributeError: type object 'DataLoaderShard' has no attribute '_get_iterator'
-    for x, label in prepared:
+    loader = rela.track(prepared)
+    assert loader is not prepared and len(loader) == len(prepared)
+    for x, label in loader:
         assert torch.equal(rela._current_index, label)
+    # passing the prepared loader to the constructor cannot work (it must be iterated through the wrapper)
+    from accelerate_ssl.rela import ReLA
+
+    with pytest.raises(ValueError, match="loader = rela.track"):
+        ReLA(torch.randn(40, 4), nn.Linear(3, 5), feature_dim=5, dataloader=prepared)
 
 
 def test_multi_gpu_config_file_is_one_machine_n_gpus():

@@ -104,7 +104,10 @@ class ArrayImageDataset(Dataset):
     def __init__(self, images: np.ndarray, labels: np.ndarray, transform: Optional[Callable] = None, name: str = "array"):
         if images.dtype != np.uint8 or images.ndim != 3:
             raise ValueError(f"images must be uint8 [N, H, W], got {images.dtype} {images.shape}.")
-        self.data = torch.from_numpy(np.ascontiguousarray(images))
+        images = np.ascontiguousarray(images)
+        if not images.flags.writeable:  # idx files are read into read-only buffers; torch wants writable memory
+            images = images.copy()
+        self.data = torch.from_numpy(images)
         self.targets = torch.from_numpy(np.asarray(labels, dtype=np.int64))
         self.transform = transform
         self.name = name

@@ -22,19 +22,28 @@ So any sampler (shuffle, ``DistributedSampler``, :class:`DynamicSubsetSampler`, 
 sampler), ``num_workers > 0``, ``persistent_workers``, ``drop_last`` and an early ``break`` followed by a
 new epoch are all right by construction. Not supported (clear errors): iterable-style datasets (no
 indices exist) and ``in_order=False`` (batches may arrive out of sampler order).
+
+**Loaders prepared by HF Accelerate** (``accelerator.prepare(loader)``): accelerate's
+``DataLoaderShard`` is not a DataLoader subclass (it only reports ``DataLoader`` as its ``__class__``);
+it iterates an inner ``base_dataloader`` (whose batch sampler yields this process's batches) and reads
+**one batch ahead** to know which batch is the last, so the inner loader's latest indices belong to
+the *next* batch. :func:`track_loader` therefore tracks the inner loader into a FIFO and returns a
+thin :class:`TrackedPreparedLoader` that publishes each batch's indices when the prepared loader
+yields it (also right with ``accelerator.skip_first_batches``). Iterate the loader that
+:func:`track_loader` (or ``rela.track``) returns: ``loader = rela.track(accelerator.prepare(loader))``.
 """
 
 from __future__ import annotations
 
 import collections
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data import dataloader as _dl
 
-__all__ = ["IndexTracker", "track_indices"]
+__all__ = ["IndexTracker", "TrackedPreparedLoader", "track_indices", "track_loader"]
 
 
 class IndexTracker:
@@ -161,3 +170,82 @@ def track_indices(loader: DataLoader, tracker: Optional[IndexTracker] = None) ->
     loader._get_iterator = _make_tracked_get_iterator(weakref.ref(loader), tracker)
     loader._iterator = None  # drop a persistent iterator created before tracking
     return tracker
+
+
+def _inner_sampler(batch_sampler) -> Any:
+    """The sampler at the bottom of a chain of (batch-)samplers wrapping each other."""
+    from .subset import DynamicSubsetSampler
+
+    while batch_sampler is not None and not isinstance(batch_sampler, DynamicSubsetSampler):
+        nxt = getattr(batch_sampler, "batch_sampler", None) or getattr(batch_sampler, "sampler", None)
+        if nxt is batch_sampler:
+            break
+        batch_sampler = nxt
+    return batch_sampler
+
+
+class TrackedPreparedLoader:
+    """A loader returned by ``accelerator.prepare`` whose batches' dataset indices reach ``tracker`` in step
+    with what it yields (see the module docstring). Iterate it exactly like the prepared loader; every other
+    attribute (``len``, ``set_epoch``, ...) is the prepared loader's."""
+
+    def __init__(self, prepared, tracker: IndexTracker):
+        from .subset import DynamicSubsetSampler
+
+        if type(prepared).__name__ == "DataLoaderDispatcher":
+            raise TypeError(
+                "accelerator.prepare returned a DataLoaderDispatcher (dispatch_batches=True): process 0 loads every "
+                "batch and scatters it, so the other processes never see sample indices. Use Accelerator("
+                "dataloader_config=DataLoaderConfiguration(dispatch_batches=False)) with a map-style dataset."
+            )
+        base = prepared.base_dataloader
+        sampler = _inner_sampler(getattr(base, "batch_sampler", None))
+        if isinstance(sampler, DynamicSubsetSampler) and sampler.num_replicas > 1:
+            raise ValueError(
+                f"The DataLoader's DynamicSubsetSampler shards itself over {sampler.num_replicas} processes, and "
+                "accelerator.prepare shards its batches again (each process would see 1/P^2 of the subset). Build it "
+                "with num_replicas=1, rank=0 (accelerate_ssl.integrations.accelerate.subset_sampler does)."
+            )
+        self.prepared = prepared
+        self.tracker = tracker
+        self._fifo: collections.deque = collections.deque()
+        track_indices(base).add_listener(self._fifo.append)
+
+    def __iter__(self) -> Iterator:
+        self._fifo.clear()
+        skip = int(getattr(self.prepared, "skip_batches", 0) or 0)
+        for batch in self.prepared:
+            for _ in range(skip):  # batches fetched but not yielded by accelerate's skip_batches
+                self._fifo.popleft()
+            skip = 0
+            if not self._fifo:
+                raise RuntimeError(
+                    "accelerate_ssl lost track of the prepared loader's sample indices (a batch arrived with none "
+                    "recorded); pass index= to rela.wrap instead."
+                )
+            self.tracker.push(self._fifo.popleft())
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.prepared)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("prepared", "tracker", "_fifo"):
+            raise AttributeError(name)
+        return getattr(self.prepared, name)
+
+
+def track_loader(loader, tracker: Optional[IndexTracker] = None) -> tuple[Any, IndexTracker]:
+    """Track ``loader``'s sample indices; returns ``(loader to iterate, tracker)``.
+
+    A plain DataLoader is tracked in place (:func:`track_indices`) and returned as it is; a loader
+    prepared by HF Accelerate comes back wrapped in a :class:`TrackedPreparedLoader` (iterate that).
+    """
+    if isinstance(loader, TrackedPreparedLoader):
+        if tracker is not None and tracker is not loader.tracker:
+            loader.tracker.add_listener(tracker.push)
+        return loader, loader.tracker
+    if getattr(loader, "base_dataloader", None) is not None and type(loader) is not DataLoader:
+        wrapped = TrackedPreparedLoader(loader, tracker or IndexTracker())
+        return wrapped, wrapped.tracker
+    return loader, track_indices(loader, tracker)
