@@ -89,12 +89,13 @@ def run(args: argparse.Namespace) -> int:
         teacher = load_teacher(args.teacher)
     else:
         teacher = train_teacher(images, method=args.train_teacher, steps=args.teacher_steps, seed=args.seed)
-        if args.save_teacher:
-            save_teacher(teacher, args.save_teacher)
+    teacher.standardize(images)  # z-scored targets (Teacher.standardize)
+    if args.save_teacher:
+        save_teacher(teacher, args.save_teacher)
     keys = {f.name for f in fields(DistillConfig)}
-    config = DistillConfig(**{k: v for k, v in vars(args).items() if k in keys},
-                           budget_images=args.budget, parameterize=not args.no_parameterize,
-                           augmentations=args.augmentations, allow_over_budget=args.allow_over_budget)
+    settings = {k: v for k, v in vars(args).items() if k in keys}
+    settings.update(budget_images=args.budget, parameterize=not args.no_parameterize, allow_over_budget=args.allow_over_budget)
+    config = DistillConfig(**settings)
     compact = distill_compact(images, teacher, config, checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
                               teacher_description=teacher.describe())
     compact.metadata["preprocessing"] = preprocessing

@@ -36,13 +36,30 @@ class Teacher(nn.Module):
             p.requires_grad_(False)
         self.output_dim = int(output_dim)
         self.description = description
+        self.register_buffer("feature_mean", torch.zeros(self.output_dim))
+        self.register_buffer("feature_std", torch.ones(self.output_dim))
+
+    @torch.no_grad()
+    def standardize(self, images: torch.Tensor, batch_size: int = 1000) -> "Teacher":
+        """Make the outputs z-scored per dimension over ``images`` (an affine map of the features).
+
+        KRR distillation is equivariant to this map, but the student's SGD regression is not: raw
+        features of a small ConvNet have magnitudes ~1e-2, so MSE gradients would be tiny. z-scored
+        targets give unit-scale regression for every teacher."""
+        self.feature_mean.zero_()
+        self.feature_std.fill_(1.0)
+        f = torch.cat([self(images[i : i + batch_size]) for i in range(0, len(images), batch_size)])
+        self.feature_mean.copy_(f.mean(0))
+        self.feature_std.copy_(f.std(0).clamp_min(1e-8))
+        self.description["standardized_on"] = int(len(images))
+        return self
 
     def train(self, mode: bool = True) -> "Teacher":  # always frozen
         return super().train(False)
 
     @torch.no_grad()
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.backbone(images)
+        return (self.backbone(images) - self.feature_mean) / self.feature_std
 
     def describe(self) -> dict:
         return dict(self.description)
@@ -130,7 +147,7 @@ def train_teacher(images: torch.Tensor, method: str = "barlow_twins", steps: int
         loss.backward()
         opt.step()
         if step % 10 == 0:
-            bar.set_postfix(loss=f"{float(loss):.3f}")
+            bar.set_postfix(loss=f"{loss.item():.3f}")
     description = {"source": "train_teacher", "method": method, "steps": steps, "batch_size": batch_size, "lr": lr,
                    "arch": "convnet", "arch_kwargs": backbone.config, "seed": seed}
     return Teacher(backbone, dim, description)
@@ -144,6 +161,7 @@ def save_teacher(teacher: Teacher, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     state = {k: v.detach().contiguous() for k, v in teacher.backbone.state_dict().items()}
+    state.update({"__teacher.feature_mean": teacher.feature_mean, "__teacher.feature_std": teacher.feature_std})
     save_file(state, str(tmp), metadata={"accelerate_ssl.teacher": json.dumps(teacher.describe())})
     os.replace(tmp, path)
     return path
@@ -165,9 +183,14 @@ def load_teacher(spec: str, weights: Optional[str] = None) -> Teacher:
             state = {k: f.get_tensor(k) for k in f.keys()}
         if meta is None:
             raise ValueError(f"{path} has no accelerate_ssl.teacher metadata; for other checkpoints use 'checkpoint:{path}'.")
+        mean, std = state.pop("__teacher.feature_mean", None), state.pop("__teacher.feature_std", None)
         backbone = create_backbone(meta["arch"], **meta["arch_kwargs"])
         backbone.load_state_dict(state)
-        return Teacher(backbone, backbone.feature_dim, {**meta, "path": str(path)})
+        teacher = Teacher(backbone, backbone.feature_dim, {**meta, "path": str(path)})
+        if mean is not None:
+            teacher.feature_mean.copy_(mean)
+            teacher.feature_std.copy_(std)
+        return teacher
     from ..targets.priors import create_prior  # lazily: written by the targets engineer
 
     prior = create_prior(spec, weights=weights)

@@ -1,0 +1,299 @@
+"""Compact self-supervised data sets (paper 002) on Fashion-MNIST at a storage budget of N images.
+
+Students pretrained by MSE regression on (a) N random real images + teacher targets, (b) KRR-ST
+(no parameterisation), (c) the full method (bases + rotations + approximation nets), then
+linear-probed on frozen features (Fashion-MNIST test split). Reference rows: the random-init
+student and the teacher itself. Also distillation time and peak memory (RSS above the baseline).
+
+The teacher is a ConvNet trained here with Barlow Twins on unlabelled Fashion-MNIST (labels are
+only used by the linear probes) and cached under benchmarks/cache/, as are the distilled stores.
+
+    .venv/bin/python benchmarks/compact.py                       # CPU defaults (< ~30 min on 2 shared cores)
+    .venv/bin/python benchmarks/compact.py --steps 2000 --pool-width 32 --student-epochs 200   # scale up
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shlex
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from accelerate_ssl.backbones import ConvNet  # noqa: E402
+from accelerate_ssl.compact import (  # noqa: E402
+    CompactDataset, DistillConfig, Distiller, load_teacher, pixel_compact, pixel_storage_floats, pretrain, save_teacher,
+    train_teacher,
+)
+from accelerate_ssl.data import load_fashion_mnist  # noqa: E402
+
+CACHE = ROOT / "benchmarks" / "cache"
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budget", type=int, default=100, help="storage budget N (images)")
+    p.add_argument("--n-real", type=int, default=20000, help="unlabelled training images used for teacher + distillation")
+    p.add_argument("--teacher-method", default="barlow_twins", choices=["barlow_twins", "byol"])
+    p.add_argument("--teacher-steps", type=int, default=400)
+    p.add_argument("--teacher-batch", type=int, default=128)
+    p.add_argument("--teacher-widths", default="16,32,64")
+    p.add_argument("--steps", type=int, default=200, help="outer distillation steps (identical for b and c)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW lr on the synthetic tensors (paper: 1e-3)")
+    p.add_argument("--real-batch", type=int, default=256)
+    p.add_argument("--pool-size", type=int, default=4)
+    p.add_argument("--pool-max-steps", type=int, default=100)
+    p.add_argument("--pool-width", type=int, default=16)
+    p.add_argument("--augmentations", default="rotate")
+    p.add_argument("--distill-seeds", default="0", help="comma list; students of seed s use distill seed s if run, else the first")
+    p.add_argument("--seeds", default="0,1,2", help="student seeds")
+    p.add_argument("--student-widths", default="16,32,64")
+    p.add_argument("--student-epochs", type=int, default=60)
+    p.add_argument("--student-lr", type=float, default=0.1)
+    p.add_argument("--student-wd", type=float, default=1e-3)
+    p.add_argument("--student-batch", type=int, default=256)
+    p.add_argument("--probe-train", type=int, default=10000, help="labelled training images for the linear probe")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-cache", action="store_true", help="recompute the teacher and distilled stores")
+    p.add_argument("--out", default=str(RESULTS / "compact.json"))
+    return p.parse_args(argv)
+
+
+def ints(s: str) -> list[int]:
+    return [int(v) for v in s.split(",") if v]
+
+
+class PeakRSS:
+    """Peak resident memory above the level at entry, sampled every 20 ms (MiB)."""
+
+    def __enter__(self):
+        import psutil
+
+        self._proc, self._stop = psutil.Process(), threading.Event()
+        self.base = self.peak = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            time.sleep(0.02)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+        self.mib = (self.peak - self.base) / 2**20
+
+
+def key(d: dict) -> str:
+    return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+
+@torch.no_grad()
+def features(model, x, batch=1000):
+    model.eval()
+    return torch.cat([model(x[i : i + batch]) for i in range(0, len(x), batch)])
+
+
+def linear_probe(f_train, y_train, f_test, y_test, iters=300) -> float:
+    """Multinomial logistic regression on standardised frozen features (full-batch L-BFGS) -> test top-1 %."""
+    mean, std = f_train.mean(0), f_train.std(0) + 1e-6
+    a, b = (f_train - mean) / std, (f_test - mean) / std
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        clf = torch.nn.Linear(a.shape[1], 10)
+    opt = torch.optim.LBFGS(clf.parameters(), lr=1.0, max_iter=iters, history_size=20, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(clf(a), y_train) + 1e-4 * clf.weight.pow(2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    with torch.no_grad():
+        return float((clf(b).argmax(1) == y_test).float().mean() * 100)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    CACHE.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/compact.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+
+    # -- data (labels only for the probe) -------------------------------------------------------
+    tr_x, tr_y = load_fashion_mnist("train")
+    te_x, te_y = load_fashion_mnist("test")
+    to_t = lambda a: torch.from_numpy(a).float().div(255.0).unsqueeze(1)
+    real = to_t(tr_x[: args.n_real])
+    mean, std = float(real.mean()), float(real.std())
+    norm = lambda t: (t - mean) / std
+    real = norm(real)
+    probe_x, probe_y = norm(to_t(tr_x[: args.probe_train])), torch.from_numpy(tr_y[: args.probe_train])
+    test_x, test_y = norm(to_t(te_x)), torch.from_numpy(te_y)
+    probe = lambda model: linear_probe(features(model, probe_x), probe_y, features(model, test_x), test_y)
+
+    # -- teacher ----------------------------------------------------------------------------------
+    tcfg = {"method": args.teacher_method, "steps": args.teacher_steps, "batch": args.teacher_batch,
+            "widths": ints(args.teacher_widths), "n_real": args.n_real, "seed": 0}
+    tpath = CACHE / f"compact_teacher_{key(tcfg)}.safetensors"
+    if tpath.exists() and not args.no_cache:
+        teacher, teacher_seconds = load_teacher(str(tpath)), None
+        teacher_seconds = teacher.describe().get("seconds")
+    else:
+        t0 = time.perf_counter()
+        teacher = train_teacher(real, method=args.teacher_method, steps=args.teacher_steps, batch_size=args.teacher_batch,
+                                widths=ints(args.teacher_widths), seed=0)
+        teacher_seconds = round(time.perf_counter() - t0, 1)
+        teacher.description["seconds"] = teacher_seconds
+        save_teacher(teacher, tpath)
+    teacher.standardize(real)  # z-scored targets (see Teacher.standardize)
+    results = {"teacher": {"config": tcfg, "seconds": teacher_seconds, "probe_top1": probe(teacher)}}
+    print(f"teacher probe {results['teacher']['probe_top1']:.2f}%")
+
+    student_widths = ints(args.student_widths)
+
+    def fresh_student(seed):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1000 + seed)
+            return ConvNet(1, widths=student_widths, norm="group")
+
+    seeds = ints(args.seeds)
+    results["random_init"] = {"top1": [probe(fresh_student(s)) for s in seeds]}
+    print("random-init student", results["random_init"]["top1"])
+
+    # -- distillation: (b) KRR-ST, (c) full -------------------------------------------------------
+    common = dict(budget_images=args.budget, steps=args.steps, lr=args.lr, real_batch=args.real_batch,
+                  pool_size=args.pool_size, pool_max_steps=args.pool_max_steps, pool_width=args.pool_width)
+    variants = {
+        "b_krr_st": dict(parameterize=False, augmentations="none", augment_real=False),
+        "c_full": dict(parameterize=True, augmentations=args.augmentations, augment_real=True),
+    }
+    stores: dict[str, dict[int, CompactDataset]] = {v: {} for v in variants}
+    distill_stats: dict[str, list] = {v: [] for v in variants}
+    for dseed in ints(args.distill_seeds):
+        for name, extra in variants.items():
+            cfg = DistillConfig(**common, **extra, seed=dseed)
+            path = CACHE / f"compact_{name}_{key({**cfg.__dict__, 'teacher': tpath.name})}.safetensors"
+            if path.exists() and not args.no_cache:
+                store = CompactDataset.load(path)
+            else:
+                t0 = time.perf_counter()
+                with PeakRSS() as mem:
+                    d = Distiller(real, teacher, cfg, teacher.describe())
+                    d.run(checkpoint=path.with_suffix(".ckpt"), checkpoint_every=50)
+                    store = d.result()
+                store.metadata["bench"] = {"wall_seconds": round(time.perf_counter() - t0, 1),
+                                           "loop_seconds": round(d.elapsed, 1), "peak_rss_mib": round(mem.mib, 1)}
+                store.save(path)
+                path.with_suffix(".ckpt").unlink(missing_ok=True)
+            stores[name][dseed] = store
+            floats = store.metadata["plan"]["total_floats"] if store.kind == "basis" else store.metadata["stored_floats"]
+            distill_stats[name].append({"seed": dseed, **store.metadata["bench"], "m": store.num_images,
+                                        "pairs": len(store.decode()[0]), "stored_floats": floats,
+                                        "final_outer_loss": store.metadata["distill"]["final_outer_loss"],
+                                        "approx_mse": store.metadata.get("approx_mse")})
+            print(name, distill_stats[name][-1])
+
+    # -- students ---------------------------------------------------------------------------------
+    def random_real(seed):
+        g = torch.Generator().manual_seed(seed)
+        idx = torch.randperm(len(real), generator=g)[: args.budget]
+        return pixel_compact(real[idx], teacher(real[idx]))
+
+    rows = {"a_random_real": [], "b_krr_st": [], "c_full": []}
+    first = ints(args.distill_seeds)[0]
+    for method in rows:
+        for s in seeds:
+            store = random_real(s) if method == "a_random_real" else stores[method].get(s, stores[method][first])
+            student = fresh_student(s)
+            t0 = time.perf_counter()
+            hist = pretrain(student, store, epochs=args.student_epochs, batch_size=args.student_batch, lr=args.student_lr,
+                            weight_decay=args.student_wd, seed=s)
+            acc = probe(student)
+            rows[method].append({"seed": s, "top1": acc, "final_loss": hist["losses"][-1], "steps": hist["steps"],
+                                 "pretrain_seconds": round(time.perf_counter() - t0, 1)})
+            print(method, s, f"{acc:.2f}%")
+
+    summary = {}
+    for name, vals in [("random_init_student", results["random_init"]["top1"])] + [(m, [r["top1"] for r in rs]) for m, rs in rows.items()]:
+        summary[name] = {"mean": float(np.mean(vals)), "std": float(np.std(vals)), "values": vals}
+    summary["teacher"] = {"mean": results["teacher"]["probe_top1"], "std": 0.0, "values": [results["teacher"]["probe_top1"]]}
+    c, b, a = (summary[k]["mean"] for k in ("c_full", "b_krr_st", "a_random_real"))
+    out = {
+        "command": command,
+        "machine": {"cpu_count": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
+                    "python": platform.python_version(), "platform": platform.platform()},
+        "args": vars(args),
+        "storage": {"budget_floats": args.budget * 784,
+                    "a_random_real_floats": pixel_storage_floats(args.budget, (1, 28, 28), teacher.output_dim),
+                    "b_krr_st_floats": distill_stats["b_krr_st"][0]["stored_floats"],
+                    "c_full_floats": distill_stats["c_full"][0]["stored_floats"]},
+        "summary_top1": summary,
+        "goal_c_gt_b_gt_a": bool(c > b > a),
+        "distillation": distill_stats,
+        "students": rows,
+        "teacher": results["teacher"],
+        "total_seconds": round(time.perf_counter() - t_start, 1),
+    }
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    tmp.write_text(json.dumps(out, indent=2))
+    os.replace(tmp, out_path)
+    plot(out, out_path.with_suffix(".png"))
+    print(json.dumps({k: (round(v["mean"], 2), round(v["std"], 2)) for k, v in summary.items()}), "goal:", out["goal_c_gt_b_gt_a"])
+    return 0
+
+
+def plot(out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = out["summary_top1"]
+    names = ["a_random_real", "b_krr_st", "c_full"]
+    labels = ["(a) random real\n+ teacher targets", "(b) KRR-ST", "(c) + bases, rotations,\napprox. nets"]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
+    ax.bar(range(3), [s[n]["mean"] for n in names], yerr=[s[n]["std"] for n in names], capsize=6, color=["#999", "#69c", "#c63"])
+    ax.axhline(s["random_init_student"]["mean"], ls="--", c="k", lw=1, label=f"random-init student {s['random_init_student']['mean']:.1f}%")
+    ax.axhline(s["teacher"]["mean"], ls=":", c="g", lw=1, label=f"teacher {s['teacher']['mean']:.1f}%")
+    vals = [s[n]["mean"] for n in names] + [s["random_init_student"]["mean"], s["teacher"]["mean"]]
+    ax.set_ylim(min(vals) - 3, max(vals) + 2)
+    ax.set_xticks(range(3), labels)
+    ax.set_ylabel("linear probe top-1 % (Fashion-MNIST test)")
+    ax.set_title(f"Student pretrained on a compact set, budget N = {out['args']['budget']} images (mean ± std, {len(out['students']['c_full'])} seeds)", fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    d = out["distillation"]
+    ax2.bar([0, 1], [d["b_krr_st"][0]["loop_seconds"], d["c_full"][0]["loop_seconds"]], color=["#69c", "#c63"])
+    ax2.set_xticks([0, 1], ["(b) KRR-ST", "(c) full"])
+    ax2.set_ylabel("distillation loop seconds")
+    for i, k in enumerate(["b_krr_st", "c_full"]):
+        ax2.text(i, d[k][0]["loop_seconds"], f"{d[k][0]['peak_rss_mib']:.0f} MiB peak\nm={d[k][0]['m']}, pairs={d[k][0]['pairs']}",
+                 ha="center", va="bottom", fontsize=8)
+    ax2.set_title(f"{out['args']['steps']} outer steps, CPU ({out['machine']['threads']} threads)", fontsize=9)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
