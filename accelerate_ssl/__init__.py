@@ -20,6 +20,7 @@ _LAZY: dict[str, str] = {
     "TargetStore": "accelerate_ssl.targets.store",
     "synthesize": "accelerate_ssl.distill.synthesize", "warm_start": "accelerate_ssl.distill.warmstart",
     "ReLA": "accelerate_ssl.rela",
+    "distill_compact": "accelerate_ssl.compact", "CompactDataset": "accelerate_ssl.compact", "pretrain_on_compact": "accelerate_ssl.compact",
 }
 
 __all__ = ["__version__", *_LAZY]

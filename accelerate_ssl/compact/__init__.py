@@ -21,10 +21,12 @@ from .krr import ModelPool, krr_predict, krr_predict_primal, outer_loss
 from .pretrain import pretrain
 from .teacher import Teacher, load_teacher, save_teacher, train_teacher
 
+pretrain_on_compact = pretrain  # the name exported at the top level: accelerate_ssl.pretrain_on_compact
+
 __all__ = [
     "ApproxNet", "fit_approx_net", "Augmentation", "create_augmentations", "list_augmentations",
     "decode_images", "decode_targets", "downscale", "pca_basis", "project", "upsample",
     "StorageBudgetError", "StoragePlan", "pixel_storage_floats", "plan_storage", "CompactDataset", "pixel_compact",
     "DistillConfig", "Distiller", "distill_compact", "ModelPool", "krr_predict", "krr_predict_primal", "outer_loss",
-    "pretrain", "Teacher", "load_teacher", "save_teacher", "train_teacher",
+    "pretrain", "pretrain_on_compact", "Teacher", "load_teacher", "save_teacher", "train_teacher",
 ]
