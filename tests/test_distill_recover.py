@@ -46,7 +46,7 @@ def test_bn_loss_is_zero_when_batch_stats_equal_running_stats():
         h.remove()
     with BNStatistics(teacher, r_var=11.0) as stats, torch.no_grad():
         teacher(x)
-        assert float(stats.loss()) < 1e-5
+        assert float(stats.loss()) < 1e-4  # float rounding only (the other-data loss below is > 1)
     # and it is clearly positive for other data
     with BNStatistics(teacher) as stats, torch.no_grad():
         teacher(x * 3 + 1)
