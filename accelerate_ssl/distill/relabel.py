@@ -144,7 +144,7 @@ class SoftLabelStore:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "SoftLabelStore":
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)
         return cls(state["records"], state["meta"])
 
 
