@@ -1,0 +1,778 @@
+"""Accuracy at a budget: how much compute ReLA saves, measured like the papers' tables (issue 5).
+
+Side by side on real Fashion-MNIST, every cell a separate seeded run:
+
+- **Step budgets** (paper 000): 10 / 20 / 50 / 100 % of ``--steps`` optimiser steps; the learning-rate
+  (warm-up + cosine), EMA-momentum (cosine 0.99 -> 1) and lambda schedules (``Decay``/``Switch``
+  ``total_steps``) are all set to the cell's own budget.
+- **Data budgets** (paper 001, Eq. 43, Fig. 4a): 10 / 20 % of the training subset per epoch through
+  :class:`accelerate_ssl.data.DynamicSubsetSampler` for as many epochs as the full budget has
+  (so 10 % data = 10 % of the steps); ``dynamic`` = a fresh subset every epoch, ``static`` = one
+  fixed subset for all epochs.
+- **Rows**: plain SSL; ReLA with a random prior (same architecture, random init); ReLA with a
+  cross-dataset prior (BYOL trained here on scikit-learn digits, unlabelled; never sees Fashion-MNIST);
+  ReLA with a same-dataset prior (BYOL trained here on the unlabelled Fashion-MNIST train images, or with
+  ``--same-prior demo`` the demo's shipped prior). No prior ever sees a label.
+- **Controllers**: ``Decay`` (paper 001 App. L) for the main rows; ``Switch`` (paper 000 App. J) and
+  ``Constant(0.5)`` as an ablation with the same-dataset prior at two budgets.
+- **Methods**: BYOL (core grid); ``--grid extended`` adds SimCLR, Barlow Twins, VICReg, SimSiam, MoCo,
+  DINO (lightly's heads/losses, :mod:`budget_methods`), plain vs ReLA with the same-dataset prior.
+- **Evaluation**: linear probe and kNN (:mod:`accelerate_ssl.evaluate`) on the Fashion-MNIST test split;
+  every cell's wall time. Each cell is cached as JSON under ``--cache`` keyed by all of its settings,
+  so an interrupted study resumes where it stopped and a larger one re-uses what exists.
+
+Outputs: ``benchmarks/results/budget.json`` (every cell, mean +- std over seeds, the paper-001-Table-2
+style table, the goals with pass/fail, the machine, the command, the time estimate of the core grid)
+and ``benchmarks/results/budget_accuracy.png`` (accuracy vs compute = steps x batch).
+
+    .venv/bin/python benchmarks/budget.py                      # the core grid, 3 seeds (CPU)
+    .venv/bin/python benchmarks/budget.py --seeds 0            # one seed
+    .venv/bin/python benchmarks/budget.py --device cuda --backbone resnet18 --train-size 60000 --steps 3000
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+#: bump when the training/eval code changes in a way that invalidates cached cells.
+CODE_VERSION = 1
+STEP_FRACTIONS = (0.1, 0.2, 0.5, 1.0)
+DATA_FRACTIONS = (0.1, 0.2)
+PRIORS = ("random", "cross", "same")
+PRIOR_LABELS = {
+    "none": "plain",
+    "random": "+ReLA random prior",
+    "cross": "+ReLA cross-dataset prior (digits BYOL)",
+    "same": "+ReLA same-dataset prior (Fashion-MNIST BYOL)",
+}
+EXTENDED_METHODS = ("simclr", "barlowtwins", "vicreg", "simsiam", "moco", "dino")
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--grid", choices=("core", "extended", "tiny"), default="core",
+                   help="core: BYOL rows/budgets/controllers; extended: core + the other SSL methods; "
+                        "tiny: 2 budgets x plain/same (tests)")
+    p.add_argument("--methods", nargs="+", default=None,
+                   help=f"extended-grid methods to run (default all: {' '.join(EXTENDED_METHODS)})")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (default 0 1 2)")
+    p.add_argument("--steps", type=int, default=300, help="the full (100 %%) step budget (default 300)")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--train-size", type=int, default=6400,
+                   help="Fashion-MNIST train images used for SSL and the probe (default 6400; 60000 = all)")
+    p.add_argument("--test-size", type=int, default=10000, help="Fashion-MNIST test images for the probes (default all 10000)")
+    p.add_argument("--backbone", choices=("convnet", "resnet18"), default="convnet",
+                   help="student: the small GroupNorm ConvNet (CPU) or torchvision resnet18 with a 3x3 stem, no max-pool (GPU)")
+    p.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64], help="ConvNet block widths (default 16 32 64)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (warm-up 10 %%, cosine to 0)")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--probe-epochs", type=int, default=30, help="linear-probe epochs (Adam 1e-3)")
+    p.add_argument("--knn-k", type=int, default=20)
+    p.add_argument("--prior-steps-same", type=int, default=1000, help="BYOL steps of the same-dataset prior (cached)")
+    p.add_argument("--prior-steps-cross", type=int, default=500, help="BYOL steps of the digits prior (cached)")
+    p.add_argument("--same-prior", choices=("train", "demo"), default="train",
+                   help="same-dataset prior: 'train' = BYOL trained by this study on unlabelled Fashion-MNIST "
+                        "(cached); 'demo' = the demo's shipped prior accelerate_ssl/assets/demo_prior_convnet.safetensors")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (results are labelled with the device)")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    p.add_argument("--cache", default=str(ROOT / "benchmarks/cache/budget"), help="per-cell JSON cache and priors")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results"), help="folder for budget.json / budget_accuracy.png")
+    p.add_argument("--name", default="budget", help="results file stem (default 'budget'; e.g. 'budget_cuda')")
+    p.add_argument("--max-new-cells", type=int, default=None,
+                   help="stop after computing this many new cells (run a long study in chunks; rerun to continue)")
+    p.add_argument("--verify", type=int, default=0,
+                   help="recompute this many cached cells from scratch and record whether the numbers reproduce")
+    p.add_argument("--switch-timing-steps", type=int, default=20,
+                   help="interleaved steps per kind for the Switch wall-time measurement (0: skip)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    return p
+
+
+def check_args(args) -> None:
+    for name in ("steps", "batch_size", "train_size", "test_size", "probe_epochs", "knn_k"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
+    if min(DATA_FRACTIONS) * args.train_size < args.batch_size and args.grid != "tiny":
+        raise ValueError(
+            f"--train-size {args.train_size} x {min(DATA_FRACTIONS)} data fraction is smaller than --batch-size "
+            f"{args.batch_size}: the 10 % subset would not fill one batch; raise --train-size or lower --batch-size.")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device} but torch sees no CUDA device; run on a GPU machine or use --device cpu.")
+    if args.same_prior == "demo" and not demo_prior_file().is_file():
+        raise FileNotFoundError(f"--same-prior demo needs {demo_prior_file()} (not present); use --same-prior train.")
+    if args.methods:
+        from budget_methods import METHODS
+
+        bad = [m for m in args.methods if m not in METHODS]
+        if bad:
+            raise ValueError(f"--methods: unknown {bad}; choose from {sorted(METHODS)}.")
+
+
+def demo_prior_file() -> Path:
+    return ROOT / "accelerate_ssl" / "assets" / "demo_prior_convnet.safetensors"
+
+
+# ---------------------------------------------------------------------------------------------- the grid
+def make_grid(args) -> list[dict]:
+    """The cells of the study (without seeds). A cell: method, prior, schedule, budget kind/fraction, subset."""
+    cells: list[dict] = []
+
+    def add(method="byol", prior="none", schedule="decay", kind="steps", fraction=1.0, subset="full", group="main"):
+        cells.append({"method": method, "prior": prior, "schedule": schedule if prior != "none" else "none",
+                      "kind": kind, "fraction": fraction, "subset": subset, "group": group})
+
+    if args.grid == "tiny":
+        for f in (0.5, 1.0):
+            add(fraction=f)
+            add(prior="same", fraction=f)
+        add(kind="data", fraction=0.5, subset="dynamic", prior="same")
+        add(prior="same", schedule="switch", fraction=1.0, group="controller")
+        for m in args.methods or ():
+            add(method=m, fraction=0.5, group="methods")
+            add(method=m, prior="same", fraction=0.5, group="methods")
+        return cells
+    add(kind="init", fraction=0.0, group="init")  # the untrained network (step 0), probed once per seed
+    for f in STEP_FRACTIONS:
+        add(fraction=f)
+        for prior in PRIORS:
+            add(prior=prior, fraction=f)
+    for f in DATA_FRACTIONS:
+        add(kind="data", fraction=f, subset="dynamic")
+        for prior in PRIORS:
+            add(prior=prior, kind="data", fraction=f, subset="dynamic")
+        add(kind="data", fraction=f, subset="static", group="static")
+        add(prior="same", kind="data", fraction=f, subset="static", group="static")
+    for sched in ("switch", "constant:0.5"):
+        for f in (0.2, 0.5):
+            add(prior="same", schedule=sched, fraction=f, group="controller")
+    if args.grid == "extended":
+        for m in args.methods or EXTENDED_METHODS:
+            for f in (0.2, 1.0):
+                add(method=m, fraction=f, group="methods")
+            add(method=m, prior="same", fraction=0.2, group="methods")
+    return cells
+
+
+def shared_settings(args) -> dict:
+    """Every setting that changes a cell's numbers (part of each cell's cache key)."""
+    return {"code_version": CODE_VERSION, "steps": args.steps, "batch_size": args.batch_size,
+            "train_size": args.train_size, "test_size": args.test_size, "backbone": args.backbone,
+            "widths": list(args.widths) if args.backbone == "convnet" else None, "lr": args.lr,
+            "weight_decay": args.weight_decay, "probe_epochs": args.probe_epochs, "knn_k": args.knn_k,
+            "prior_steps_same": args.prior_steps_same, "prior_steps_cross": args.prior_steps_cross,
+            "same_prior": args.same_prior, "device": torch.device(args.device).type, "threads": args.threads}
+
+
+def cell_key(cell: dict, seed: int, settings: dict) -> str:
+    blob = json.dumps({"cell": {k: v for k, v in cell.items() if k != "group"}, "seed": seed, "settings": settings},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def cell_steps(cell: dict, total_steps: int) -> int:
+    return 0 if cell["kind"] == "init" else max(1, int(round(cell["fraction"] * total_steps)))
+
+
+# ---------------------------------------------------------------------------------------------- data, models
+class Data:
+    """Fashion-MNIST train subset and test split as uint8 ``[N, 1, 28, 28]`` plus normalised float tensors."""
+
+    def __init__(self, train_size: int, test_size: int, device):
+        from accelerate_ssl.data import FashionMNIST
+        from accelerate_ssl.demo_recipe import images_to_tensor
+
+        train = FashionMNIST("train", limit=train_size)
+        test = FashionMNIST("test", limit=test_size)
+        self.train_u8 = torch.as_tensor(train.data).unsqueeze(1)
+        self.train_x = images_to_tensor(torch.as_tensor(train.data)).to(device)
+        self.train_y = torch.as_tensor(train.targets).long()
+        self.test_x = images_to_tensor(torch.as_tensor(test.data)).to(device)
+        self.test_y = torch.as_tensor(test.targets).long()
+        self.fingerprint = {"train": len(self.train_y), "test": len(self.test_y)}
+
+
+def make_backbone(args) -> tuple[torch.nn.Module, int]:
+    """The student: ``ConvNet(widths)`` (GroupNorm) or torchvision resnet18 with a 3x3 stride-1 stem for
+    1-channel 28 px images and no max-pool (the usual small-image ResNet-18)."""
+    if args.backbone == "convnet":
+        from accelerate_ssl.backbones import ConvNet
+
+        net = ConvNet(widths=tuple(args.widths))
+        return net, net.feature_dim
+    import torchvision
+
+    net = torchvision.models.resnet18(num_classes=10)
+    net.conv1 = torch.nn.Conv2d(1, 64, 3, 1, 1, bias=False)
+    net.maxpool = torch.nn.Identity()
+    net.fc = torch.nn.Identity()
+    return net, 512
+
+
+def lr_at(step: int, total: int, peak: float) -> float:
+    """Linear warm-up over the first 10 % of the budget, then cosine to 0 (set to each cell's own budget)."""
+    warm = max(1, int(0.1 * total))
+    if step < warm:
+        return peak * (step + 1) / warm
+    return 0.5 * peak * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
+
+
+def momentum_at(step: int, total: int, base: float = 0.99) -> float:
+    """EMA momentum, cosine from ``base`` to 1 over the cell's budget (BYOL's schedule)."""
+    return 1 - (1 - base) * (math.cos(math.pi * step / max(1, total)) + 1) / 2
+
+
+def make_schedule(spec: str, total_steps: int):
+    from accelerate_ssl.schedules import Constant, Decay, Switch
+
+    name, _, arg = spec.partition(":")
+    if name == "decay":
+        return Decay(total_steps=total_steps)
+    if name == "switch":
+        return Switch(total_steps=total_steps)
+    if name == "constant":
+        return Constant(float(arg or 0.5))
+    raise ValueError(f"schedule must be 'decay', 'switch' or 'constant:<lambda>', got {spec!r}.")
+
+
+def batches(n: int, batch_size: int, fraction: float, subset: str, seed: int, device):
+    """Index batches forever: epoch e draws ``DynamicSubsetSampler(n, fraction, seed)`` with ``set_epoch(e)``
+    (``subset='static'``: always epoch 0, one fixed subset; paper 001 Fig. 4a); incomplete batches dropped."""
+    from accelerate_ssl.data import DynamicSubsetSampler
+
+    sampler = DynamicSubsetSampler(n, fraction, seed=seed, num_replicas=1, rank=0)
+    if sampler.subset_size < batch_size:
+        raise ValueError(f"A {fraction:.0%} subset of {n} images has {sampler.subset_size} < batch size {batch_size}; "
+                         "raise --train-size or lower --batch-size.")
+    epoch = 0
+    while True:
+        sampler.set_epoch(0 if subset == "static" else epoch)
+        order = torch.tensor(list(iter(sampler)), dtype=torch.long)
+        for b in range(len(order) // batch_size):
+            yield order[b * batch_size:(b + 1) * batch_size]
+        epoch += 1
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def train_ssl(args, images: torch.Tensor, steps: int, seed: int, *, method: str = "byol", targets=None,
+              schedule: str = "decay", fraction: float = 1.0, subset: str = "full", constant_schedules: bool = False,
+              progress: Optional[str] = None, record_lambda: bool = True):
+    """One SSL run on ``images`` (normalised ``[N, 1, H, W]`` on the device): returns the backbone and a log.
+
+    With ``targets`` (``[N, d]`` prior embeddings of the clean images) the loss is
+    ``rela.wrap(ssl_loss)`` = ``lambda L_rela + (1 - lambda) L_ssl`` (papers 000/001), the SSL loss given as
+    a callable so ReLA skips it while lambda == 1. ``constant_schedules``: constant lr and momentum
+    (prior training, independent of the run length).
+    """
+    from budget_methods import create_method
+
+    from accelerate_ssl.demo_recipe import BYOL_VIEWS, random_views
+
+    device = images.device
+    torch.manual_seed(seed)
+    backbone, dim = make_backbone(args)
+    model = create_method(method, backbone, dim).to(device)
+    rela = None
+    params = [p for p in model.parameters() if p.requires_grad]
+    if targets is not None:
+        from accelerate_ssl.rela import ReLA
+
+        rela = ReLA(targets, backbone, schedule=make_schedule(schedule, steps), feature_dim=dim)
+        rela.to(device)
+        params += list(rela.parameters())
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    views = torch.Generator().manual_seed(seed + 1)
+    step_seconds, lambdas = [], []
+    it = batches(len(images), args.batch_size, fraction if subset != "full" else 1.0, subset, seed, device)
+    bar = None
+    if progress and not args.no_progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, desc=progress, unit="step", leave=False, dynamic_ncols=True)
+    model.train()
+    for step in range(steps):
+        idx = next(it)
+        _sync(device)
+        t0 = time.perf_counter()
+        for g in opt.param_groups:
+            g["lr"] = args.lr if constant_schedules else lr_at(step, steps, args.lr)
+        x = images[idx.to(device)]
+        v0, v1 = random_views(x, BYOL_VIEWS, views), random_views(x, BYOL_VIEWS, views)
+        f0, f1 = backbone(v0), backbone(v1)
+        ssl_loss = lambda: model.loss_from_features(f0, f1, v0, v1)  # noqa: E731
+        if rela is not None:
+            lam = rela.lam
+            loss = rela.wrap(ssl_loss, index=idx)
+        else:
+            lam = 0.0
+            loss = ssl_loss()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        model.update_momentum(0.99 if constant_schedules else momentum_at(step, steps))
+        _sync(device)
+        step_seconds.append(time.perf_counter() - t0)
+        if record_lambda:
+            lambdas.append(lam)
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(f"{method} loss became {loss.item()} at step {step}; lower --lr.")
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    if rela is not None:
+        rela.close()
+    return backbone, {"step_seconds": step_seconds, "lambda": lambdas}
+
+
+@torch.no_grad()
+def _features(backbone, x: torch.Tensor, batch: int = 1024) -> torch.Tensor:
+    was = backbone.training
+    backbone.eval()
+    out = torch.cat([backbone(x[i:i + batch]).flatten(1).float().cpu() for i in range(0, len(x), batch)])
+    backbone.train(was)
+    return out
+
+
+def probe(args, backbone, data: Data, seed: int) -> dict:
+    """Linear probe (Adam 1e-3, ``--probe-epochs``) and kNN (k=``--knn-k``) on the test split, top-1 %."""
+    from accelerate_ssl.evaluate import knn_accuracy, linear_probe
+
+    t = time.perf_counter()
+    ftr, fte = _features(backbone, data.train_x), _features(backbone, data.test_x)
+    lin = linear_probe(ftr, data.train_y, fte, data.test_y, epochs=args.probe_epochs, seed=seed)["top1"]
+    knn = knn_accuracy(ftr, data.train_y, fte, data.test_y, k=args.knn_k)
+    return {"linear_top1": lin, "knn_top1": knn, "probe_seconds": time.perf_counter() - t}
+
+
+# ---------------------------------------------------------------------------------------------- priors
+def _prior_preprocess(mean: float, std: float) -> dict:
+    return {"channels": 1, "mean": [mean], "std": [std], "stats": "dataset"}
+
+
+def prior_file(args, kind: str) -> tuple[Path, str]:
+    """``(checkpoint path, description)`` of a prior, training it (cached under ``--cache``/priors) if needed.
+
+    - ``random``: the student architecture, randomly initialised (seed 12345), no training.
+    - ``cross``: BYOL on scikit-learn digits (1797 images, 8 px upscaled to 28 px), unlabelled.
+    - ``same``: BYOL on the 60k unlabelled Fashion-MNIST train images (or the demo's shipped prior).
+    All are saved with :func:`accelerate_ssl.targets.save_prior_checkpoint` and loaded with
+    ``create_prior("checkpoint:<path>")`` (the prior's own preprocessing: its training set's mean/std).
+    """
+    if kind == "same" and args.same_prior == "demo":
+        return demo_prior_file(), "the demo's shipped BYOL ConvNet (unlabelled Fashion-MNIST), accelerate_ssl/assets"
+    if args.backbone != "convnet":
+        raise ValueError("Priors are ConvNets saved with save_prior_checkpoint; the resnet18 student uses the "
+                         "ConvNet priors of --widths (pass --widths for their size).")
+    from accelerate_ssl.targets.priors import save_prior_checkpoint
+
+    steps = {"random": 0, "cross": args.prior_steps_cross, "same": args.prior_steps_same}[kind]
+    spec = {"kind": kind, "steps": steps, "widths": list(args.widths), "batch_size": args.batch_size,
+            "lr": args.lr, "code_version": CODE_VERSION}
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+    path = Path(args.cache) / "priors" / f"{kind}-{key}.safetensors"
+    desc = {"random": "random-init ConvNet (seed 12345), same architecture as the student",
+            "cross": f"BYOL ConvNet, {steps} steps on unlabelled scikit-learn digits (never Fashion-MNIST)",
+            "same": f"BYOL ConvNet, {steps} steps on the 60k unlabelled Fashion-MNIST train images"}[kind]
+    if path.is_file():
+        return path, desc
+    from accelerate_ssl.backbones import ConvNet
+
+    if kind == "random":
+        torch.manual_seed(12345)
+        net, mean, std = ConvNet(widths=tuple(args.widths)), 0.2860, 0.3530
+    else:
+        if kind == "cross":
+            from accelerate_ssl.data import Digits
+
+            raw = torch.as_tensor(Digits("all", size=28).data).float().div(255)
+        else:
+            from accelerate_ssl.data import FashionMNIST
+
+            raw = torch.as_tensor(FashionMNIST("train").data).float().div(255)
+        mean, std = float(raw.mean()), float(raw.std())
+        images = ((raw - mean) / std).unsqueeze(1).to(args.device)
+        prior_args = argparse.Namespace(**{**vars(args), "backbone": "convnet"})
+        t = time.perf_counter()
+        net, _ = train_ssl(prior_args, images, steps, seed=12345, constant_schedules=True,
+                           progress=f"prior {kind}", record_lambda=False)
+        print(f"trained the {kind} prior: {steps} steps in {time.perf_counter() - t:.0f} s")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_prior_checkpoint(net.cpu(), path, "convnet", {"in_channels": 1, "widths": list(args.widths), "norm": "group"},
+                          _prior_preprocess(mean, std))
+    return path, desc
+
+
+@torch.no_grad()
+def prior_targets(path: Path, data: Data) -> torch.Tensor:
+    """The prior's embeddings of the clean training images ``[N, d]`` (its own preprocessing), row i = image i."""
+    from accelerate_ssl.targets.priors import create_prior
+
+    prior = create_prior(f"checkpoint:{path}")
+    out = [prior(prior.preprocess.batch(data.train_u8[i:i + 1024])) for i in range(0, len(data.train_u8), 1024)]
+    return torch.cat(out).float()
+
+
+# ---------------------------------------------------------------------------------------------- cells
+def run_cell(args, cell: dict, seed: int, data: Data, targets: dict) -> dict:
+    steps = cell_steps(cell, args.steps)
+    t = time.perf_counter()
+    if cell["kind"] == "init":
+        torch.manual_seed(seed)
+        backbone, _ = make_backbone(args)
+        backbone.to(args.device)
+        log = {"step_seconds": [], "lambda": []}
+    else:
+        tg = None if cell["prior"] == "none" else targets[cell["prior"]]
+        backbone, log = train_ssl(args, data.train_x, steps, seed, method=cell["method"], targets=tg,
+                                  schedule=cell["schedule"], fraction=cell["fraction"], subset=cell["subset"],
+                                  progress=f"{cell['method']} {cell['prior']} {cell['kind']} {cell['fraction']:.0%} s{seed}")
+    train_seconds = time.perf_counter() - t
+    result = probe(args, backbone, data, seed)
+    lam = log["lambda"]
+    sec = log["step_seconds"]
+    rela_only = [s for s, l in zip(sec, lam) if l >= 1.0]
+    mixed = [s for s, l in zip(sec, lam) if l < 1.0]
+    return {**cell, "seed": seed, "steps": steps, "compute": steps * args.batch_size, **result,
+            "train_seconds": train_seconds, "wall_seconds": time.perf_counter() - t,
+            "mean_step_seconds": statistics.fmean(sec) if sec else None,
+            "lambda_first": lam[0] if lam else None, "lambda_last": lam[-1] if lam else None,
+            "lambda_mean": statistics.fmean(lam) if lam else None,
+            "steps_lambda_1": len(rela_only),
+            "median_step_seconds_lambda_1": statistics.median(rela_only) if rela_only else None,
+            "median_step_seconds_lambda_lt_1": statistics.median(mixed) if mixed else None,
+            "lambda_every_10": lam[::10]}
+
+
+def _write_json(obj, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def switch_timing(args, data: Data, target_rows: torch.Tensor, n: int) -> dict:
+    """Wall time per step of a ReLA-only step (lambda == 1: the SSL loss callable is never called, as in
+    Switch's first phase) vs a normal BYOL step, interleaved one by one in one process (same model, same
+    batches), medians over ``n`` steps of each. Paper 000 App. J: "no extra compute"."""
+    from accelerate_ssl.demo_recipe import BYOL, BYOL_VIEWS, random_views
+    from accelerate_ssl.rela import ReLA
+    from accelerate_ssl.schedules import Constant
+
+    models = {}
+    for kind in ("rela_only", "plain"):  # two identical students (same seed): one with ReLA, one without
+        torch.manual_seed(0)
+        backbone, dim = make_backbone(args)
+        model = BYOL(backbone, dim).to(args.device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        rela = None
+        if kind == "rela_only":
+            rela = ReLA(target_rows, backbone, schedule=Constant(1.0), feature_dim=dim).to(args.device)
+            params += list(rela.parameters())
+        models[kind] = (backbone, model, rela, torch.optim.AdamW(params, lr=args.lr))
+    g = torch.Generator().manual_seed(0)
+    it = batches(len(data.train_x), args.batch_size, 1.0, "full", 0, args.device)
+    times = {"rela_only": [], "plain": []}
+    for i in range(2 * n + 4):
+        kind = "rela_only" if i % 2 == 0 else "plain"
+        backbone, model, rela, opt = models[kind]
+        idx = next(it)
+        _sync(args.device)
+        t0 = time.perf_counter()
+        x = data.train_x[idx.to(args.device)]
+        v0, v1 = random_views(x, BYOL_VIEWS, g), random_views(x, BYOL_VIEWS, g)
+        f0, f1 = backbone(v0), backbone(v1)
+        byol_loss = lambda: model.loss_from_features(f0, f1, v0, v1)  # noqa: E731
+        loss = byol_loss() if rela is None else rela.wrap(byol_loss, index=idx)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        model.update_momentum(0.99)
+        _sync(args.device)
+        if i >= 4:  # warm-up steps excluded
+            times[kind].append(time.perf_counter() - t0)
+    models["rela_only"][2].close()
+    r, p = statistics.median(times["rela_only"]), statistics.median(times["plain"])
+    return {"steps_each": n, "median_seconds_rela_only_step": r, "median_seconds_plain_step": p,
+            "ratio": r / p, "saving_percent": 100 * (1 - r / p)}
+
+
+# ---------------------------------------------------------------------------------------------- aggregate
+def _ms(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "n": len(values), "values": values}
+
+
+def aggregate(results: list[dict]) -> dict:
+    groups: dict[str, list[dict]] = {}
+    for r in results:
+        groups.setdefault(row_id(r), []).append(r)
+    out = {}
+    for rid, rs in groups.items():
+        first = rs[0]
+        out[rid] = {k: first[k] for k in ("method", "prior", "schedule", "kind", "fraction", "subset", "group",
+                                          "steps", "compute")}
+        out[rid]["seeds"] = sorted(r["seed"] for r in rs)
+        for m in ("linear_top1", "knn_top1", "wall_seconds", "train_seconds"):
+            out[rid][m] = _ms([r[m] for r in sorted(rs, key=lambda r: r["seed"])])
+    return out
+
+
+def row_id(r: dict) -> str:
+    return f"{r['method']}|{r['prior']}|{r['schedule']}|{r['kind']}|{r['fraction']}|{r['subset']}"
+
+
+def _fmt(agg: dict, rid: str, metric: str = "linear_top1") -> str:
+    a = agg.get(rid)
+    if not a:
+        return "not run"
+    m = a[metric]
+    return f"{m['mean']:.2f} ± {m['std']:.2f}" if m["n"] > 1 else f"{m['mean']:.2f} (1 seed)"
+
+
+def paper_table(agg: dict, metric: str = "linear_top1", method: str = "byol") -> str:
+    """Markdown in the layout of paper 001 Table 2: rows = budget, columns = plain, +ReLA priors, plain full."""
+    name = method.upper() if method == "byol" else method
+    head = (f"| budget | {name} | +ReLA random prior | +ReLA cross-dataset prior (digits) | "
+            f"+ReLA same-dataset prior (F-MNIST BYOL) | {name} full budget |")
+    lines = [head, "|---|---|---|---|---|---|"]
+    full = _fmt(agg, f"{method}|none|none|steps|1.0|full", metric)
+    rows = [(f"{int(f * 100)} % data / epoch", "data", f, "dynamic") for f in DATA_FRACTIONS]
+    rows += [(f"{int(f * 100)} % steps", "steps", f, "full") for f in STEP_FRACTIONS if f < 1.0]
+    for label, kind, f, subset in rows:
+        cells = [_fmt(agg, f"{method}|none|none|{kind}|{f}|{subset}", metric)]
+        cells += [_fmt(agg, f"{method}|{p}|decay|{kind}|{f}|{subset}", metric) for p in PRIORS]
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {full} |")
+    return "\n".join(lines)
+
+
+def ablation_table(agg: dict, metric: str = "linear_top1") -> str:
+    lines = ["| cell | plain | ReLA same-dataset prior |", "|---|---|---|"]
+    for f in DATA_FRACTIONS:
+        for subset in ("static", "dynamic"):
+            lines.append(f"| {int(f * 100)} % data, {subset} subset | {_fmt(agg, f'byol|none|none|data|{f}|{subset}', metric)} | "
+                         f"{_fmt(agg, f'byol|same|decay|data|{f}|{subset}', metric)} |")
+    for f in (0.2, 0.5):
+        for sched in ("decay", "switch", "constant:0.5"):
+            lines.append(f"| {int(f * 100)} % steps, {sched} | {_fmt(agg, f'byol|none|none|steps|{f}|full', metric)} | "
+                         f"{_fmt(agg, f'byol|same|{sched}|steps|{f}|full', metric)} |")
+    return "\n".join(lines)
+
+
+def methods_table(agg: dict, metric: str = "linear_top1") -> str:
+    lines = ["| method | plain 20 % steps | +ReLA same-dataset prior, 20 % steps | plain 100 % steps |", "|---|---|---|---|"]
+    for m in ("byol",) + EXTENDED_METHODS:
+        lines.append(f"| {m} | {_fmt(agg, f'{m}|none|none|steps|0.2|full', metric)} | "
+                     f"{_fmt(agg, f'{m}|same|decay|steps|0.2|full', metric)} | {_fmt(agg, f'{m}|none|none|steps|1.0|full', metric)} |")
+    return "\n".join(lines)
+
+
+def goals(agg: dict, timing: Optional[dict]) -> dict:
+    """The issue's three goals, from this run's measured numbers."""
+    def mean(rid):
+        return agg[rid]["linear_top1"]["mean"] if rid in agg else None
+
+    out: dict = {}
+    plain_full = mean("byol|none|none|steps|1.0|full")
+    cand = {p: mean(f"byol|{p}|decay|steps|0.2|full") for p in PRIORS}
+    cand = {p: v for p, v in cand.items() if v is not None}
+    if cand and plain_full is not None:
+        best = max(cand, key=cand.get)
+        out["best_prior"] = {"prior": best, "label": PRIOR_LABELS[best],
+                             "rule": "highest mean linear top-1 at 20 % of the steps among the label-free priors"}
+        v = cand[best]
+        out["rela_20pct_steps_reaches_plain_100pct"] = {
+            "rela_20pct": v, "plain_100pct": plain_full, "margin": v - plain_full, "pass": v >= plain_full}
+        per = {}
+        for kind, fractions, subset in (("steps", [f for f in STEP_FRACTIONS if f <= 0.5], "full"), ("data", DATA_FRACTIONS, "dynamic")):
+            for f in fractions:
+                r, p = mean(f"byol|{best}|decay|{kind}|{f}|{subset}"), mean(f"byol|none|none|{kind}|{f}|{subset}")
+                if r is not None and p is not None:
+                    per[f"{int(f * 100)}% {kind}"] = {"rela": r, "plain": p, "margin": r - p, "pass": r > p}
+        out["rela_beats_plain_every_budget_le_50pct"] = {"per_budget": per, "pass": bool(per) and all(x["pass"] for x in per.values())}
+    if timing:
+        out["switch_ssl_free_phase_saves_time"] = {**timing, "pass": timing["ratio"] < 1.0}
+    return out
+
+
+def write_png(agg: dict, path: Path, batch_size: int, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    styles = {"none": ("k", "o", "plain BYOL"), "random": ("C0", "s", PRIOR_LABELS["random"]),
+              "cross": ("C1", "^", PRIOR_LABELS["cross"]), "same": ("C2", "D", PRIOR_LABELS["same"])}
+    init = agg.get("byol|none|none|init|0.0|full")
+    for ax, metric in zip(axes, ("linear_top1", "knn_top1")):
+        for prior, (color, marker, label) in styles.items():
+            sched = "none" if prior == "none" else "decay"
+            pts = sorted((a["compute"], a[metric]["mean"], a[metric]["std"]) for a in agg.values()
+                         if a["method"] == "byol" and a["prior"] == prior and a["schedule"] == sched and a["kind"] == "steps")
+            if pts:
+                xs, ys, es = zip(*pts)
+                ax.errorbar(xs, ys, yerr=es, color=color, marker=marker, label=f"{label} (step budget)", capsize=3)
+            dpts = sorted((a["compute"], a[metric]["mean"], a[metric]["std"]) for a in agg.values()
+                          if a["method"] == "byol" and a["prior"] == prior and a["schedule"] == sched and a["kind"] == "data"
+                          and a["subset"] == "dynamic")
+            if dpts:
+                xs, ys, es = zip(*dpts)
+                ax.errorbar(xs, ys, yerr=es, color=color, marker=marker, ls="none", mfc="none", ms=10, capsize=3,
+                            label=f"{label} (data fraction, dynamic)")
+        if init:
+            ax.axhline(init[metric]["mean"], color="gray", ls=":", lw=1, label="untrained network")
+        ax.set_xscale("log")
+        ax.set_xlabel(f"compute = optimiser steps x batch ({batch_size})")
+        ax.set_ylabel(f"{'linear probe' if metric == 'linear_top1' else 'kNN'} top-1 % (Fashion-MNIST test)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------- main
+def run(args) -> dict:
+    check_args(args)
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    command = " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/budget.py", *args.argv])
+    cache = Path(args.cache)
+    settings = shared_settings(args)
+    grid = make_grid(args)
+    todo = [(c, s) for s in args.seeds for c in grid]
+    data = Data(args.train_size, args.test_size, args.device)
+
+    priors_needed = sorted({c["prior"] for c in grid if c["prior"] != "none"})
+    prior_info, targets = {}, {}
+    loaded: dict[str, dict] = {}
+    for c, s in todo:
+        p = cache / "cells" / f"{cell_key(c, s, settings)}.json"
+        if p.is_file():
+            loaded[cell_key(c, s, settings)] = json.loads(p.read_text())
+    missing = [(c, s) for c, s in todo if cell_key(c, s, settings) not in loaded]
+    for kind in priors_needed:
+        t = time.perf_counter()
+        path, desc = prior_file(args, kind)
+        prior_info[kind] = {"path": str(path), "description": desc, "label": PRIOR_LABELS[kind],
+                            "seconds_to_get": time.perf_counter() - t}
+        if any(c["prior"] == kind for c, _ in missing) or (kind == "same" and args.switch_timing_steps):
+            targets[kind] = prior_targets(path, data)
+    if args.max_new_cells is not None:
+        missing = missing[: args.max_new_cells]
+    print(f"{len(todo)} cells: {len(todo) - len(missing) if args.max_new_cells is None else len(loaded)} cached, "
+          f"computing {len(missing)}")
+    computed = 0
+    for c, s in missing:
+        key = cell_key(c, s, settings)
+        res = run_cell(args, c, s, data, targets)
+        res["key"] = key
+        _write_json(res, cache / "cells" / f"{key}.json")
+        loaded[key] = res
+        computed += 1
+        print(f"  {row_id(c)} seed {s}: linear {res['linear_top1']:.2f} %, kNN {res['knn_top1']:.2f} %, "
+              f"{res['wall_seconds']:.0f} s")
+
+    verify = []
+    if args.verify:
+        pool = [(c, s) for c, s in todo if cell_key(c, s, settings) in loaded and c["kind"] != "init"]
+        pool = sorted(pool, key=lambda cs: cell_steps(cs[0], args.steps))[: args.verify]
+        for c, s in pool:
+            old = loaded[cell_key(c, s, settings)]
+            for kind in ([c["prior"]] if c["prior"] != "none" else []):
+                if kind not in targets:
+                    targets[kind] = prior_targets(Path(prior_info[kind]["path"]), data)
+            new = run_cell(args, c, s, data, targets)
+            verify.append({"cell": row_id(c), "seed": s, "cached_linear": old["linear_top1"], "rerun_linear": new["linear_top1"],
+                           "cached_knn": old["knn_top1"], "rerun_knn": new["knn_top1"],
+                           "identical": old["linear_top1"] == new["linear_top1"] and old["knn_top1"] == new["knn_top1"]})
+
+    timing = None
+    if args.switch_timing_steps and "same" in targets:
+        timing = switch_timing(args, data, targets["same"], args.switch_timing_steps)
+
+    results = [loaded[cell_key(c, s, settings)] for c, s in todo if cell_key(c, s, settings) in loaded]
+    agg = aggregate(results)
+    step_times = [r["mean_step_seconds"] for r in results if r.get("mean_step_seconds")]
+    probe_times = [r["probe_seconds"] for r in results]
+    mean_step = statistics.fmean(step_times) if step_times else None
+    mean_probe = statistics.fmean(probe_times) if probe_times else None
+    total_steps = sum(cell_steps(c, args.steps) for c, _ in todo)
+    estimate = None
+    if mean_step is not None:
+        estimate = {"cells": len(todo), "optimiser_steps": total_steps, "mean_step_seconds": mean_step,
+                    "mean_probe_seconds": mean_probe,
+                    "estimated_seconds": total_steps * mean_step + len(todo) * mean_probe,
+                    "load_average_during_run": os.getloadavg(),
+                    "note": "measured on this run's machine and load; prior training not included"}
+    title = (f"Fashion-MNIST ({args.train_size} train imgs), {args.backbone}, BYOL, full budget {args.steps} steps, "
+             f"device {settings['device']}, seeds {args.seeds}")
+    out_dir = Path(args.out)
+    png = out_dir / f"{args.name}_accuracy.png"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_png(agg, png, args.batch_size, title)
+    tables = {"paper001_table2_linear": paper_table(agg), "paper001_table2_knn": paper_table(agg, "knn_top1"),
+              "ablation_linear": ablation_table(agg), "methods_linear": methods_table(agg)}
+    result = {
+        "command": command,
+        "device": {"type": settings["device"],
+                   "name": torch.cuda.get_device_name() if settings["device"] == "cuda" else platform.processor() or "cpu"},
+        "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "platform": platform.platform(), "python": platform.python_version(),
+                    "load_average": os.getloadavg()},
+        "settings": {**settings, "grid": args.grid, "seeds": args.seeds, "methods": args.methods},
+        "priors": prior_info,
+        "cells_total": len(todo), "cells_computed_this_run": computed, "cells_missing": len(todo) - len(results),
+        "complete": len(results) == len(todo),
+        "rows": agg, "cells": results, "tables": tables, "goals": goals(agg, timing), "switch_timing": timing,
+        "reproducibility": verify, "estimate": estimate, "wall_seconds": time.perf_counter() - t_start,
+    }
+    _write_json(result, out_dir / f"{args.name}.json")
+    print()
+    print("Linear probe top-1 % (Fashion-MNIST test), paper 001 Table 2 layout:")
+    print(tables["paper001_table2_linear"])
+    print()
+    print("kNN top-1 %:")
+    print(tables["paper001_table2_knn"])
+    print()
+    print(json.dumps(result["goals"], indent=1))
+    print(f"wrote {out_dir / (args.name + '.json')} and {png}; {len(results)}/{len(todo)} cells present")
+    return result
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
