@@ -140,15 +140,16 @@ def make_grid(args) -> list[dict]:
         cells.append({"method": method, "prior": prior, "schedule": schedule if prior != "none" else "none",
                       "kind": kind, "fraction": fraction, "subset": subset, "group": group})
 
-    if args.grid == "tiny":
-        for f in (0.5, 1.0):
+    if args.grid == "tiny":  # the machinery on a few cells (tests): step budgets 20/100 %, a data budget, Switch
+        for f in (0.2, 1.0):
             add(fraction=f)
             add(prior="same", fraction=f)
-        add(kind="data", fraction=0.5, subset="dynamic", prior="same")
+        add(kind="data", fraction=0.2, subset="dynamic")
+        add(prior="same", kind="data", fraction=0.2, subset="dynamic")
         add(prior="same", schedule="switch", fraction=1.0, group="controller")
         for m in args.methods or ():
-            add(method=m, fraction=0.5, group="methods")
-            add(method=m, prior="same", fraction=0.5, group="methods")
+            add(method=m, fraction=0.2, group="methods")
+            add(method=m, prior="same", fraction=0.2, group="methods")
         return cells
     add(kind="init", fraction=0.0, group="init")  # the untrained network (step 0), probed once per seed
     for f in STEP_FRACTIONS:
