@@ -83,20 +83,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backbone", choices=("convnet", "resnet18"), default="convnet",
                    help="student: the small GroupNorm ConvNet (CPU) or torchvision resnet18 with a 3x3 stem, no max-pool (GPU)")
     p.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64], help="ConvNet block widths (default 16 32 64)")
+    p.add_argument("--prior-widths", type=int, nargs="+", default=None,
+                   help="ConvNet widths of the priors (default: --widths; with --backbone resnet18 the priors stay ConvNets)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (warm-up 10 %%, cosine to 0)")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--probe-epochs", type=int, default=30, help="linear-probe epochs (Adam 1e-3)")
     p.add_argument("--knn-k", type=int, default=20)
-    p.add_argument("--prior-steps-same", type=int, default=1000, help="BYOL steps of the same-dataset prior (cached)")
-    p.add_argument("--prior-steps-cross", type=int, default=500, help="BYOL steps of the digits prior (cached)")
+    p.add_argument("--prior-steps-same", type=int, default=600, help="BYOL steps of the same-dataset prior (cached)")
+    p.add_argument("--prior-steps-cross", type=int, default=300, help="BYOL steps of the digits prior (cached)")
     p.add_argument("--same-prior", choices=("train", "demo"), default="train",
                    help="same-dataset prior: 'train' = BYOL trained by this study on unlabelled Fashion-MNIST "
                         "(cached); 'demo' = the demo's shipped prior accelerate_ssl/assets/demo_prior_convnet.safetensors")
     p.add_argument("--device", default="cpu", help="cpu or cuda (results are labelled with the device)")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads per process (default 1; part of the cache key: it changes float rounding)")
     p.add_argument("--cache", default=str(ROOT / "benchmarks/cache/budget"), help="per-cell JSON cache and priors")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results"), help="folder for budget.json / budget_accuracy.png")
     p.add_argument("--name", default="budget", help="results file stem (default 'budget'; e.g. 'budget_cuda')")
+    p.add_argument("--rows", nargs="+", choices=("plain",) + PRIORS, default=None,
+                   help="only the cells of these rows (plain = no prior; default all): extend a study row by row")
+    p.add_argument("--shard", default=None, metavar="K/N",
+                   help="compute only every N-th missing cell starting at K (parallel workers sharing --cache)")
     p.add_argument("--max-new-cells", type=int, default=None,
                    help="stop after computing this many new cells (run a long study in chunks; rerun to continue)")
     p.add_argument("--verify", type=int, default=0,
@@ -119,12 +126,25 @@ def check_args(args) -> None:
         raise ValueError(f"--device {args.device} but torch sees no CUDA device; run on a GPU machine or use --device cpu.")
     if args.same_prior == "demo" and not demo_prior_file().is_file():
         raise FileNotFoundError(f"--same-prior demo needs {demo_prior_file()} (not present); use --same-prior train.")
+    parse_shard(args.shard)
     if args.methods:
         from budget_methods import METHODS
 
         bad = [m for m in args.methods if m not in METHODS]
         if bad:
             raise ValueError(f"--methods: unknown {bad}; choose from {sorted(METHODS)}.")
+
+
+def parse_shard(spec: Optional[str]) -> tuple[int, int]:
+    if spec is None:
+        return 0, 1
+    try:
+        k, n = (int(v) for v in spec.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard must look like K/N (e.g. 0/2), got {spec!r}.") from None
+    if n < 1 or not 0 <= k < n:
+        raise ValueError(f"--shard {spec}: need 0 <= K < N, e.g. 0/2 and 1/2 for two workers.")
+    return k, n
 
 
 def demo_prior_file() -> Path:
@@ -170,17 +190,26 @@ def make_grid(args) -> list[dict]:
             for f in (0.2, 1.0):
                 add(method=m, fraction=f, group="methods")
             add(method=m, prior="same", fraction=0.2, group="methods")
+    if args.rows:
+        cells = [c for c in cells if (c["prior"] if c["prior"] != "none" else "plain") in args.rows]
     return cells
 
 
 def shared_settings(args) -> dict:
     """Every setting that changes a cell's numbers (part of each cell's cache key)."""
-    return {"code_version": CODE_VERSION, "steps": args.steps, "batch_size": args.batch_size,
+    settings = {"code_version": CODE_VERSION, "steps": args.steps, "batch_size": args.batch_size,
             "train_size": args.train_size, "test_size": args.test_size, "backbone": args.backbone,
             "widths": list(args.widths) if args.backbone == "convnet" else None, "lr": args.lr,
             "weight_decay": args.weight_decay, "probe_epochs": args.probe_epochs, "knn_k": args.knn_k,
             "prior_steps_same": args.prior_steps_same, "prior_steps_cross": args.prior_steps_cross,
             "same_prior": args.same_prior, "device": torch.device(args.device).type, "threads": args.threads}
+    if args.backbone != "convnet" or prior_widths(args) != list(args.widths):  # else implied by "widths" (stable keys)
+        settings["prior_widths"] = prior_widths(args)
+    return settings
+
+
+def prior_widths(args) -> list[int]:
+    return list(args.prior_widths or args.widths)
 
 
 def cell_key(cell: dict, seed: int, settings: dict) -> str:
@@ -384,17 +413,15 @@ def prior_file(args, kind: str) -> tuple[Path, str]:
     """
     if kind == "same" and args.same_prior == "demo":
         return demo_prior_file(), "the demo's shipped BYOL ConvNet (unlabelled Fashion-MNIST), accelerate_ssl/assets"
-    if args.backbone != "convnet":
-        raise ValueError("Priors are ConvNets saved with save_prior_checkpoint; the resnet18 student uses the "
-                         "ConvNet priors of --widths (pass --widths for their size).")
     from accelerate_ssl.targets.priors import save_prior_checkpoint
 
     steps = {"random": 0, "cross": args.prior_steps_cross, "same": args.prior_steps_same}[kind]
-    spec = {"kind": kind, "steps": steps, "widths": list(args.widths), "batch_size": args.batch_size,
+    widths = prior_widths(args)
+    spec = {"kind": kind, "steps": steps, "widths": widths, "batch_size": args.batch_size,
             "lr": args.lr, "code_version": CODE_VERSION}
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     path = Path(args.cache) / "priors" / f"{kind}-{key}.safetensors"
-    desc = {"random": "random-init ConvNet (seed 12345), same architecture as the student",
+    desc = {"random": f"random-init ConvNet{tuple(widths)} (seed 12345; the student's architecture for the ConvNet student)",
             "cross": f"BYOL ConvNet, {steps} steps on unlabelled scikit-learn digits (never Fashion-MNIST)",
             "same": f"BYOL ConvNet, {steps} steps on the 60k unlabelled Fashion-MNIST train images"}[kind]
     if path.is_file():
@@ -403,7 +430,7 @@ def prior_file(args, kind: str) -> tuple[Path, str]:
 
     if kind == "random":
         torch.manual_seed(12345)
-        net, mean, std = ConvNet(widths=tuple(args.widths)), 0.2860, 0.3530
+        net, mean, std = ConvNet(widths=tuple(widths)), 0.2860, 0.3530
     else:
         if kind == "cross":
             from accelerate_ssl.data import Digits
@@ -415,13 +442,13 @@ def prior_file(args, kind: str) -> tuple[Path, str]:
             raw = torch.as_tensor(FashionMNIST("train").data).float().div(255)
         mean, std = float(raw.mean()), float(raw.std())
         images = ((raw - mean) / std).unsqueeze(1).to(args.device)
-        prior_args = argparse.Namespace(**{**vars(args), "backbone": "convnet"})
+        prior_args = argparse.Namespace(**{**vars(args), "backbone": "convnet", "widths": widths})
         t = time.perf_counter()
         net, _ = train_ssl(prior_args, images, steps, seed=12345, constant_schedules=True,
                            progress=f"prior {kind}", record_lambda=False)
         print(f"trained the {kind} prior: {steps} steps in {time.perf_counter() - t:.0f} s")
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_prior_checkpoint(net.cpu(), path, "convnet", {"in_channels": 1, "widths": list(args.widths), "norm": "group"},
+    save_prior_checkpoint(net.cpu(), path, "convnet", {"in_channels": 1, "widths": widths, "norm": "group"},
                           _prior_preprocess(mean, std))
     return path, desc
 
@@ -439,7 +466,7 @@ def prior_targets(path: Path, data: Data) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- cells
 def run_cell(args, cell: dict, seed: int, data: Data, targets: dict) -> dict:
     steps = cell_steps(cell, args.steps)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     if cell["kind"] == "init":
         torch.manual_seed(seed)
         backbone, _ = make_backbone(args)
@@ -450,14 +477,17 @@ def run_cell(args, cell: dict, seed: int, data: Data, targets: dict) -> dict:
         backbone, log = train_ssl(args, data.train_x, steps, seed, method=cell["method"], targets=tg,
                                   schedule=cell["schedule"], fraction=cell["fraction"], subset=cell["subset"],
                                   progress=f"{cell['method']} {cell['prior']} {cell['kind']} {cell['fraction']:.0%} s{seed}")
-    train_seconds = time.perf_counter() - t
+    train_seconds, train_cpu = time.perf_counter() - t, time.process_time() - cpu
+    cpu_probe = time.process_time()
     result = probe(args, backbone, data, seed)
+    probe_cpu = time.process_time() - cpu_probe
     lam = log["lambda"]
     sec = log["step_seconds"]
     rela_only = [s for s, l in zip(sec, lam) if l >= 1.0]
     mixed = [s for s, l in zip(sec, lam) if l < 1.0]
     return {**cell, "seed": seed, "steps": steps, "compute": steps * args.batch_size, **result,
             "train_seconds": train_seconds, "wall_seconds": time.perf_counter() - t,
+            "train_cpu_seconds": train_cpu, "probe_cpu_seconds": probe_cpu,
             "mean_step_seconds": statistics.fmean(sec) if sec else None,
             "lambda_first": lam[0] if lam else None, "lambda_last": lam[-1] if lam else None,
             "lambda_mean": statistics.fmean(lam) if lam else None,
@@ -658,6 +688,25 @@ def write_png(agg: dict, path: Path, batch_size: int, title: str) -> None:
     os.replace(tmp, path)
 
 
+def core_grid_estimate(args, results: list[dict], todo: list) -> Optional[dict]:
+    """Time of the whole grid from this run's cells: CPU seconds per optimiser step and per probe (process
+    CPU time, independent of how loaded the machine is), so ``cpu_seconds / cores`` is the wall time on
+    that many quiet cores running one shard each (``--shard K/N``)."""
+    timed = [r for r in results if r.get("train_cpu_seconds") is not None and r["steps"] > 0]
+    if not timed:
+        return None
+    cpu_per_step = sum(r["train_cpu_seconds"] for r in timed) / sum(r["steps"] for r in timed)
+    cpu_per_probe = statistics.fmean(r["probe_cpu_seconds"] for r in results if r.get("probe_cpu_seconds") is not None)
+    wall_per_step = sum(r["train_seconds"] for r in timed) / sum(r["steps"] for r in timed)
+    total_steps = sum(cell_steps(c, args.steps) for c, _ in todo)
+    cpu_total = total_steps * cpu_per_step + len(todo) * cpu_per_probe
+    return {"cells": len(todo), "optimiser_steps": total_steps, "cpu_seconds_per_step": cpu_per_step,
+            "cpu_seconds_per_probe": cpu_per_probe, "wall_seconds_per_step_this_run": wall_per_step,
+            "cpu_seconds_total": cpu_total, "minutes_on_2_quiet_cores": cpu_total / 2 / 60,
+            "threads_per_process": args.threads, "load_average_at_end": os.getloadavg(),
+            "note": "prior training (cached once) not included; 2 quiet cores = two --shard workers with --threads 1"}
+
+
 # ---------------------------------------------------------------------------------------------- main
 def run(args) -> dict:
     check_args(args)
@@ -670,7 +719,7 @@ def run(args) -> dict:
     todo = [(c, s) for s in args.seeds for c in grid]
     data = Data(args.train_size, args.test_size, args.device)
 
-    priors_needed = sorted({c["prior"] for c in grid if c["prior"] != "none"})
+    priors_needed = [p for p in PRIORS if any(c["prior"] == p for c in grid)]
     prior_info, targets = {}, {}
     loaded: dict[str, dict] = {}
     for c, s in todo:
@@ -685,6 +734,8 @@ def run(args) -> dict:
                             "seconds_to_get": time.perf_counter() - t}
         if any(c["prior"] == kind for c, _ in missing) or (kind == "same" and args.switch_timing_steps):
             targets[kind] = prior_targets(path, data)
+    k, n = parse_shard(args.shard)
+    missing = missing[k::n]
     if args.max_new_cells is not None:
         missing = missing[: args.max_new_cells]
     print(f"{len(todo)} cells: {len(todo) - len(missing) if args.max_new_cells is None else len(loaded)} cached, "
@@ -720,18 +771,7 @@ def run(args) -> dict:
 
     results = [loaded[cell_key(c, s, settings)] for c, s in todo if cell_key(c, s, settings) in loaded]
     agg = aggregate(results)
-    step_times = [r["mean_step_seconds"] for r in results if r.get("mean_step_seconds")]
-    probe_times = [r["probe_seconds"] for r in results]
-    mean_step = statistics.fmean(step_times) if step_times else None
-    mean_probe = statistics.fmean(probe_times) if probe_times else None
-    total_steps = sum(cell_steps(c, args.steps) for c, _ in todo)
-    estimate = None
-    if mean_step is not None:
-        estimate = {"cells": len(todo), "optimiser_steps": total_steps, "mean_step_seconds": mean_step,
-                    "mean_probe_seconds": mean_probe,
-                    "estimated_seconds": total_steps * mean_step + len(todo) * mean_probe,
-                    "load_average_during_run": os.getloadavg(),
-                    "note": "measured on this run's machine and load; prior training not included"}
+    estimate = core_grid_estimate(args, results, todo)
     title = (f"Fashion-MNIST ({args.train_size} train imgs), {args.backbone}, BYOL, full budget {args.steps} steps, "
              f"device {settings['device']}, seeds {args.seeds}")
     out_dir = Path(args.out)

@@ -106,3 +106,10 @@ def test_bad_settings_have_clear_errors():
         budget.check_args(parser.parse_args(["--methods", "swav2"]))
     with pytest.raises(ValueError, match="schedule must be"):
         budget.make_schedule("cosine", 10)
+
+
+def test_resnet18_student_runs_one_step_with_convnet_prior_targets():
+    args = budget.build_parser().parse_args(["--backbone", "resnet18", "--batch-size", "4", "--threads", "1", "--no-progress"])
+    backbone, log = budget.train_ssl(args, torch.randn(8, 1, 28, 28), 1, seed=0, targets=torch.randn(8, 16))
+    assert backbone(torch.randn(2, 1, 28, 28)).shape == (2, 512) and len(log["step_seconds"]) == 1
+    assert budget.shared_settings(args)["prior_widths"] == [16, 32, 64]  # the ConvNet priors are part of the key
