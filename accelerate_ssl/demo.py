@@ -44,21 +44,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=int, default=250, help="training steps of the ReLA run (default 250)")
     parser.add_argument("--plain-multiple", type=float, default=4.0,
                         help="plain BYOL runs this many times the budget, to measure when it catches up (default 4)")
-    parser.add_argument("--probes", type=int, default=4,
-                        help="linear-probe checkpoints per budget length, for both curves (default 4)")
+    parser.add_argument("--probes", type=int, default=2,
+                        help="linear-probe checkpoints per budget length, for both curves (default 2)")
     parser.add_argument("--prior", default=DEFAULT_PRIOR,
                         help="prior spec for create_prior (e.g. 'checkpoint:/path/prior.safetensors', 'random:convnet'); "
                              "'demo' (default) is the shipped BYOL ConvNet trained on unlabelled Fashion-MNIST")
     parser.add_argument("--schedule", default="switch",
                         help="lambda controller: 'decay', 'switch' (default), 'constant:<lambda>' or 'epochs:<fraction>'; "
                              "decay/switch constants are scaled to --budget")
+    parser.add_argument("--rela-views", choices=("byol", "weak", "clean"), default="byol",
+                        help="images while lambda == 1 (ReLA term only): the BYOL views, paper 000's weak views "
+                             "(resized crop scale 0.5-1 + flip, no colour jitter), or the clean images the targets "
+                             "were computed on")
+    parser.add_argument("--components", type=int, default=0,
+                        help="PCA components of the targets (paper 001 Eq. 41); 0 (default): the student feature dim")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="demo-output", help="output folder (targets cache, demo.json, demo.png)")
     parser.add_argument("--train-size", type=int, default=20000, help="Fashion-MNIST train images used (default 20000)")
     parser.add_argument("--test-size", type=int, default=10000, help="Fashion-MNIST test images for the probe (default 10000)")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate of both runs (and the ReLA head)")
-    parser.add_argument("--widths", type=int, nargs="+", default=[32, 64, 128], help="student ConvNet block widths")
+    parser.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64], help="student ConvNet block widths (default 16 32 64)")
     parser.add_argument("--probe-epochs", type=int, default=30, help="linear-probe epochs (default 30)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
@@ -168,7 +174,7 @@ def train_byol(args, train, probe, steps: int, checkpoints: list[int], store=Non
     from tqdm.auto import tqdm
 
     from .backbones import ConvNet
-    from .demo_recipe import BYOL, BYOL_VIEWS, images_to_tensor, random_views
+    from .demo_recipe import BYOL, BYOL_VIEWS, WEAK_VIEWS, images_to_tensor, random_views
 
     torch.manual_seed(args.seed)
     backbone = ConvNet(widths=tuple(args.widths))
@@ -181,7 +187,7 @@ def train_byol(args, train, probe, steps: int, checkpoints: list[int], store=Non
         from .rela import ReLA
 
         rela = ReLA(store, backbone, dataloader=loader, schedule=parse_schedule(args.schedule, args.budget),
-                    feature_dim=backbone.feature_dim)
+                    feature_dim=backbone.feature_dim, n_components=args.components or "auto")
         params += list(rela.parameters())  # the transport head trains with the model (same AdamW)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
     views = torch.Generator().manual_seed(args.seed + 1)
@@ -206,8 +212,14 @@ def train_byol(args, train, probe, steps: int, checkpoints: list[int], store=Non
             t0 = time.perf_counter()
             model.train()
             x = images_to_tensor(images.squeeze(1))
-            v0, v1 = random_views(x, BYOL_VIEWS, views), random_views(x, BYOL_VIEWS, views)
-            f0, f1 = backbone(v0), backbone(v1)
+            rela_only = rela is not None and rela.lam >= 1.0
+            if rela_only and args.rela_views == "clean":  # one forward pass of the clean batch
+                v0 = v1 = x
+                f0 = f1 = backbone(x)
+            else:
+                cfg = WEAK_VIEWS if (rela_only and args.rela_views == "weak") else BYOL_VIEWS
+                v0, v1 = random_views(x, cfg, views), random_views(x, cfg, views)
+                f0, f1 = backbone(v0), backbone(v1)
             byol_loss = lambda: model.loss_from_features(f0, f1, v0, v1)  # noqa: E731
             if rela is not None:
                 lambdas.append(rela.lam)

@@ -1,0 +1,149 @@
+"""accelerate-ssl demo: the speed-up arithmetic, and the whole demo end to end on tiny settings."""
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from accelerate_ssl import demo
+from accelerate_ssl.cli import main as cli_main
+
+
+# ---------------------------------------------------------------------------------------------- arithmetic
+def test_steps_to_reach_interpolates_first_crossing():
+    curve = [(0, 81.0), (100, 79.0), (200, 80.0), (400, 84.0), (800, 83.0)]
+    assert demo.steps_to_reach(curve, 82.0) == pytest.approx(300.0)  # halfway between 80 @200 and 84 @400
+    assert demo.steps_to_reach(curve, 80.5) == 0.0  # already there at step 0: no speed-up to claim
+    assert demo.steps_to_reach(curve, 84.0) == pytest.approx(400.0)
+    assert demo.steps_to_reach(curve, 90.0) is None
+
+
+def test_speedup_ratio_and_lower_bound():
+    curve = [(0, 70.0), (100, 72.0), (200, 74.0), (400, 78.0)]
+    sp = demo.speedup(curve, 76.0, budget=100)
+    assert sp["steps_plain"] == pytest.approx(300.0) and sp["speedup"] == pytest.approx(3.0)
+    assert not sp["lower_bound"]
+    never = demo.speedup(curve, 79.0, budget=100)
+    assert never["lower_bound"] and never["steps_plain"] is None and never["speedup"] == pytest.approx(4.0)
+    assert never["text"].startswith("> 4.0x")
+
+
+def test_probe_steps_include_zero_budget_and_end():
+    assert demo.probe_steps(100, 400, 4) == [0, 25, 50, 75, 100, 125, 150, 175, 200, 225, 250, 275, 300, 325, 350, 375, 400]
+    assert demo.probe_steps(250, 1000, 2)[:4] == [0, 125, 250, 375] and demo.probe_steps(250, 1000, 2)[-1] == 1000
+    assert demo.probe_steps(3, 3, 4) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("spec, cls, value", [("decay", "Decay", 0.8), ("switch", "Switch", 1.0),
+                                              ("constant:0.3", "Constant", 0.3), ("epochs:0.5", "Epochs", 1.0)])
+def test_parse_schedule_scales_to_budget(spec, cls, value):
+    s = demo.parse_schedule(spec, budget=200)
+    assert type(s).__name__ == cls and s.value == pytest.approx(value)
+    if cls == "Epochs":
+        assert s.switch_step == 100
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--schedule", "cosine"], ["--schedule", "decay"]),
+    (["--budget", "0"], ["--budget", "positive"]),
+    (["--plain-multiple", "0.5"], ["--plain-multiple", ">= 1"]),
+    (["--batch-size", "64", "--train-size", "32"], ["--batch-size", "lower"]),
+])
+def test_bad_arguments_name_the_problem_and_the_fix(tmp_path, flags, words):
+    with pytest.raises(ValueError) as err:
+        cli_main(["demo", "--out", str(tmp_path), *flags])
+    for w in words:
+        assert w in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+def _png_size(path: Path) -> tuple[int, int]:
+    raw = path.read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG file"
+    return struct.unpack(">II", raw[16:24])
+
+
+def _check_outputs(out: Path, stdout: str, budget: int, plain_steps: int) -> dict:
+    assert "| steps | plain BYOL top-1 % | ReLA top-1 % | lambda |" in stdout
+    assert "speed-up:" in stdout
+    w, h = _png_size(out / "demo.png")
+    assert w > 300 and h > 300
+    result = json.loads((out / "demo.json").read_text())
+    plain_steps_seen = [c["step"] for c in result["plain"]["curve"]]
+    rela_steps_seen = [c["step"] for c in result["rela"]["curve"]]
+    assert plain_steps_seen[0] == 0 and plain_steps_seen[-1] == plain_steps and budget in plain_steps_seen
+    assert rela_steps_seen[0] == 0 and rela_steps_seen[-1] == budget
+    assert len(result["rela"]["lambda_per_step"]) == budget
+    for c in result["plain"]["curve"] + result["rela"]["curve"]:
+        assert 0.0 <= c["top1"] <= 100.0
+    # the reported numbers are the measured ones, and the speed-up follows from them
+    assert result["rela_top1"] == result["rela"]["curve"][-1]["top1"]
+    recomputed = demo.speedup([(c["step"], c["top1"]) for c in result["plain"]["curve"]], result["rela_top1"], budget)
+    assert recomputed == result["speedup"]
+    assert result["table"] in stdout
+    assert result["command"].startswith("accelerate-ssl")
+    assert result["machine"]["cpu_count"] >= 1
+    return result
+
+
+def test_demo_tiny_end_to_end(tmp_path, capsys, fashion_mnist_available):
+    out = tmp_path / "demo"
+    flags = ["demo", "--budget", "4", "--plain-multiple", "2", "--probes", "2", "--train-size", "256",
+             "--test-size", "128", "--batch-size", "32", "--probe-epochs", "2", "--widths", "8", "16",
+             "--prior", "random:convnet", "--out", str(out)]
+    assert cli_main(flags) == 0
+    result = _check_outputs(out, capsys.readouterr().out, budget=4, plain_steps=8)
+    assert result["targets"]["rows"] == 256
+    assert result["settings"]["prior_spec"] == "random:convnet"
+    # a second run re-uses the cached targets and, seeded, measures exactly the same numbers
+    assert cli_main(flags) == 0
+    stdout = capsys.readouterr().out
+    assert "targets: re-using" in stdout
+    again = json.loads((out / "demo.json").read_text())
+    assert [c["top1"] for c in again["rela"]["curve"]] == [c["top1"] for c in result["rela"]["curve"]]
+    assert [c["top1"] for c in again["plain"]["curve"]] == [c["top1"] for c in result["plain"]["curve"]]
+
+
+def test_rela_run_differs_from_plain_only_by_the_wrap(tmp_path, fashion_mnist_available):
+    """Same seed: both runs start from the same weights and see the same batches; with lambda = 0 for
+    good (constant:0) ReLA must give exactly the plain BYOL numbers."""
+    import argparse
+
+    from accelerate_ssl.data import FashionMNIST
+    from accelerate_ssl.demo_recipe import images_to_tensor
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(["--budget", "3", "--train-size", "128", "--batch-size", "32", "--widths", "8", "16",
+                              "--schedule", "constant:0", "--probe-epochs", "1"])
+    train = FashionMNIST("train", limit=128)
+    test = FashionMNIST("test", limit=64)
+    train.transform = demo._uint8_tensor
+    probe = demo._Probe(images_to_tensor(train.data), train.targets, images_to_tensor(test.data), test.targets, 1, 0)
+    targets = torch.randn(128, 16)
+    a = demo.train_byol(args, train, probe, 3, [3], store=targets)
+    b = demo.train_byol(args, train, probe, 3, [3])
+    assert a["curve"][0]["top1"] == b["curve"][0]["top1"]
+    assert a["lambda_per_step"] == [0.0, 0.0, 0.0]
+
+
+def test_default_prior_ships_and_loads():
+    from accelerate_ssl.targets.priors import create_prior
+
+    assert demo.DEFAULT_PRIOR_FILE.is_file(), "the demo's prior must ship in accelerate_ssl/assets/"
+    assert demo.DEFAULT_PRIOR_FILE.stat().st_size < 5 * 2**20
+    prior = create_prior(demo.resolve_prior_spec("demo"))
+    x = torch.randint(0, 256, (2, 1, 28, 28), dtype=torch.uint8)
+    y = prior(prior.preprocess.batch(x))
+    assert y.shape == (2, prior.output_dim) and torch.isfinite(y).all()
+
+
+@pytest.mark.slow
+def test_demo_defaults(tmp_path, capsys, fashion_mnist_available):
+    """The real thing: defaults, real Fashion-MNIST (minutes)."""
+    out = tmp_path / "demo"
+    assert cli_main(["demo", "--out", str(out)]) == 0
+    result = _check_outputs(out, capsys.readouterr().out, budget=250, plain_steps=1000)
+    assert result["rela_top1"] > result["plain_top1_at_budget"]
