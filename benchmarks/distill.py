@@ -363,7 +363,7 @@ def plot(report, sets, path: Path):
     ax.invert_yaxis()
     ax.set_xlabel("synthesis s / image (interleaved, median)")
     ax.set_title(f"DWA/SRe2L++ {report['cost']['dwa_over_sre2lpp']:.2f}x; FADRM MRO/no-MRO "
-                 f"{report['cost']['fadrm_mro_over_no_mro']:.2f}x (model {report['cost']['fadrm_cost_model']:.3f})")
+                 f"{report['cost']['fadrm_mro_over_no_mro']:.2f}x\n(cost model {report['cost']['fadrm_cost_model']:.3f})")
     ax = fig.add_subplot(gs[1, :])
     grid = []
     for r in rows:
