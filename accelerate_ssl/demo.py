@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import shlex
@@ -52,7 +51,6 @@ import torch
 
 DEFAULT_PRIOR_FILE = Path(__file__).resolve().parent / "assets" / "demo_prior_convnet.safetensors"
 DEFAULT_PRIOR = "demo"  # shorthand for checkpoint:<DEFAULT_PRIOR_FILE>
-SCHEDULE_NAMES = ("decay", "switch", "constant", "epochs")
 
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -108,6 +106,8 @@ def _check_args(args) -> None:
     for name in ("budget", "train_size", "test_size", "batch_size", "probes", "probe_epochs"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
+    if args.components < 0:
+        raise ValueError(f"--components must be >= 0 (0: the student feature dim), got {args.components}.")
     if args.plain_multiple < 1:
         raise ValueError(f"--plain-multiple must be >= 1 (plain BYOL must run at least the budget), got {args.plain_multiple}.")
     if args.batch_size > args.train_size:
