@@ -50,6 +50,7 @@ def test_parse_schedule_scales_to_budget(spec, cls, value):
     (["--budget", "0"], ["--budget", "positive"]),
     (["--plain-multiple", "0.5"], ["--plain-multiple", ">= 1"]),
     (["--batch-size", "64", "--train-size", "32"], ["--batch-size", "lower"]),
+    (["--components", "-1"], ["--components", ">= 0"]),
 ])
 def test_bad_arguments_name_the_problem_and_the_fix(tmp_path, flags, words):
     with pytest.raises(ValueError) as err:
