@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--ipc", type=int, default=10)
     p.add_argument("--iterations", type=int, default=300, help="recover steps per batch, same for every method")
     p.add_argument("--ds-size", type=int, default=14, help="FADRM's MRO resolution D_ds at 28 px")
+    p.add_argument("--recover-crop-min", type=float, default=0.08,
+                   help="lower area bound of the recover RandomResizedCrop for every method (SRe2L default 0.08)")
     p.add_argument("--teacher-epochs", type=int, default=2)
     p.add_argument("--teacher-train", type=int, default=20000, help="training images for the teachers")
     p.add_argument("--student-epochs", type=int, default=60)
@@ -175,14 +177,16 @@ def cached_teacher(name, factory, x, y, epochs, seed, cache: Path):
 
 def method_specs(args, teacher_a, teacher_b):
     """row name -> (synthesize method, teachers, hyper-parameters); one shared iteration budget."""
-    it = args.iterations
+    base = {"iterations": args.iterations}
+    if args.recover_crop_min != 0.08:
+        base["crop_scale"] = (args.recover_crop_min, 1.0)
     return {
-        "SRe2L": ("sre2l", teacher_a, {"iterations": it}),
-        "SRe2L++": ("sre2l++", teacher_a, {"iterations": it}),
-        "DWA": ("dwa", teacher_a, {"iterations": it}),
-        "FADRM": ("fadrm", teacher_a, {"iterations": it, "ds_size": args.ds_size}),
-        "FADRM (no MRO)": ("fadrm", teacher_a, {"iterations": it, "ds_size": None}),
-        "FADRM+ (2 teachers)": ("fadrm+", [teacher_a, teacher_b], {"iterations": it, "ds_size": args.ds_size}),
+        "SRe2L": ("sre2l", teacher_a, dict(base)),
+        "SRe2L++": ("sre2l++", teacher_a, dict(base)),
+        "DWA": ("dwa", teacher_a, dict(base)),
+        "FADRM": ("fadrm", teacher_a, dict(base, ds_size=args.ds_size)),
+        "FADRM (no MRO)": ("fadrm", teacher_a, dict(base, ds_size=None)),
+        "FADRM+ (2 teachers)": ("fadrm+", [teacher_a, teacher_b], dict(base, ds_size=args.ds_size)),
     }
 
 
