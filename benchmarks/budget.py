@@ -94,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--same-prior", choices=("train", "demo"), default="train",
                    help="same-dataset prior: 'train' = BYOL trained by this study on unlabelled Fashion-MNIST "
                         "(cached); 'demo' = the demo's shipped prior accelerate_ssl/assets/demo_prior_convnet.safetensors")
+    p.add_argument("--main-schedule", choices=("decay", "switch"), default="decay",
+                   help="lambda controller of the main ReLA rows (the other one and constant:0.5 are the ablation)")
+    p.add_argument("--rela-views", choices=("byol", "weak"), default="byol",
+                   help="views while lambda == 1 (ReLA term only): the BYOL views, or paper 000's weak views "
+                        "(resized crop scale 0.5-1 + flip), as the demo recipe does")
+    p.add_argument("--components", type=int, default=None,
+                   help="target PCA components (paper 001 Eq. 41; default: the student feature dim; the demo uses 16)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (results are labelled with the device)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads per process (default 1; part of the cache key: it changes float rounding)")
@@ -104,8 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only the cells of these rows (plain = no prior; default all): extend a study row by row")
     p.add_argument("--shard", default=None, metavar="K/N",
                    help="compute only every N-th missing cell starting at K (parallel workers sharing --cache)")
+    p.add_argument("--workers", type=int, default=2,
+                   help="worker processes (--threads each) computing the missing cells in parallel, after the priors "
+                        "are cached (default 2 = the 2 cores of the CPU setting; 1 = in this process)")
     p.add_argument("--max-new-cells", type=int, default=None,
-                   help="stop after computing this many new cells (run a long study in chunks; rerun to continue)")
+                   help="stop after computing this many new cells, in this process (run a long study in chunks; rerun to continue)")
     p.add_argument("--verify", type=int, default=0,
                    help="recompute this many cached cells from scratch and record whether the numbers reproduce")
     p.add_argument("--switch-timing-steps", type=int, default=20,
@@ -156,7 +166,9 @@ def make_grid(args) -> list[dict]:
     """The cells of the study (without seeds). A cell: method, prior, schedule, budget kind/fraction, subset."""
     cells: list[dict] = []
 
-    def add(method="byol", prior="none", schedule="decay", kind="steps", fraction=1.0, subset="full", group="main"):
+    main = getattr(args, "main_schedule", "decay")
+
+    def add(method="byol", prior="none", schedule=main, kind="steps", fraction=1.0, subset="full", group="main"):
         cells.append({"method": method, "prior": prior, "schedule": schedule if prior != "none" else "none",
                       "kind": kind, "fraction": fraction, "subset": subset, "group": group})
 
@@ -166,7 +178,7 @@ def make_grid(args) -> list[dict]:
             add(prior="same", fraction=f)
         add(kind="data", fraction=0.2, subset="dynamic")
         add(prior="same", kind="data", fraction=0.2, subset="dynamic")
-        add(prior="same", schedule="switch", fraction=1.0, group="controller")
+        add(prior="same", schedule="switch" if main != "switch" else "constant:0.5", fraction=1.0, group="controller")
         for m in args.methods or ():
             add(method=m, fraction=0.2, group="methods")
             add(method=m, prior="same", fraction=0.2, group="methods")
@@ -182,7 +194,7 @@ def make_grid(args) -> list[dict]:
             add(prior=prior, kind="data", fraction=f, subset="dynamic")
         add(kind="data", fraction=f, subset="static", group="static")
         add(prior="same", kind="data", fraction=f, subset="static", group="static")
-    for sched in ("switch", "constant:0.5"):
+    for sched in [x for x in ("decay", "switch", "constant:0.5") if x != main]:
         for f in (0.2, 0.5):
             add(prior="same", schedule=sched, fraction=f, group="controller")
     if args.grid == "extended":
@@ -205,7 +217,17 @@ def shared_settings(args) -> dict:
             "same_prior": args.same_prior, "device": torch.device(args.device).type, "threads": args.threads}
     if args.backbone != "convnet" or prior_widths(args) != list(args.widths):  # else implied by "widths" (stable keys)
         settings["prior_widths"] = prior_widths(args)
+    if args.rela_views != "byol":
+        settings["rela_views"] = args.rela_views
+    if args.components is not None:
+        settings["components"] = args.components
     return settings
+
+
+#: settings that only change cells with a prior; a plain cell's key uses these values whatever was asked,
+#: so plain cells are shared between studies that differ only in their priors / ReLA recipe.
+RELA_ONLY_DEFAULTS = {"same_prior": "train", "prior_steps_same": 600, "prior_steps_cross": 300}
+RELA_ONLY_OPTIONAL = ("prior_widths", "rela_views", "components")
 
 
 def prior_widths(args) -> list[int]:
@@ -213,6 +235,10 @@ def prior_widths(args) -> list[int]:
 
 
 def cell_key(cell: dict, seed: int, settings: dict) -> str:
+    """Hash of the cell, its seed and every setting that changes its numbers (``CODE_VERSION`` included)."""
+    if cell["prior"] == "none":
+        settings = {k: v for k, v in settings.items() if k not in RELA_ONLY_OPTIONAL}
+        settings.update(RELA_ONLY_DEFAULTS)
     blob = json.dumps({"cell": {k: v for k, v in cell.items() if k != "group"}, "seed": seed, "settings": settings},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -235,6 +261,7 @@ class Data:
         self.train_u8 = torch.as_tensor(train.data).unsqueeze(1)
         self.train_x = images_to_tensor(torch.as_tensor(train.data)).to(device)
         self.train_y = torch.as_tensor(train.targets).long()
+        self.test_u8 = torch.as_tensor(test.data).unsqueeze(1)
         self.test_x = images_to_tensor(torch.as_tensor(test.data)).to(device)
         self.test_y = torch.as_tensor(test.targets).long()
         self.fingerprint = {"train": len(self.train_y), "test": len(self.test_y)}
@@ -308,7 +335,8 @@ def _sync(device) -> None:
 
 def train_ssl(args, images: torch.Tensor, steps: int, seed: int, *, method: str = "byol", targets=None,
               schedule: str = "decay", fraction: float = 1.0, subset: str = "full", constant_schedules: bool = False,
-              progress: Optional[str] = None, record_lambda: bool = True):
+              progress: Optional[str] = None, record_lambda: bool = True, rela_views: str = "byol",
+              components: Optional[int] = None):
     """One SSL run on ``images`` (normalised ``[N, 1, H, W]`` on the device): returns the backbone and a log.
 
     With ``targets`` (``[N, d]`` prior embeddings of the clean images) the loss is
@@ -318,7 +346,7 @@ def train_ssl(args, images: torch.Tensor, steps: int, seed: int, *, method: str 
     """
     from budget_methods import create_method
 
-    from accelerate_ssl.demo_recipe import BYOL_VIEWS, random_views
+    from accelerate_ssl.demo_recipe import BYOL_VIEWS, WEAK_VIEWS, random_views
 
     device = images.device
     torch.manual_seed(seed)
@@ -329,7 +357,8 @@ def train_ssl(args, images: torch.Tensor, steps: int, seed: int, *, method: str 
     if targets is not None:
         from accelerate_ssl.rela import ReLA
 
-        rela = ReLA(targets, backbone, schedule=make_schedule(schedule, steps), feature_dim=dim)
+        rela = ReLA(targets, backbone, schedule=make_schedule(schedule, steps), feature_dim=dim,
+                    n_components="auto" if components is None else min(components, targets.shape[1]))
         rela.to(device)
         params += list(rela.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
@@ -349,7 +378,8 @@ def train_ssl(args, images: torch.Tensor, steps: int, seed: int, *, method: str 
         for g in opt.param_groups:
             g["lr"] = args.lr if constant_schedules else lr_at(step, steps, args.lr)
         x = images[idx.to(device)]
-        v0, v1 = random_views(x, BYOL_VIEWS, views), random_views(x, BYOL_VIEWS, views)
+        cfg = WEAK_VIEWS if (rela is not None and rela_views == "weak" and rela.lam >= 1.0) else BYOL_VIEWS
+        v0, v1 = random_views(x, cfg, views), random_views(x, cfg, views)
         f0, f1 = backbone(v0), backbone(v1)
         ssl_loss = lambda: model.loss_from_features(f0, f1, v0, v1)  # noqa: E731
         if rela is not None:
@@ -454,13 +484,30 @@ def prior_file(args, kind: str) -> tuple[Path, str]:
 
 
 @torch.no_grad()
-def prior_targets(path: Path, data: Data) -> torch.Tensor:
+def prior_targets(path: Path, data: Data, split: str = "train") -> torch.Tensor:
     """The prior's embeddings of the clean training images ``[N, d]`` (its own preprocessing), row i = image i."""
     from accelerate_ssl.targets.priors import create_prior
 
     prior = create_prior(f"checkpoint:{path}")
-    out = [prior(prior.preprocess.batch(data.train_u8[i:i + 1024])) for i in range(0, len(data.train_u8), 1024)]
+    images = data.train_u8 if split == "train" else data.test_u8
+    out = [prior(prior.preprocess.batch(images[i:i + 1024])) for i in range(0, len(images), 1024)]
     return torch.cat(out).float()
+
+
+def prior_quality(args, path: Path, data: Data, train_features: torch.Tensor) -> dict:
+    """The prior's own linear-probe / kNN top-1 on the same train subset -> test split (context for the
+    ReLA rows; labels are used only here, after the prior was trained). Cached next to the prior."""
+    from accelerate_ssl.evaluate import knn_accuracy, linear_probe
+
+    cached = path.with_name(f"{path.name}.probe-{args.train_size}-{args.test_size}-{args.probe_epochs}.json")
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    test_features = prior_targets(path, data, "test")
+    out = {"linear_top1": linear_probe(train_features, data.train_y, test_features, data.test_y,
+                                       epochs=args.probe_epochs, seed=0)["top1"],
+           "knn_top1": knn_accuracy(train_features, data.train_y, test_features, data.test_y, k=args.knn_k)}
+    _write_json(out, cached)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- cells
@@ -476,6 +523,7 @@ def run_cell(args, cell: dict, seed: int, data: Data, targets: dict) -> dict:
         tg = None if cell["prior"] == "none" else targets[cell["prior"]]
         backbone, log = train_ssl(args, data.train_x, steps, seed, method=cell["method"], targets=tg,
                                   schedule=cell["schedule"], fraction=cell["fraction"], subset=cell["subset"],
+                                  rela_views=args.rela_views, components=args.components,
                                   progress=f"{cell['method']} {cell['prior']} {cell['kind']} {cell['fraction']:.0%} s{seed}")
     train_seconds, train_cpu = time.perf_counter() - t, time.process_time() - cpu
     cpu_probe = time.process_time()
@@ -583,7 +631,7 @@ def _fmt(agg: dict, rid: str, metric: str = "linear_top1") -> str:
     return f"{m['mean']:.2f} ± {m['std']:.2f}" if m["n"] > 1 else f"{m['mean']:.2f} (1 seed)"
 
 
-def paper_table(agg: dict, metric: str = "linear_top1", method: str = "byol") -> str:
+def paper_table(agg: dict, metric: str = "linear_top1", method: str = "byol", main: str = "decay") -> str:
     """Markdown in the layout of paper 001 Table 2: rows = budget, columns = plain, +ReLA priors, plain full."""
     name = method.upper() if method == "byol" else method
     head = (f"| budget | {name} | +ReLA random prior | +ReLA cross-dataset prior (digits) | "
@@ -594,17 +642,17 @@ def paper_table(agg: dict, metric: str = "linear_top1", method: str = "byol") ->
     rows += [(f"{int(f * 100)} % steps", "steps", f, "full") for f in STEP_FRACTIONS if f < 1.0]
     for label, kind, f, subset in rows:
         cells = [_fmt(agg, f"{method}|none|none|{kind}|{f}|{subset}", metric)]
-        cells += [_fmt(agg, f"{method}|{p}|decay|{kind}|{f}|{subset}", metric) for p in PRIORS]
+        cells += [_fmt(agg, f"{method}|{p}|{main}|{kind}|{f}|{subset}", metric) for p in PRIORS]
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {full} |")
     return "\n".join(lines)
 
 
-def ablation_table(agg: dict, metric: str = "linear_top1") -> str:
+def ablation_table(agg: dict, metric: str = "linear_top1", main: str = "decay") -> str:
     lines = ["| cell | plain | ReLA same-dataset prior |", "|---|---|---|"]
     for f in DATA_FRACTIONS:
         for subset in ("static", "dynamic"):
             lines.append(f"| {int(f * 100)} % data, {subset} subset | {_fmt(agg, f'byol|none|none|data|{f}|{subset}', metric)} | "
-                         f"{_fmt(agg, f'byol|same|decay|data|{f}|{subset}', metric)} |")
+                         f"{_fmt(agg, f'byol|same|{main}|data|{f}|{subset}', metric)} |")
     for f in (0.2, 0.5):
         for sched in ("decay", "switch", "constant:0.5"):
             lines.append(f"| {int(f * 100)} % steps, {sched} | {_fmt(agg, f'byol|none|none|steps|{f}|full', metric)} | "
@@ -612,22 +660,22 @@ def ablation_table(agg: dict, metric: str = "linear_top1") -> str:
     return "\n".join(lines)
 
 
-def methods_table(agg: dict, metric: str = "linear_top1") -> str:
+def methods_table(agg: dict, metric: str = "linear_top1", main: str = "decay") -> str:
     lines = ["| method | plain 20 % steps | +ReLA same-dataset prior, 20 % steps | plain 100 % steps |", "|---|---|---|---|"]
     for m in ("byol",) + EXTENDED_METHODS:
         lines.append(f"| {m} | {_fmt(agg, f'{m}|none|none|steps|0.2|full', metric)} | "
-                     f"{_fmt(agg, f'{m}|same|decay|steps|0.2|full', metric)} | {_fmt(agg, f'{m}|none|none|steps|1.0|full', metric)} |")
+                     f"{_fmt(agg, f'{m}|same|{main}|steps|0.2|full', metric)} | {_fmt(agg, f'{m}|none|none|steps|1.0|full', metric)} |")
     return "\n".join(lines)
 
 
-def goals(agg: dict, timing: Optional[dict]) -> dict:
+def goals(agg: dict, timing: Optional[dict], main: str = "decay") -> dict:
     """The issue's three goals, from this run's measured numbers."""
     def mean(rid):
         return agg[rid]["linear_top1"]["mean"] if rid in agg else None
 
     out: dict = {}
     plain_full = mean("byol|none|none|steps|1.0|full")
-    cand = {p: mean(f"byol|{p}|decay|steps|0.2|full") for p in PRIORS}
+    cand = {p: mean(f"byol|{p}|{main}|steps|0.2|full") for p in PRIORS}
     cand = {p: v for p, v in cand.items() if v is not None}
     if cand and plain_full is not None:
         best = max(cand, key=cand.get)
@@ -639,7 +687,7 @@ def goals(agg: dict, timing: Optional[dict]) -> dict:
         per = {}
         for kind, fractions, subset in (("steps", [f for f in STEP_FRACTIONS if f <= 0.5], "full"), ("data", DATA_FRACTIONS, "dynamic")):
             for f in fractions:
-                r, p = mean(f"byol|{best}|decay|{kind}|{f}|{subset}"), mean(f"byol|none|none|{kind}|{f}|{subset}")
+                r, p = mean(f"byol|{best}|{main}|{kind}|{f}|{subset}"), mean(f"byol|none|none|{kind}|{f}|{subset}")
                 if r is not None and p is not None:
                     per[f"{int(f * 100)}% {kind}"] = {"rela": r, "plain": p, "margin": r - p, "pass": r > p}
         out["rela_beats_plain_every_budget_le_50pct"] = {"per_budget": per, "pass": bool(per) and all(x["pass"] for x in per.values())}
@@ -648,7 +696,27 @@ def goals(agg: dict, timing: Optional[dict]) -> dict:
     return out
 
 
-def write_png(agg: dict, path: Path, batch_size: int, title: str) -> None:
+def goals_table(g: dict) -> str:
+    """The goals as a Markdown table (measured values, margin, pass/fail)."""
+    lines = ["| goal | measured | pass |", "|---|---|---|"]
+    best = g.get("best_prior", {}).get("label", "?")
+    a = g.get("rela_20pct_steps_reaches_plain_100pct")
+    if a:
+        lines.append(f"| ReLA ({best}) at 20 % of the steps >= plain BYOL at 100 % | {a['rela_20pct']:.2f} vs "
+                     f"{a['plain_100pct']:.2f} (margin {a['margin']:+.2f} points) | {'pass' if a['pass'] else 'FAIL'} |")
+    b = g.get("rela_beats_plain_every_budget_le_50pct")
+    if b:
+        parts = ", ".join(f"{k}: {v['rela']:.2f} vs {v['plain']:.2f} ({v['margin']:+.2f})" for k, v in b["per_budget"].items())
+        lines.append(f"| ReLA ({best}) > plain at every budget <= 50 % | {parts} | {'pass' if b['pass'] else 'FAIL'} |")
+    c = g.get("switch_ssl_free_phase_saves_time")
+    if c:
+        lines.append(f"| Switch's SSL-free phase (lambda = 1) saves wall time per step | {c['median_seconds_rela_only_step'] * 1000:.0f} ms "
+                     f"vs {c['median_seconds_plain_step'] * 1000:.0f} ms per step (ratio {c['ratio']:.2f}, "
+                     f"{c['saving_percent']:.0f} % saved; interleaved, medians of {c['steps_each']}) | {'pass' if c['pass'] else 'FAIL'} |")
+    return "\n".join(lines)
+
+
+def write_png(agg: dict, path: Path, batch_size: int, title: str, main: str = "decay") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -660,7 +728,7 @@ def write_png(agg: dict, path: Path, batch_size: int, title: str) -> None:
     init = agg.get("byol|none|none|init|0.0|full")
     for ax, metric in zip(axes, ("linear_top1", "knn_top1")):
         for prior, (color, marker, label) in styles.items():
-            sched = "none" if prior == "none" else "decay"
+            sched = "none" if prior == "none" else main
             pts = sorted((a["compute"], a[metric]["mean"], a[metric]["std"]) for a in agg.values()
                          if a["method"] == "byol" and a["prior"] == prior and a["schedule"] == sched and a["kind"] == "steps")
             if pts:
@@ -686,6 +754,33 @@ def write_png(agg: dict, path: Path, batch_size: int, title: str) -> None:
     fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
     os.replace(tmp, path)
+
+
+def run_workers(args, n_missing: int) -> int:
+    """Compute the missing cells with ``--workers`` child processes (``--shard i/N`` each, same cache);
+    returns how many cells they computed. A failed worker fails the study with its exit code."""
+    import subprocess
+
+    n = min(args.workers, n_missing)
+    child = [a for a in args.argv]
+    child += ["--workers", "1", "--switch-timing-steps", "0", "--verify", "0", "--no-progress",
+              "--out", str(Path(args.cache) / "workers")]
+    procs = []
+    for i in range(n):
+        log = open(Path(args.cache) / f"worker{i}.log", "w")
+        cmd = [sys.executable, str(Path(__file__).resolve()), *child, "--shard", f"{i}/{n}", "--name", f"worker{i}"]
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, i))
+    print(f"computing {n_missing} cells with {n} workers (logs: {Path(args.cache)}/worker*.log)")
+    computed = 0
+    for proc, log, i in procs:
+        rc = proc.wait()
+        log.close()
+        if rc != 0:
+            raise RuntimeError(f"budget worker {i} failed (exit {rc}); see {Path(args.cache) / f'worker{i}.log'}. "
+                               "Rerun the same command: finished cells are cached.")
+        result = json.loads((Path(args.cache) / "workers" / f"worker{i}.json").read_text())
+        computed += result["cells_computed_this_run"]
+    return computed
 
 
 def core_grid_estimate(args, results: list[dict], todo: list) -> Optional[dict]:
@@ -732,15 +827,22 @@ def run(args) -> dict:
         path, desc = prior_file(args, kind)
         prior_info[kind] = {"path": str(path), "description": desc, "label": PRIOR_LABELS[kind],
                             "seconds_to_get": time.perf_counter() - t}
-        if any(c["prior"] == kind for c, _ in missing) or (kind == "same" and args.switch_timing_steps):
-            targets[kind] = prior_targets(path, data)
+        targets[kind] = prior_targets(path, data)
+        prior_info[kind]["own_probe"] = prior_quality(args, path, data, targets[kind])
+    n_cached = len(todo) - len(missing)
     k, n = parse_shard(args.shard)
     missing = missing[k::n]
     if args.max_new_cells is not None:
         missing = missing[: args.max_new_cells]
-    print(f"{len(todo)} cells: {len(todo) - len(missing) if args.max_new_cells is None else len(loaded)} cached, "
-          f"computing {len(missing)}")
+    print(f"{len(todo)} cells: {n_cached} cached, computing {len(missing)} (shard {k}/{n})")
     computed = 0
+    if args.workers > 1 and args.shard is None and args.max_new_cells is None and len(missing) > 1:
+        computed = run_workers(args, len(missing))
+        for c, s in todo:
+            p = cache / "cells" / f"{cell_key(c, s, settings)}.json"
+            if p.is_file():
+                loaded[cell_key(c, s, settings)] = json.loads(p.read_text())
+        missing = []
     for c, s in missing:
         key = cell_key(c, s, settings)
         res = run_cell(args, c, s, data, targets)
@@ -777,9 +879,12 @@ def run(args) -> dict:
     out_dir = Path(args.out)
     png = out_dir / f"{args.name}_accuracy.png"
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_png(agg, png, args.batch_size, title)
-    tables = {"paper001_table2_linear": paper_table(agg), "paper001_table2_knn": paper_table(agg, "knn_top1"),
-              "ablation_linear": ablation_table(agg), "methods_linear": methods_table(agg)}
+    main = args.main_schedule
+    write_png(agg, png, args.batch_size, title, main)
+    tables = {"paper001_table2_linear": paper_table(agg, main=main), "paper001_table2_knn": paper_table(agg, "knn_top1", main=main),
+              "ablation_linear": ablation_table(agg, main=main), "methods_linear": methods_table(agg, main=main)}
+    measured_goals = goals(agg, timing, main)
+    tables["goals"] = goals_table(measured_goals)
     result = {
         "command": command,
         "device": {"type": settings["device"],
@@ -791,7 +896,7 @@ def run(args) -> dict:
         "priors": prior_info,
         "cells_total": len(todo), "cells_computed_this_run": computed, "cells_missing": len(todo) - len(results),
         "complete": len(results) == len(todo),
-        "rows": agg, "cells": results, "tables": tables, "goals": goals(agg, timing), "switch_timing": timing,
+        "rows": agg, "cells": results, "tables": tables, "goals": measured_goals, "switch_timing": timing,
         "reproducibility": verify, "estimate": estimate, "wall_seconds": time.perf_counter() - t_start,
     }
     _write_json(result, out_dir / f"{args.name}.json")
@@ -802,7 +907,7 @@ def run(args) -> dict:
     print("kNN top-1 %:")
     print(tables["paper001_table2_knn"])
     print()
-    print(json.dumps(result["goals"], indent=1))
+    print(tables["goals"])
     print(f"wrote {out_dir / (args.name + '.json')} and {png}; {len(results)}/{len(todo)} cells present")
     return result
 

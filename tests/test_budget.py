@@ -25,7 +25,7 @@ budget = _load("budget")
 
 TINY = ["--grid", "tiny", "--seeds", "0", "--steps", "5", "--batch-size", "32", "--train-size", "256",
         "--test-size", "200", "--probe-epochs", "2", "--prior-steps-same", "2", "--prior-steps-cross", "2",
-        "--switch-timing-steps", "2", "--threads", "1", "--no-progress"]
+        "--switch-timing-steps", "2", "--threads", "1", "--workers", "1", "--no-progress"]
 
 
 def _run(tmp_path, *extra):
@@ -47,8 +47,8 @@ def test_tiny_grid_outputs_cache_and_resume(tmp_path):
     assert first["cells_missing"] == n_cells - 2
     before = _cell_files(tmp_path)
     assert len(before) == 2
-    # resume: the 2 cached cells are re-used unchanged, only the rest is computed
-    second = _run(tmp_path)
+    # resume (with 2 worker processes sharing the cache): the 2 cached cells are re-used unchanged
+    second = _run(tmp_path, "--workers", "2")
     assert second["cells_computed_this_run"] == n_cells - 2 and second["complete"]
     after = _cell_files(tmp_path)
     assert len(after) == n_cells and all(after[k] == v for k, v in before.items())
@@ -113,3 +113,25 @@ def test_resnet18_student_runs_one_step_with_convnet_prior_targets():
     backbone, log = budget.train_ssl(args, torch.randn(8, 1, 28, 28), 1, seed=0, targets=torch.randn(8, 16))
     assert backbone(torch.randn(2, 1, 28, 28)).shape == (2, 512) and len(log["step_seconds"]) == 1
     assert budget.shared_settings(args)["prior_widths"] == [16, 32, 64]  # the ConvNet priors are part of the key
+
+
+def test_plain_cells_are_shared_across_rela_recipes_and_rela_cells_are_not():
+    parser = budget.build_parser()
+    a = parser.parse_args([])
+    b = parser.parse_args(["--same-prior", "train", "--main-schedule", "switch", "--rela-views", "weak", "--components", "16",
+                           "--prior-steps-same", "50"])
+    plain = {"method": "byol", "prior": "none", "schedule": "none", "kind": "steps", "fraction": 0.2, "subset": "full"}
+    same = {**plain, "prior": "same", "schedule": "switch"}
+    sa, sb = budget.shared_settings(a), budget.shared_settings(b)
+    assert budget.cell_key(plain, 0, sa) == budget.cell_key(plain, 0, sb)
+    assert budget.cell_key(same, 0, sa) != budget.cell_key(same, 0, sb)
+    grid = budget.make_grid(b)
+    assert {c["schedule"] for c in grid if c["group"] == "main" and c["prior"] != "none"} == {"switch"}
+    assert {c["schedule"] for c in grid if c["group"] == "controller"} == {"decay", "constant:0.5"}
+
+
+def test_switch_with_weak_views_and_few_components_skips_ssl_loss_first():
+    args = budget.build_parser().parse_args(["--batch-size", "16", "--widths", "8", "16", "--threads", "1", "--no-progress"])
+    _, log = budget.train_ssl(args, torch.randn(64, 1, 28, 28), 3, seed=0, targets=torch.randn(64, 10),
+                              schedule="switch", rela_views="weak", components=4)
+    assert log["lambda"][0] == 1.0 and len(log["step_seconds"]) == 3
