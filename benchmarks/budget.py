@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="budget", help="results file stem (default 'budget'; e.g. 'budget_cuda')")
     p.add_argument("--rows", nargs="+", choices=("plain",) + PRIORS, default=None,
                    help="only the cells of these rows (plain = no prior; default all): extend a study row by row")
+    p.add_argument("--fractions", type=float, nargs="+", default=None,
+                   help="only the cells at these budget fractions (e.g. 0.2 1.0; default all)")
+    p.add_argument("--kinds", nargs="+", choices=("init", "steps", "data"), default=None,
+                   help="only these budget kinds (default all)")
     p.add_argument("--shard", default=None, metavar="K/N",
                    help="compute only every N-th missing cell starting at K (parallel workers sharing --cache)")
     p.add_argument("--workers", type=int, default=2,
@@ -204,6 +208,10 @@ def make_grid(args) -> list[dict]:
             add(method=m, prior="same", fraction=0.2, group="methods")
     if args.rows:
         cells = [c for c in cells if (c["prior"] if c["prior"] != "none" else "plain") in args.rows]
+    if getattr(args, "fractions", None):
+        cells = [c for c in cells if any(abs(c["fraction"] - f) < 1e-9 for f in args.fractions)]
+    if getattr(args, "kinds", None):
+        cells = [c for c in cells if c["kind"] in args.kinds]
     return cells
 
 
