@@ -32,9 +32,9 @@ def test_random_views_are_random_and_shaped():
 
 def test_cli_distill_and_info(tmp_path, capsys):
     out = tmp_path / "c.safetensors"
-    rc = main(["compact", "distill", "--data", "digits", "--limit", "200", "--train-teacher", "barlow_twins",
+    rc = main(["compact", "distill", "--data", "digits", "--limit", "80", "--train-teacher", "barlow_twins",
                "--teacher-steps", "1", "--budget", "3", "--steps", "2", "--real-batch", "16", "--pool-size", "2",
-               "--pool-max-steps", "2", "--pool-width", "4", "--pool-depth", "2", "--scale", "4", "--U", "6", "--V", "6",
+               "--pool-max-steps", "2", "--pool-width", "4", "--pool-depth", "2", "--scale", "4", "--U", "6", "--V", "6", "--m", "20",
                "--approx-hidden", "2", "--out", str(out)])
     assert rc == 0 and out.exists()
     compact = CompactDataset.load(out)
