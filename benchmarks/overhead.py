@@ -169,10 +169,33 @@ def main(argv=None) -> dict:
     tmp = args.out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=2))
     os.replace(tmp, args.out)
+    plot_report(result, args.out.with_suffix(".png"))
     print(f"step time  plain {t_plain * 1e3:.1f} ms  rela {t_rela * 1e3:.1f} ms  ratio {result['time_ratio']:.3f} (goal <= 1.03)")
     print(f"step memory plain {mem[False] / 2**20:.1f} MiB  rela {mem[True] / 2**20:.1f} MiB  ratio {result['memory_ratio']:.3f} (goal <= 1.05)")
     print(f"wrote {args.out}")
     return result
+
+
+def plot_report(result: dict, png: Path) -> None:
+    """Per-repeat step times (plain vs rela.wrap) and the two ratios, from a result written by main()."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for key, label in (("plain", "plain step"), ("rela", "rela.wrap step")):
+        ax.plot(result["step_seconds_all"][key], marker="o", ms=3, label=label)
+    ax.set_xlabel("repeat (interleaved)")
+    ax.set_ylabel("seconds / step")
+    ax.set_title(f"time ratio {result['time_ratio']:.3f} (goal <= 1.03), memory ratio {result['memory_ratio']:.3f} "
+                 "(goal <= 1.05)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = png.with_name(png.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, png)
 
 
 if __name__ == "__main__":

@@ -135,7 +135,39 @@ def main() -> None:
     tmp_file = out.with_name(out.name + ".tmp")
     tmp_file.write_text(json.dumps(report, indent=1))
     os.replace(tmp_file, out)
-    print(f"wrote {out}")
+    plot_report(report, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def plot_report(report: dict, png: Path) -> None:
+    """Throughput (bare forward vs precompute) and peak RSS per N, from a report written by main()."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    ns = [str(r["n"]) for r in rows]
+    x = range(len(rows))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    ax1.bar([i - 0.2 for i in x], [r["bare_forward_img_s"] for r in rows], 0.4, label="bare prior forward")
+    ax1.bar([i + 0.2 for i in x], [r["precompute_img_s"] for r in rows], 0.4, label="precompute_targets")
+    for i, r in zip(x, rows):
+        ax1.text(i + 0.2, r["precompute_img_s"], f"{r['ratio']:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax1.set_xticks(list(x), ns)
+    ax1.set_xlabel("N images")
+    ax1.set_ylabel("images / s")
+    ax1.legend(fontsize=8)
+    ax2.bar(list(x), [r["peak_rss_mb"] for r in rows], 0.5)
+    ax2.set_xticks(list(x), ns)
+    ax2.set_xlabel("N images")
+    ax2.set_ylabel("peak RSS (MB)")
+    fig.suptitle(f"{report['prior']} on {report['dataset']}: {report['command']}", fontsize=8)
+    fig.tight_layout()
+    tmp = png.with_name(png.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, png)
 
 
 if __name__ == "__main__":
