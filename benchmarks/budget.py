@@ -639,11 +639,12 @@ def _fmt(agg: dict, rid: str, metric: str = "linear_top1") -> str:
     return f"{m['mean']:.2f} ± {m['std']:.2f}" if m["n"] > 1 else f"{m['mean']:.2f} (1 seed)"
 
 
-def paper_table(agg: dict, metric: str = "linear_top1", method: str = "byol", main: str = "decay") -> str:
+def paper_table(agg: dict, metric: str = "linear_top1", method: str = "byol", main: str = "decay",
+                same_label: str = "F-MNIST BYOL") -> str:
     """Markdown in the layout of paper 001 Table 2: rows = budget, columns = plain, +ReLA priors, plain full."""
     name = method.upper() if method == "byol" else method
     head = (f"| budget | {name} | +ReLA random prior | +ReLA cross-dataset prior (digits) | "
-            f"+ReLA same-dataset prior (F-MNIST BYOL) | {name} full budget |")
+            f"+ReLA same-dataset prior ({same_label}) | {name} full budget |")
     lines = [head, "|---|---|---|---|---|---|"]
     full = _fmt(agg, f"{method}|none|none|steps|1.0|full", metric)
     rows = [(f"{int(f * 100)} % data / epoch", "data", f, "dynamic") for f in DATA_FRACTIONS]
@@ -889,7 +890,9 @@ def run(args) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     main = args.main_schedule
     write_png(agg, png, args.batch_size, title, main)
-    tables = {"paper001_table2_linear": paper_table(agg, main=main), "paper001_table2_knn": paper_table(agg, "knn_top1", main=main),
+    same_label = "demo's shipped F-MNIST BYOL" if args.same_prior == "demo" else "F-MNIST BYOL"
+    tables = {"paper001_table2_linear": paper_table(agg, main=main, same_label=same_label),
+              "paper001_table2_knn": paper_table(agg, "knn_top1", main=main, same_label=same_label),
               "ablation_linear": ablation_table(agg, main=main), "methods_linear": methods_table(agg, main=main)}
     measured_goals = goals(agg, timing, main)
     tables["goals"] = goals_table(measured_goals)
