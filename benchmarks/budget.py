@@ -504,10 +504,14 @@ def prior_targets(path: Path, data: Data, split: str = "train") -> torch.Tensor:
 
 def prior_quality(args, path: Path, data: Data, train_features: torch.Tensor) -> dict:
     """The prior's own linear-probe / kNN top-1 on the same train subset -> test split (context for the
-    ReLA rows; labels are used only here, after the prior was trained). Cached next to the prior."""
+    ReLA rows; labels are used only here, after the prior was trained). Cached under ``--cache``/priors (never
+    beside the prior file: the demo's prior lives inside the installed package)."""
     from accelerate_ssl.evaluate import knn_accuracy, linear_probe
 
-    cached = path.with_name(f"{path.name}.probe-{args.train_size}-{args.test_size}-{args.probe_epochs}.json")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    cached = (Path(args.cache) / "priors" / f"{path.stem}-{digest}.probe-{args.train_size}-{args.test_size}-"
+              f"{args.probe_epochs}.json")
+    cached.parent.mkdir(parents=True, exist_ok=True)
     if cached.is_file():
         return json.loads(cached.read_text())
     test_features = prior_targets(path, data, "test")
