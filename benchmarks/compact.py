@@ -9,7 +9,12 @@ The teacher is a ConvNet trained here with Barlow Twins on unlabelled Fashion-MN
 only used by the linear probes) and cached under benchmarks/cache/, as are the distilled stores.
 
     .venv/bin/python benchmarks/compact.py                       # CPU defaults (< ~30 min on 2 shared cores)
-    .venv/bin/python benchmarks/compact.py --steps 2000 --pool-width 32 --student-epochs 200   # scale up
+    .venv/bin/python benchmarks/compact.py --steps 2000 --pool-width 32 --student-epochs 1000   # scale up
+    .venv/bin/python benchmarks/compact.py --student-loss mse --student-epochs 60             # paper's MSE loss
+
+Student protocol (identical for every row): SGD lr 0.1 momentum 0.9 wd 1e-3, batch 256, 200 epochs,
+cosine regression loss. With the paper's MSE the students fell 1.3-1.8 points BELOW the random-init
+student (60 epochs: 79.05 / 78.58 / 78.84 vs 80.35); the cosine loss keeps them at its level.
 """
 
 from __future__ import annotations
@@ -61,10 +66,13 @@ def parse_args(argv=None):
     p.add_argument("--distill-seeds", default="0", help="comma list; students of seed s use distill seed s if run, else the first")
     p.add_argument("--seeds", default="0,1,2", help="student seeds")
     p.add_argument("--student-widths", default="16,32,64")
-    p.add_argument("--student-epochs", type=int, default=60)
+    p.add_argument("--student-epochs", type=int, default=200)
     p.add_argument("--student-lr", type=float, default=0.1)
     p.add_argument("--student-wd", type=float, default=1e-3)
     p.add_argument("--student-batch", type=int, default=256)
+    p.add_argument("--student-loss", default="cosine", choices=["mse", "cosine"],
+                   help="regression loss of the students (all rows): mse = the paper's (accelerate_ssl.compact.pretrain); "
+                        "cosine = 1 - cos(head(student(x)), y), scale-free in the targets")
     p.add_argument("--probe-train", type=int, default=10000, help="labelled training images for the linear probe")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-cache", action="store_true", help="recompute the teacher and distilled stores")
@@ -128,6 +136,38 @@ def linear_probe(f_train, y_train, f_test, y_test, iters=300) -> float:
     opt.step(closure)
     with torch.no_grad():
         return float((clf(b).argmax(1) == y_test).float().mean() * 100)
+
+
+def pretrain_cosine(student, compact, epochs: int, batch_size: int, lr: float, weight_decay: float, seed: int,
+                    momentum: float = 0.9, clip_grad_norm: float = 10.0) -> dict:
+    """``accelerate_ssl.compact.pretrain`` with the loss ``1 - cos(head(student(x)), y)`` instead of MSE
+    (same optimiser, head, batching, clipping and seeding). A deviation from paper 002's MSE evaluation,
+    offered because with 100-524 pairs MSE regression pulls the student's features away from their
+    random-init quality before it reaches the teacher's; the direction-only loss is gentler."""
+    from torch import nn
+
+    images, targets = compact.decode() if isinstance(compact, CompactDataset) else compact
+    g = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = nn.Linear(features(student, images[:2]).shape[1], targets.shape[1])
+    params = list(student.parameters()) + list(head.parameters())
+    opt = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    student.train()
+    losses, steps = [], 0
+    for _ in range(epochs):
+        order, total = torch.randperm(len(images), generator=g), 0.0
+        for i in range(0, len(images), batch_size):
+            b = order[i : i + batch_size]
+            loss = (1 - F.cosine_similarity(head(student(images[b])), targets[b], dim=1)).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+            opt.step()
+            total, steps = total + loss.item() * len(b), steps + 1
+        losses.append(total / len(images))
+    student.eval()
+    return {"losses": losses, "steps": steps}
 
 
 def main(argv=None) -> int:
@@ -224,8 +264,9 @@ def main(argv=None) -> int:
             store = random_real(s) if method == "a_random_real" else stores[method].get(s, stores[method][first])
             student = fresh_student(s)
             t0 = time.perf_counter()
-            hist = pretrain(student, store, epochs=args.student_epochs, batch_size=args.student_batch, lr=args.student_lr,
-                            weight_decay=args.student_wd, seed=s)
+            fit = pretrain if args.student_loss == "mse" else pretrain_cosine
+            hist = fit(student, store, epochs=args.student_epochs, batch_size=args.student_batch, lr=args.student_lr,
+                       weight_decay=args.student_wd, seed=s)
             acc = probe(student)
             rows[method].append({"seed": s, "top1": acc, "final_loss": hist["losses"][-1], "steps": hist["steps"],
                                  "pretrain_seconds": round(time.perf_counter() - t0, 1)})
@@ -235,6 +276,11 @@ def main(argv=None) -> int:
     for name, vals in [("random_init_student", results["random_init"]["top1"])] + [(m, [r["top1"] for r in rs]) for m, rs in rows.items()]:
         summary[name] = {"mean": float(np.mean(vals)), "std": float(np.std(vals)), "values": vals}
     summary["teacher"] = {"mean": results["teacher"]["probe_top1"], "std": 0.0, "values": [results["teacher"]["probe_top1"]]}
+    # students of seed s start from the random-init student of seed s: the paired gain removes the init's variance
+    init = results["random_init"]["top1"]
+    for m, rs in rows.items():
+        gains = [r["top1"] - init[seeds.index(r["seed"])] for r in rs]
+        summary[m]["gain_over_init"] = {"mean": float(np.mean(gains)), "std": float(np.std(gains)), "values": gains}
     c, b, a = (summary[k]["mean"] for k in ("c_full", "b_krr_st", "a_random_real"))
     out = {
         "command": command,
