@@ -39,7 +39,6 @@ images, student ConvNet 16/32/64; plain BYOL: 77.5 % at 0 and 250 steps, 78.2 % 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -49,6 +48,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+from .atomic import atomic_write_json
 
 DEFAULT_PRIOR_FILE = Path(__file__).resolve().parent / "assets" / "demo_prior_convnet.safetensors"
 DEFAULT_PRIOR = "demo"  # shorthand for checkpoint:<DEFAULT_PRIOR_FILE>
@@ -306,10 +307,6 @@ def write_png(result: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _write_json(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -378,7 +375,7 @@ def run(args) -> int:
     result["table"] = table
     png = out / "demo.png"
     write_png(result, png)
-    _write_json(result, out / "demo.json")
+    atomic_write_json(out / "demo.json", result, indent=2)
 
     print()
     print(table)

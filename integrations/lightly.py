@@ -29,11 +29,12 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
 
+from accelerate_ssl.atomic import atomic_write_json
 from accelerate_ssl.rela import ReLA
 
 __all__ = ["attach_rela", "clean_dataset", "dataset_filenames", "FilenameIndex", "LightlyReLA", "open_or_precompute",
@@ -134,12 +135,6 @@ class FilenameIndex:
             ) from None
 
 
-def _write_json_atomic(path: Path, payload: Any) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, path)
-
-
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-")[:60]
 
@@ -187,7 +182,7 @@ def open_or_precompute(prior: Union[str, nn.Module], dataset, cache_dir: Union[s
         if len(names) != len(store):
             raise ValueError(f"{len(names)} file names for a {len(store)}-row store; the dataset changed while "
                              f"precomputing. Delete {path} and rerun.")
-        _write_json_atomic(sidecar, {"filenames": names})
+        atomic_write_json(sidecar, {"filenames": names})
     return store
 
 

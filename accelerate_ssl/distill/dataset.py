@@ -20,20 +20,16 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ..atomic import atomic_write_json as _atomic_write_json
+
 MANIFEST = "manifest.json"
 TENSORS = "images.pt"
 FORMAT_VERSION = 1
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = Path(str(path) + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def atomic_write_json(path: Path, obj) -> None:
-    atomic_write_bytes(Path(path), json.dumps(obj, indent=2, sort_keys=True).encode())
+    """The manifest/run-state format of this package: sorted keys, indent 2, written atomically."""
+    _atomic_write_json(path, obj, indent=2, sort_keys=True)
 
 
 def atomic_torch_save(obj, path: Path) -> None:

@@ -25,6 +25,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from ..atomic import atomic_write_text  # noqa: F401  (re-exported for precompute)
+
 METADATA = "metadata.json"
 TARGETS = "targets.npy"
 MANIFEST = "manifest.json"
@@ -44,15 +46,6 @@ class TargetStoreCorruptError(ValueError):
 
 class TargetStoreIncompleteError(TargetStoreCorruptError):
     """The folder holds an interrupted precompute (chunks, no metadata.json)."""
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_json(path: Path) -> dict:

@@ -1,0 +1,40 @@
+"""Atomic file writes: a reader sees the old file or the complete new one, never a half-written one.
+
+Each write goes to ``<name>.<pid>.tmp`` beside the target (unique per process, so several processes under
+``accelerate launch`` never share a temporary file), is flushed and fsynced, then renamed over the target
+with ``os.replace``; on any error the temporary file is removed and the target is left as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_json"]
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (see the module docstring)."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, **dumps_kwargs: Any) -> None:
+    """Write ``json.dumps(obj, **dumps_kwargs)`` to ``path`` atomically."""
+    atomic_write_text(path, json.dumps(obj, **dumps_kwargs))
