@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from accelerate_ssl.backbones import ConvNet  # noqa: E402
 from accelerate_ssl.compact import (  # noqa: E402
-    CompactDataset, DistillConfig, Distiller, load_teacher, pixel_compact, pixel_storage_floats, pretrain, save_teacher,
+    CompactDataset, DistillConfig, Distiller, load_teacher, pixel_compact, pixel_images_for_budget, pretrain, save_teacher,
     train_teacher,
 )
 from accelerate_ssl.data import load_fashion_mnist  # noqa: E402
@@ -225,12 +225,13 @@ def main(argv=None) -> int:
         "b_krr_st": dict(parameterize=False, augmentations="none", augment_real=False),
         "c_full": dict(parameterize=True, augmentations=args.augmentations, augment_real=True),
     }
+    budget_floats = args.budget * real[0].numel()
     stores: dict[str, dict[int, CompactDataset]] = {v: {} for v in variants}
     distill_stats: dict[str, list] = {v: [] for v in variants}
     for dseed in ints(args.distill_seeds):
         for name, extra in variants.items():
             cfg = DistillConfig(**common, **extra, seed=dseed)
-            path = CACHE / f"compact_{name}_{key({**cfg.__dict__, 'teacher': tpath.name})}.safetensors"
+            path = CACHE / f"compact_{name}_{key({**cfg.__dict__, 'teacher': tpath.name, 'accounting': 'targets-included'})}.safetensors"
             if path.exists() and not args.no_cache:
                 store = CompactDataset.load(path)
             else:
@@ -244,7 +245,9 @@ def main(argv=None) -> int:
                 store.save(path)
                 path.with_suffix(".ckpt").unlink(missing_ok=True)
             stores[name][dseed] = store
-            floats = store.metadata["plan"]["total_floats"] if store.kind == "basis" else store.metadata["stored_floats"]
+            floats = store.num_floats  # every stored tensor, targets / bases / approximation nets included
+            if floats > budget_floats:
+                raise RuntimeError(f"{name} stores {floats} floats > budget {budget_floats}: stale cache? rerun with --no-cache.")
             distill_stats[name].append({"seed": dseed, **store.metadata["bench"], "m": store.num_images,
                                         "pairs": len(store.decode()[0]), "stored_floats": floats,
                                         "final_outer_loss": store.metadata["distill"]["final_outer_loss"],
@@ -252,9 +255,12 @@ def main(argv=None) -> int:
             print(name, distill_stats[name][-1])
 
     # -- students ---------------------------------------------------------------------------------
+    # (a) as many random real images + their teacher targets as fit the budget (targets counted, as for b and c)
+    n_random = pixel_images_for_budget(args.budget, tuple(real.shape[1:]), teacher.output_dim)
+
     def random_real(seed):
         g = torch.Generator().manual_seed(seed)
-        idx = torch.randperm(len(real), generator=g)[: args.budget]
+        idx = torch.randperm(len(real), generator=g)[:n_random]
         return pixel_compact(real[idx], teacher(real[idx]))
 
     rows = {"a_random_real": [], "b_krr_st": [], "c_full": []}
@@ -287,8 +293,8 @@ def main(argv=None) -> int:
         "machine": {"cpu_count": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
                     "python": platform.python_version(), "platform": platform.platform()},
         "args": vars(args),
-        "storage": {"budget_floats": args.budget * 784,
-                    "a_random_real_floats": pixel_storage_floats(args.budget, (1, 28, 28), teacher.output_dim),
+        "storage": {"budget_floats": budget_floats,
+                    "a_random_real_floats": random_real(seeds[0]).num_floats, "a_random_real_images": n_random,
                     "b_krr_st_floats": distill_stats["b_krr_st"][0]["stored_floats"],
                     "c_full_floats": distill_stats["c_full"][0]["stored_floats"]},
         "summary_top1": summary,

@@ -4,7 +4,7 @@ from torch import nn
 
 from accelerate_ssl.compact import (
     CompactDataset, DistillConfig, Distiller, StorageBudgetError, Teacher, distill_compact, fit_approx_net, plan_storage,
-    pretrain, pixel_compact,
+    pretrain, pixel_compact, pixel_images_for_budget,
 )
 
 
@@ -62,6 +62,28 @@ def test_storage_count_within_budget_and_refusal():
         plan_storage(100, (1, 28, 28), 128, m=1000)
     over = plan_storage(100, (1, 28, 28), 128, m=1000, allow_over_budget=True)
     assert over.total_floats > over.budget_floats
+
+
+def test_pixel_sets_fit_the_same_budget_targets_included():
+    # the benchmark's geometry: 100 x 784 = 78,400 floats; 92 images + 92 64-d targets = 78,016
+    assert pixel_images_for_budget(100, (1, 28, 28), 64) == 92
+    for n, shape, dy, sets in [(100, (1, 28, 28), 64, 1), (100, (3, 32, 32), 512, 1), (7, (1, 8, 8), 24, 4)]:
+        m = pixel_images_for_budget(n, shape, dy, sets)
+        pixels = shape[0] * shape[1] * shape[2]
+        per, budget = pixels + sets * dy, n * pixels
+        assert m * per <= budget < (m + 1) * per  # the largest m that fits
+        with pytest.raises(StorageBudgetError, match="allow_over_budget"):
+            pixel_images_for_budget(n, shape, dy, sets, m=m + 1)
+        assert pixel_images_for_budget(n, shape, dy, sets, m=m + 1, allow_over_budget=True) == m + 1
+    # KRR-ST distillation fits too: with and without per-augmentation targets
+    for aug in ("none", "rotate"):
+        d = Distiller(_images(), _teacher(), _config(parameterize=False, augmentations=aug, steps=1), progress=False)
+        d.run(progress=False)
+        store = d.result()
+        assert store.num_floats == store.metadata["stored_floats"] <= store.metadata["budget_floats"] == 12 * 64
+        assert store.num_images == pixel_images_for_budget(12, (1, 8, 8), 24, 1 if aug == "none" else 4)
+    with pytest.raises(StorageBudgetError, match="pass m <="):
+        Distiller(_images(), _teacher(), _config(parameterize=False, augmentations="none", m=12), progress=False)
 
 
 def test_distilled_store_counts_match_plan_and_fit_budget(tmp_path):

@@ -14,7 +14,7 @@ decode them into (image, target) pairs and pretrain a student on them by regress
 from .approx import ApproxNet, fit_approx_net
 from .augment import Augmentation, create_augmentations, list_augmentations
 from .bases import decode_images, decode_targets, downscale, pca_basis, project, upsample
-from .budget import StorageBudgetError, StoragePlan, pixel_storage_floats, plan_storage
+from .budget import StorageBudgetError, StoragePlan, pixel_images_for_budget, pixel_storage_floats, plan_storage
 from .codec import CompactDataset, pixel_compact
 from .distill import DistillConfig, Distiller, distill_compact
 from .krr import ModelPool, krr_predict, krr_predict_primal, outer_loss
@@ -26,7 +26,7 @@ pretrain_on_compact = pretrain  # the name exported at the top level: accelerate
 __all__ = [
     "ApproxNet", "fit_approx_net", "Augmentation", "create_augmentations", "list_augmentations",
     "decode_images", "decode_targets", "downscale", "pca_basis", "project", "upsample",
-    "StorageBudgetError", "StoragePlan", "pixel_storage_floats", "plan_storage", "CompactDataset", "pixel_compact",
+    "StorageBudgetError", "StoragePlan", "pixel_images_for_budget", "pixel_storage_floats", "plan_storage", "CompactDataset", "pixel_compact",
     "DistillConfig", "Distiller", "distill_compact", "ModelPool", "krr_predict", "krr_predict_primal", "outer_loss",
     "pretrain", "pretrain_on_compact", "Teacher", "load_teacher", "save_teacher", "train_teacher",
 ]

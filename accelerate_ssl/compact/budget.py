@@ -13,6 +13,8 @@ Choices (the paper never states ``m``):
   and rotations, ``m = 131`` images fit a budget of 100.
 - ``m`` is then the largest count for which the total fits: ``floor((budget - bases - Q) / (U + V))``.
 - A plan over budget raises ``StorageBudgetError`` unless ``allow_over_budget=True``.
+- Un-parameterised sets (KRR-ST, random real images) are counted the same way, targets included:
+  ``pixel_images_for_budget`` gives the largest ``m`` whose images and targets fit.
 """
 
 from __future__ import annotations
@@ -111,9 +113,38 @@ def plan_storage(budget_images: int, image_shape: Sequence[int], target_dim: int
     return StoragePlan(budget_images, (c, h, w), scale, target_dim, num_augmentations, hidden, int(m), U, V).check(allow_over_budget)
 
 
-def pixel_storage_floats(m: int, image_shape: Sequence[int], target_dim: int) -> int:
+def pixel_storage_floats(m: int, image_shape: Sequence[int], target_dim: int, target_sets: int = 1) -> int:
     """Floats stored by an un-parameterised set (KRR-ST / random real images): ``m`` images and
-    ``m`` targets. Following KRR-ST / paper 002's convention, such a set of ``m = N`` images is
-    reported at "budget N" although its targets add ``m * d_y`` floats on top."""
+    ``target_sets * m`` targets (1 + A target sets when each predefined augmentation keeps its own)."""
     c, h, w = image_shape
-    return m * (c * h * w + target_dim)
+    return m * (c * h * w + target_sets * target_dim)
+
+
+def pixel_images_for_budget(budget_images: int, image_shape: Sequence[int], target_dim: int, target_sets: int = 1,
+                            m: Optional[int] = None, allow_over_budget: bool = False) -> int:
+    """Number of pixel images (with their targets) a budget of ``budget_images`` images allows.
+
+    Choice (deviation from paper 002): the paper gives its Random/KMeans baselines "the same number
+    of coreset images as the given budget" (Sec. 4, Table 2) and, like KRR-ST, does not count their
+    targets, while its own method's count includes the representation bases and coefficients. Here
+    every row is counted the same way, targets included: ``m = floor(N c h w / (c h w + target_sets d_y))``
+    (Fashion-MNIST, N = 100, 64-d targets: 92 images, 78,016 <= 78,400 floats). An explicit ``m`` is
+    checked against the budget and refused (``StorageBudgetError``) unless ``allow_over_budget``.
+    """
+    if budget_images < 1 or target_sets < 1:
+        raise ValueError(f"budget_images and target_sets must be >= 1, got {budget_images} and {target_sets}.")
+    c, h, w = (int(v) for v in image_shape)
+    budget = budget_images * c * h * w
+    per_image = pixel_storage_floats(1, (c, h, w), target_dim, target_sets)
+    if m is None:
+        m = budget // per_image
+        if m < 1:
+            raise StorageBudgetError(f"one image with its targets needs {per_image} floats, more than a budget of "
+                                     f"{budget_images} images ({budget}); pass a larger budget.")
+    elif m * per_image > budget and not allow_over_budget:
+        raise StorageBudgetError(
+            f"{m} pixel images with {target_sets} target set(s) of dim {target_dim} store {m * per_image} floats but a "
+            f"budget of {budget_images} images allows {budget}; pass m <= {budget // per_image} (or leave it unset), "
+            "or allow_over_budget=True (--allow-over-budget) to exceed it on purpose."
+        )
+    return int(m)

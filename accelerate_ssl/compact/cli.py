@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--teacher-steps", type=int, default=1000)
     d.add_argument("--save-teacher", default=None, help="where to write the trained teacher (.safetensors)")
     d.add_argument("--budget", type=int, default=100, help="storage budget in images (N)")
-    d.add_argument("--no-parameterize", action="store_true", help="plain KRR-ST: store m = N pixel images")
+    d.add_argument("--no-parameterize", action="store_true", help="plain KRR-ST: store as many pixel images + targets as fit the budget")
     d.add_argument("--augmentations", default="rotate", help="rotate, jigsaw, fivecrop or none")
     for name, typ in (("steps", int), ("lr", float), ("real_batch", int), ("pool_size", int), ("pool_max_steps", int),
                       ("pool_width", int), ("pool_depth", int), ("scale", int), ("U", int), ("V", int), ("m", int),

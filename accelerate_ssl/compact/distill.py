@@ -32,7 +32,7 @@ import torch
 
 from .approx import fit_approx_net
 from .augment import create_augmentations
-from .budget import pixel_storage_floats, plan_storage
+from .budget import pixel_images_for_budget, pixel_storage_floats, plan_storage
 from .codec import CompactDataset
 from .krr import ModelPool, default_pool_factory, outer_loss
 from .synthetic import BasisSynthetic, PixelSynthetic, _batched
@@ -43,7 +43,7 @@ class DistillConfig:
     """Settings of one distillation (defaults: paper 002 App. A.1, CIFAR-100 scale)."""
 
     budget_images: int = 100
-    parameterize: bool = True          # False: plain KRR-ST on m = budget_images pixel images
+    parameterize: bool = True          # False: plain KRR-ST on as many pixel images (+ targets) as fit the budget
     augmentations: str = "rotate"      # "none", "rotate", "jigsaw", "fivecrop"
     augment_real: bool = True          # real batch shown under the same predefined views
     scale: int = 2
@@ -107,7 +107,9 @@ class Distiller:
                                                       self.augmentations, self.generator)
         else:
             self.plan = None
-            self.synthetic = PixelSynthetic.from_real(cfg.m or cfg.budget_images, real_images, self.real_features[0],
+            m = pixel_images_for_budget(cfg.budget_images, image_shape, target_dim, 1 + len(self.augmentations), cfg.m,
+                                        cfg.allow_over_budget)
+            self.synthetic = PixelSynthetic.from_real(m, real_images, self.real_features[0],
                                                       teacher, self.augmentations, self.generator)
         self.optimizer = torch.optim.AdamW(self.synthetic.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         total = max(1, cfg.steps)
@@ -244,8 +246,9 @@ class Distiller:
         else:
             tensors = {"images": s.images_, "targets": s.targets_}
             tensors.update({f"aug_targets.{a}": s.aug_targets[a] for a in range(len(self.augmentations))})
-            meta.update(kind="pixels", stored_floats=pixel_storage_floats(s.images_.shape[0], tuple(self.real_images.shape[1:]),
-                                                                        s.targets_.shape[1]) + s.aug_targets.numel())
+            meta.update(kind="pixels", budget_floats=cfg.budget_images * self.real_images[0].numel(),
+                        stored_floats=pixel_storage_floats(s.images_.shape[0], tuple(self.real_images.shape[1:]),
+                                                           s.targets_.shape[1], 1 + len(self.augmentations)))
         return CompactDataset({k: v.detach() for k, v in tensors.items()}, meta)
 
 
