@@ -142,3 +142,25 @@ def test_fadrm_plus_uses_teachers_round_robin():
     assert calls[1] - 1 == 5 and calls[2] - 1 == 5  # one probe forward each + 5 steps each
     with pytest.raises(ValueError, match="at least two teachers"):
         synthesize(t1, method="fadrm+", ipc=1, real=tiny_real(), mean=MEAN, std=STD, iterations=8, progress=False)
+
+
+def test_mro_roll_is_scaled_to_the_low_resolution(monkeypatch):
+    """At D_ds the circular roll moves the same fraction of the image as at D_orig (jitter 4 at 12 px -> 2 at 6 px);
+    the first implementation rolled 4 px at both sizes, i.e. twice as far at half resolution."""
+    from accelerate_ssl.distill.recover import BatchAugment
+
+    shifts = {}
+    original = BatchAugment.sample
+
+    def spy(self, size_hw, generator):
+        p = original(self, size_hw, generator)
+        shifts.setdefault(size_hw[0], []).extend(abs(s) for s in p["shift"])
+        return p
+
+    monkeypatch.setattr(BatchAugment, "sample", spy)
+    synthesize(tiny_teacher(), method="fadrm", ipc=1, real=tiny_real(), mean=MEAN, std=STD, iterations=200,
+               injections=3, ds_size=SIZE // 2, jitter=4, progress=False)
+    assert max(shifts[SIZE // 2]) == 2 and max(shifts[SIZE]) == 4
+    aug = BatchAugment(jitter=None, jitter_reference=224)
+    g = torch.Generator().manual_seed(0)
+    assert max(max(abs(s) for s in aug.sample((112, 112), g)["shift"]) for _ in range(300)) == 16  # 32 px at 224

@@ -59,7 +59,7 @@ def test_bn_loss_weights_first_layer_and_variance():
     with BNStatistics(teacher, r_var=0.0, first_bn_multiplier=1.0) as s, torch.no_grad():
         teacher(x)
         base = float(s.loss())
-        first = float(s._losses[0])
+        first = float(s.layer_losses()[0])
     with BNStatistics(teacher, r_var=0.0, first_bn_multiplier=10.0) as s, torch.no_grad():
         teacher(x)
         assert math.isclose(float(s.loss()), base + 9 * first, rel_tol=1e-5)
@@ -120,3 +120,63 @@ def test_schedule_augmentation_and_bf16_precision():
     with pytest.raises(ValueError, match="CUDA"):
         synthesize(teacher, method="sre2l++", ipc=1, real=tiny_real(), mean=MEAN, std=STD, iterations=3,
                    precision="fp16", device="cpu", progress=False)
+
+
+def test_matrix_augmentation_equals_crop_resize_flip_roll():
+    """BatchAugment.apply (separable matrices) == slice + F.interpolate + flip + roll, for every kind of draw."""
+    from accelerate_ssl.distill.recover import crop_resize
+
+    aug = BatchAugment(crop_scale=(0.08, 1.0), jitter=3)
+    g = torch.Generator().manual_seed(0)
+    for size in (SIZE, 13, 28):
+        for _ in range(60):
+            x = torch.randn(3, 2, size, size, dtype=torch.float64)
+            p = aug.sample((size, size), g)
+            ref = crop_resize(x, p["box"], (size, size))
+            ref = ref.flip(-1) if p["flip"] else ref
+            ref = torch.roll(ref, p["shift"], dims=(2, 3))
+            assert torch.allclose(BatchAugment.apply(x, p), ref, atol=1e-12)
+            seen_flip += p["flip"]
+        full = {"box": (0, 0, size, size), "flip": False, "shift": (0, 0)}
+        assert torch.equal(BatchAugment.apply(x, full), x)
+    assert seen_flip > 0
+
+
+def test_channel_stats_gradient_matches_autograd():
+    from accelerate_ssl.distill.recover import channel_stats
+
+    x = torch.randn(3, 4, 5, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: channel_stats(t), (x,))
+    mean, var = channel_stats(x)
+    assert torch.allclose(mean, x.mean(dim=(0, 2, 3))) and torch.allclose(var, x.var(dim=(0, 2, 3), unbiased=False))
+
+
+def test_bn_loss_gradient_matches_the_plain_per_layer_formula():
+    """The vectorised loss (one padded norm over all layers) equals the per-layer sum, value and pixel gradient."""
+    teacher = tiny_teacher()
+    bns = [m for m in teacher.modules() if isinstance(m, nn.BatchNorm2d)]
+    x = torch.randn(4, 1, SIZE, SIZE, requires_grad=True)
+    with frozen_teacher(teacher), BNStatistics(teacher, r_var=3.0, first_bn_multiplier=10.0) as stats:
+        teacher(x)
+        fast = stats.loss()
+        (g_fast,) = torch.autograd.grad(fast, x)
+        inputs = []
+        handles = [m.register_forward_hook(lambda mod, i, o: inputs.append(i[0])) for m in bns]
+        teacher(x)
+        for h in handles:
+            h.remove()
+        plain = 0.0
+        for l, (m, v) in enumerate(zip(bns, inputs)):
+            term = torch.linalg.vector_norm(v.mean(dim=(0, 2, 3)) - m.running_mean) + 3.0 * torch.linalg.vector_norm(
+                v.var(dim=(0, 2, 3), unbiased=False) - m.running_var)
+            plain = plain + (10.0 if l == 0 else 1.0) * term
+        (g_plain,) = torch.autograd.grad(plain, x)
+    assert torch.allclose(fast, plain, rtol=1e-5)
+    assert torch.allclose(g_fast, g_plain, rtol=1e-4, atol=1e-6)
+
+
+def test_manifest_records_wall_and_cpu_seconds():
+    d = synthesize(tiny_teacher(), method="sre2l++", ipc=1, real=tiny_real(), mean=MEAN, std=STD, iterations=3, progress=False)
+    m = d.manifest
+    assert m["cpu_seconds"] > 0 and m["seconds"] > 0
+    assert math.isclose(m["cpu_seconds_per_image"], m["cpu_seconds"] / CLASSES)

@@ -15,6 +15,14 @@ and the BN statistics stay fp32. Initialisation: one real patch per synthetic im
 image of the class filling the image; we draw it at random without reuse rather than RDED's
 confidence-ranked crops). FADRM+ uses several teachers round-robin, one per step, each with its own BN hooks.
 
+What the teacher sees at ``D_ds``: the low-resolution pixels themselves (RandomResizedCrop back to ``D_ds``), as
+in Alg. 1 and the authors' code; that is where the saving comes from, and also why a small ``D_ds`` costs
+accuracy (the teacher's BN statistics and classifier were fitted at ``D_orig``; paper Table 6 picks
+``D_ds / D_orig = 200 / 224``). Our choice: the circular roll is defined at ``D_orig`` and scaled to the current
+resolution (:class:`BatchAugment` ``jitter_reference``), so it moves the same fraction of the image in both
+phases; the authors' code keeps the roll in pixels (32 px at 200 and 224, nearly the same fraction), which at
+28 -> 14 px would double the relative roll.
+
 Gap in the paper: for an even ``k`` the last segment would end at ``D_ds``; we then resample the result to
 ``D_orig`` (the cost model, Eq. 8, counts ``ceil(k / 2)`` segments of ``b`` steps at ``D_ds`` and so assumes
 an odd ``k``; :func:`schedule_cost_ratio` gives the cost of the schedule actually run).
@@ -120,8 +128,9 @@ def fadrm_batch(teachers: Sequence[nn.Module], x_init: torch.Tensor, labels: tor
     segments = segment_schedule(config.iterations, config.injections, size, config.ds_size)
     stats = [BNStatistics(t, config.r_var, config.first_bn_multiplier) for t in teachers]
     low, high = valid_range(mean, std, x_init.device)
-    state = StepState(list(teachers), stats, labels, config, BatchAugment(config.crop_scale, config.flip, config.jitter),
-                      generators["recover"], low, high, resolve_precision(config.precision, x_init.device))
+    augment = BatchAugment(config.crop_scale, config.flip, config.jitter, jitter_reference=size)
+    state = StepState(list(teachers), stats, labels, config, augment, generators["recover"], low, high,
+                      resolve_precision(config.precision, x_init.device))
     patch = x_init.detach()
     x = resample(patch, segments[0].size)
     t = 0
