@@ -128,6 +128,7 @@ def test_matrix_augmentation_equals_crop_resize_flip_roll():
 
     aug = BatchAugment(crop_scale=(0.08, 1.0), jitter=3)
     g = torch.Generator().manual_seed(0)
+    seen_flip = 0
     for size in (SIZE, 13, 28):
         for _ in range(60):
             x = torch.randn(3, 2, size, size, dtype=torch.float64)
