@@ -46,6 +46,9 @@ class DWAConfig(RecoverConfig):
         super().__post_init__()
         if self.init != "real":
             raise ValueError("DWA initialises from real images (paper 003 Alg. 1 line 4); pass init='real' or use method 'sre2l'.")
+        if self.batch_group != 1:
+            raise ValueError("DWA perturbs the teacher separately for every batch, so batches cannot share a teacher "
+                             f"call; pass batch_group=1 (got {self.batch_group}).")
         if self.rho < 0 or self.steps < 1:
             raise ValueError(f"DWA needs rho >= 0 and steps >= 1, got rho={self.rho}, steps={self.steps}.")
 

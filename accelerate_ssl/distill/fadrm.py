@@ -143,5 +143,6 @@ def fadrm_batch(teachers: Sequence[nn.Module], x_init: torch.Tensor, labels: tor
             if seg.inject_after:
                 x = residual_inject(resample(x, segments[i + 1].size), patch, config.alpha)
     x = resample(x, size)
-    state.history["segments"] = [(s.steps, s.size, s.inject_after) for s in segments]
-    return x, state.history
+    for hist in state.history:
+        hist["segments"] = [(s.steps, s.size, s.inject_after) for s in segments]
+    return x, state.result_history()

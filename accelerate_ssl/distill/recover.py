@@ -62,6 +62,10 @@ class RecoverConfig:
         class_chunk: a batch holds one image per class for at most this many classes (100).
         precision: ``"auto"`` (fp16 autocast + GradScaler on CUDA, fp32 on CPU), ``"fp32"``, ``"bf16"``
             (autocast; on CPU too) or ``"fp16"`` (CUDA only). Pixels, their gradients and the BN term stay fp32.
+        batch_group: how many batches (of the same classes) go through the teacher together. A speed setting
+            only: every batch keeps its own BN statistics, CE mean, augmentation draw and random numbers, so
+            the images equal those of one batch at a time up to float rounding (tested). With small images
+            the per-call costs of the teacher's layers dominate a 10-image batch; a group of 10 amortises them.
     """
 
     iterations: int = 1000
@@ -76,6 +80,7 @@ class RecoverConfig:
     init: str = "real"
     class_chunk: int = 100
     precision: str = "auto"
+    batch_group: int = 1
 
     def __post_init__(self):
         if self.init not in ("noise", "real"):
@@ -86,6 +91,8 @@ class RecoverConfig:
             raise ValueError(f"iterations must be >= 1, got {self.iterations}.")
         if self.class_chunk < 1:
             raise ValueError(f"class_chunk must be >= 1, got {self.class_chunk}.")
+        if self.batch_group < 1:
+            raise ValueError(f"batch_group must be >= 1, got {self.batch_group}.")
         self.betas = tuple(self.betas)
         self.crop_scale = tuple(self.crop_scale)
 
@@ -108,7 +115,8 @@ def cosine_lr(step: int, total: int, base_lr: float) -> float:
 
 
 class _ChannelStats(torch.autograd.Function):
-    """Per-channel mean and biased variance over (N, H, W) with a closed-form backward.
+    """Per-channel mean and biased variance over (N, H, W) of each of ``groups`` equal slices of the batch
+    (``[groups, C]`` each), with a closed-form backward.
 
     ``dL/dx = dL/dmu / M + dL/dvar * 2 (x - mu) / M`` (M = N H W) is one fused op, where autograd through
     ``mean`` + ``sub`` + ``square`` + ``mean`` builds four full-size intermediates (the stats were 40-60 % of a
@@ -116,25 +124,33 @@ class _ChannelStats(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x):
-        mean = x.mean(dim=(0, 2, 3))
-        centred = x - mean.view(1, -1, 1, 1)
-        var = centred.square().mean(dim=(0, 2, 3))
+    def forward(ctx, x, groups):
+        n, c, h, w = x.shape
+        xg = x.view(groups, n // groups, c, h, w)
+        mean = xg.mean(dim=(1, 3, 4))
+        centred = xg - mean.view(groups, 1, c, 1, 1)
+        var = centred.square().mean(dim=(1, 3, 4))
         ctx.save_for_backward(centred)
         return mean, var
 
     @staticmethod
     def backward(ctx, grad_mean, grad_var):
         (centred,) = ctx.saved_tensors
-        count = centred.numel() // centred.shape[1]
-        grad_mean = centred.new_zeros(centred.shape[1]) if grad_mean is None else grad_mean
-        grad_var = centred.new_zeros(centred.shape[1]) if grad_var is None else grad_var
-        return torch.addcmul((grad_mean / count).view(1, -1, 1, 1), centred, (grad_var * (2.0 / count)).view(1, -1, 1, 1))
+        g, _, c = centred.shape[:3]
+        count = centred.numel() // (g * c)
+        grad_mean = centred.new_zeros(g, c) if grad_mean is None else grad_mean
+        grad_var = centred.new_zeros(g, c) if grad_var is None else grad_var
+        grad = torch.addcmul((grad_mean / count).view(g, 1, c, 1, 1), centred, (grad_var * (2.0 / count)).view(g, 1, c, 1, 1))
+        return grad.flatten(0, 1), None
 
 
-def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(mean, biased variance)`` per channel of ``x`` [N, C, H, W] (differentiable, see :class:`_ChannelStats`)."""
-    return _ChannelStats.apply(x)
+def channel_stats(x: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, biased variance)`` per channel of ``x`` [N, C, H, W] (differentiable, see :class:`_ChannelStats`):
+    ``[C]`` each, or ``[groups, C]`` for ``groups`` equal consecutive slices of the batch."""
+    if x.shape[0] % groups:
+        raise ValueError(f"batch of {x.shape[0]} does not split into {groups} equal groups; pass a divisor of the batch size.")
+    mean, var = _ChannelStats.apply(x, groups)
+    return (mean[0], var[0]) if groups == 1 else (mean, var)
 
 
 class BNStatistics:
@@ -143,7 +159,8 @@ class BNStatistics:
     For layer ``l`` the matching loss is ``||mu_l - RM_l||_2 + r_var * ||var_l - RV_l||_2`` with the per-channel
     batch mean and biased variance computed in fp32 (also under autocast, paper 004 Sec. 3.2). ``loss()`` sums
     the layers with ``m_1 = first_bn_multiplier`` for the first layer (module order) and 1 for the others.
-    Use as a context manager; the hooks are removed on exit.
+    Use as a context manager; the hooks are removed on exit. With ``groups > 1`` the batch is ``groups``
+    independent batches of equal size (``RecoverConfig.batch_group``): statistics and losses per group.
 
     Speed: a hook only records ``(mu_l, var_l)`` (:func:`channel_stats`); ``loss()`` evaluates all ``2 L`` norms
     at once (one concatenation, one scatter into a zero-padded ``[2 L, C_max]`` matrix, one row-wise norm, one
@@ -167,6 +184,7 @@ class BNStatistics:
                 )
         self.r_var = float(r_var)
         self.first_bn_multiplier = float(first_bn_multiplier)
+        self.groups = 1
         n = len(self.layers)
         self._means: list[Optional[torch.Tensor]] = [None] * n
         self._vars: list[Optional[torch.Tensor]] = [None] * n
@@ -174,7 +192,7 @@ class BNStatistics:
 
     def _hook(self, index: int):
         def hook(module: nn.BatchNorm2d, inputs, output):
-            self._means[index], self._vars[index] = channel_stats(inputs[0].float())
+            self._means[index], self._vars[index] = _ChannelStats.apply(inputs[0].float(), self.groups)
 
         return hook
 
@@ -200,25 +218,31 @@ class BNStatistics:
         self._handles = []
 
     def _norms(self) -> torch.Tensor:
-        """``[2 L]``: ``||mu_l - RM_l||_2`` for every layer, then ``||var_l - RV_l||_2`` for every layer."""
+        """``[groups, 2 L]``: ``||mu_l - RM_l||_2`` for every layer, then ``||var_l - RV_l||_2`` for every layer."""
         if not self._handles:
             raise RuntimeError("BNStatistics is not active; use it as a context manager (with BNStatistics(model) as s: ...).")
         if any(v is None for v in self._means):
             raise RuntimeError("BNStatistics.loss() called before a forward pass through the model.")
-        diff = torch.cat(self._means + self._vars) - self._running
-        rows = 2 * len(self.layers)
-        padded = diff.new_zeros(rows * self._width_max).index_copy(0, self._slots, diff)
-        return torch.linalg.vector_norm(padded.view(rows, self._width_max), dim=1)
+        diff = torch.cat(self._means + self._vars, dim=1) - self._running
+        groups, rows = diff.shape[0], 2 * len(self.layers)
+        padded = diff.new_zeros(groups, rows * self._width_max).index_copy(1, self._slots, diff)
+        return torch.linalg.vector_norm(padded.view(groups, rows, self._width_max), dim=2)
 
     def layer_losses(self) -> torch.Tensor:
-        """``[L]``: the unweighted per-layer losses ``||mu_l - RM_l|| + r_var ||var_l - RV_l||`` of the last pass."""
+        """The unweighted per-layer losses ``||mu_l - RM_l|| + r_var ||var_l - RV_l||`` of the last pass:
+        ``[L]``, or ``[groups, L]`` when grouped."""
         norms = self._norms()
         n = len(self.layers)
-        return norms[:n] + self.r_var * norms[n:]
+        out = norms[:, :n] + self.r_var * norms[:, n:]
+        return out[0] if self.groups == 1 else out
+
+    def group_losses(self) -> torch.Tensor:
+        """``[groups]``: the weighted BN loss of every group (first layer x ``first_bn_multiplier``)."""
+        return self._norms() @ self._weights
 
     def loss(self) -> torch.Tensor:
-        """Weighted sum of the per-layer losses of the last forward pass (first layer x ``first_bn_multiplier``)."""
-        return torch.dot(self._norms(), self._weights)
+        """Weighted sum of the per-layer losses of the last forward pass, summed over the groups."""
+        return self.group_losses().sum()
 
 
 @contextlib.contextmanager
@@ -353,8 +377,23 @@ class BatchAugment:
             out = torch.matmul(out, a_w.T)
         return out
 
-    def __call__(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        return self.apply(x, self.sample(tuple(x.shape[-2:]), generator))
+    @staticmethod
+    def apply_grouped(x: torch.Tensor, params: Sequence[dict]) -> torch.Tensor:
+        """One draw per group of ``len(params)`` equal consecutive slices of the batch (two batched matmuls)."""
+        g = len(params)
+        n, c, h, w = x.shape
+        a_h = np.stack([augment_matrix(h, p["box"][0], p["box"][2], False, p["shift"][0]) for p in params])
+        a_w = np.stack([augment_matrix(w, p["box"][1], p["box"][3], p["flip"], p["shift"][1]).T for p in params])
+        a_h = torch.from_numpy(a_h).to(x.device, x.dtype).unsqueeze(1)
+        a_w = torch.from_numpy(a_w).to(x.device, x.dtype).unsqueeze(1)
+        out = torch.matmul(torch.matmul(a_h, x.reshape(g, (n // g) * c, h, w)), a_w)
+        return out.reshape(n, c, h, w)
+
+    def __call__(self, x: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator]) -> torch.Tensor:
+        """One draw for the batch, or (a list of generators) one draw per group of equal slices."""
+        if isinstance(generator, torch.Generator):
+            return self.apply(x, self.sample(tuple(x.shape[-2:]), generator))
+        return self.apply_grouped(x, [self.sample(tuple(x.shape[-2:]), g) for g in generator])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -414,22 +453,44 @@ class StepState:
     labels: torch.Tensor
     config: RecoverConfig
     augment: BatchAugment
-    generator: torch.Generator
+    generator: torch.Generator | list[torch.Generator]
     low: torch.Tensor
     high: torch.Tensor
     precision: str
-    history: dict = field(default_factory=lambda: {"loss": [], "ce": [], "bn": []})
+    history: list[dict] = field(default_factory=list)
+
+    def __post_init__(self):
+        groups = 1 if isinstance(self.generator, torch.Generator) else len(self.generator)
+        if len(self.labels) % groups:
+            raise ValueError(f"{len(self.labels)} images do not split into {groups} equal batches; pass one generator per batch.")
+        for s in self.stats:
+            s.groups = groups
+        self.history = [{"loss": [], "ce": [], "bn": []} for _ in range(groups)]
+
+    @property
+    def groups(self) -> int:
+        return len(self.history)
+
+    def result_history(self) -> dict | list[dict]:
+        """The history dict (one batch) or the list of per-batch dicts (a group)."""
+        return self.history[0] if self.groups == 1 else self.history
 
 
 def recover_loss(teacher: nn.Module, stats: BNStatistics, x_aug: torch.Tensor, labels: torch.Tensor,
                  config: RecoverConfig, precision: str = "fp32") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(total, ce, bn)`` of the recover objective for an (already augmented) batch; CE under autocast,
-    the BN term in fp32."""
+    the BN term in fp32. With ``stats.groups > 1`` (a group of batches) ``ce`` and ``bn`` are per batch
+    (``[groups]``) and ``total`` is the sum of the per-batch objectives, so each batch's pixels get exactly
+    the gradient of their own objective."""
     with autocast_context(precision, x_aug.device):
         logits = teacher(x_aug)
-    ce = F.cross_entropy(logits.float(), labels)
-    bn = stats.loss()
-    return ce + config.r_bn * bn, ce, bn
+    if stats.groups == 1:
+        ce = F.cross_entropy(logits.float(), labels)
+        bn = stats.loss()
+        return ce + config.r_bn * bn, ce, bn
+    ce = F.cross_entropy(logits.float(), labels, reduction="none").view(stats.groups, -1).mean(dim=1)
+    bn = stats.group_losses()
+    return (ce + config.r_bn * bn).sum(), ce, bn
 
 
 def pixel_adam(x: torch.Tensor, lr: float, betas: tuple[float, float]) -> torch.optim.Adam:
@@ -466,11 +527,13 @@ def optimise_pixels(x: torch.Tensor, state: StepState, steps: int, start: int, t
             loss.backward()
             optimizer.step()
         clamp_(x, state.low, state.high)
-        record.append(torch.stack([loss.detach(), ce.detach(), bn.detach()]))
+        ce, bn = ce.detach().reshape(-1), bn.detach().reshape(-1)
+        record.append(torch.stack([ce + cfg.r_bn * bn, ce, bn]))
     if record:
-        values = torch.stack(record).double().cpu().T.tolist()
-        for key, column in zip(("loss", "ce", "bn"), values):
-            state.history[key].extend(column)
+        values = torch.stack(record).double().cpu().permute(2, 1, 0).tolist()  # [groups, 3, steps]
+        for hist, per_group in zip(state.history, values):
+            for key, column in zip(("loss", "ce", "bn"), per_group):
+                hist[key].extend(column)
     return x.detach()
 
 
@@ -480,6 +543,8 @@ def recover_batch(teacher: nn.Module | Sequence[nn.Module], x_init: torch.Tensor
     """SRe2L recover of one batch (DWA paper 003 Eq. 3 / Alg. 1 lines 10-12 with a fixed teacher).
 
     Returns ``(pixels, history)`` where history holds the per-step ``loss``, ``ce`` and ``bn`` values.
+    ``generator`` may be a list: a group of that many equal batches stacked in ``x_init`` / ``labels``
+    (``RecoverConfig.batch_group``); history is then a list with one dict per batch.
     The caller keeps the teacher(s) frozen (:func:`frozen_teacher`).
     """
     teachers = list(teacher) if isinstance(teacher, (list, tuple)) else [teacher]
@@ -491,4 +556,4 @@ def recover_batch(teacher: nn.Module | Sequence[nn.Module], x_init: torch.Tensor
         for s in stats:
             stack.enter_context(s)
         x = optimise_pixels(x_init, state, config.iterations, 0, config.iterations)
-    return x, state.history
+    return x, state.result_history()

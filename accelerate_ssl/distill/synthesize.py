@@ -1,7 +1,8 @@
 """``synthesize``: the batch loop shared by SRe2L, SRe2L++, DWA, FADRM and FADRM+ (methods registry).
 
 One batch holds one image per class (chunks of ``class_chunk`` classes), so IPC images per class need
-``ipc * ceil(C / class_chunk)`` batches. Every batch draws its random numbers from generators seeded by
+``ipc * ceil(C / class_chunk)`` batches; ``batch_group`` batches of the same chunk share each teacher call
+(a speed setting; every batch keeps its own statistics, loss and random numbers). Every batch draws its random numbers from generators seeded by
 ``(seed, batch index)``, and the real images used for initialisation are chosen once from the seed (per
 class, without reuse), so a run interrupted after any batch and resumed gives exactly the images of an
 uninterrupted run. Finished batches are kept in ``out_dir/.partial/`` until the set is complete.
@@ -274,38 +275,53 @@ def synthesize(
     from tqdm.auto import tqdm
 
     bar = tqdm(total=n_batches, initial=n_batches - len(todo), desc=f"distill {method}", unit="batch", disable=not progress)
+    m = torch.tensor(list(mean)).view(1, -1, 1, 1)
+    s = torch.tensor(list(std)).view(1, -1, 1, 1)
+
+    def batch_init(b: int, gens: dict) -> torch.Tensor:
+        i, chunk = divmod(b, len(chunks))
+        cls = chunks[chunk]
+        if config.init == "real":
+            return ((torch.stack([real_image(real, chosen[c][i]) for c in cls]) - m) / s).to(device)
+        return torch.randn(len(cls), channels, image_size, image_size, generator=gens["recover"]).to(device)
+
+    # batches of the same class chunk, config.batch_group at a time (one teacher call per step for the group)
+    by_chunk: dict[int, list[int]] = {}
+    for b in todo:
+        by_chunk.setdefault(b % len(chunks), []).append(b)
+    groups = [bs[j : j + config.batch_group] for bs in by_chunk.values() for j in range(0, len(bs), config.batch_group)]
+    groups.sort(key=lambda g: g[0])
+
     with frozen_teacher(*teachers):
-        for b in todo:
-            i, chunk = divmod(b, len(chunks))
-            cls = chunks[chunk]
-            labels = torch.tensor(cls, dtype=torch.long, device=device)
-            gens = {"recover": _generator(seed, "recover", b), "perturb": _generator(seed, "perturb", b)}
-            if config.init == "real":
-                x01 = torch.stack([real_image(real, chosen[c][i]) for c in cls])
+        for group in groups:
+            cls = chunks[group[0] % len(chunks)]
+            gens = [{"recover": _generator(seed, "recover", b), "perturb": _generator(seed, "perturb", b)} for b in group]
+            x_init = torch.cat([batch_init(b, g) for b, g in zip(group, gens)])
+            labels = torch.tensor(cls * len(group), dtype=torch.long, device=device)
+            if len(group) == 1:
+                group_gens = gens[0]
             else:
-                x01 = None
-            m = torch.tensor(list(mean)).view(1, -1, 1, 1)
-            s = torch.tensor(list(std)).view(1, -1, 1, 1)
-            if x01 is not None:
-                x_init = ((x01 - m) / s).to(device)
-            else:
-                x_init = torch.randn(len(cls), channels, image_size, image_size, generator=gens["recover"]).to(device)
+                group_gens = {key: [g[key] for g in gens] for key in gens[0]}
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start, cpu_start = time.perf_counter(), time.process_time()
-            x, history = batch_fn(teachers, x_init, labels, config, gens, mean, std)
+            x, history = batch_fn(teachers, x_init, labels, config, group_gens, mean, std)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-            result = {"images": x.detach().cpu(), "labels": labels.cpu(), "seconds": seconds,
-                      "cpu_seconds": cpu_seconds, "final_loss": history["loss"][-1]}
-            results[b] = result
-            if partial is not None:
-                atomic_torch_save(result, partial / f"batch_{b:05d}.pt")
-            bar.update(1)
-            bar.set_postfix(loss=f"{history['loss'][-1]:.3f}")
-            if callback is not None:
-                callback(b, result["images"], history)
+            histories = [history] if len(group) == 1 else history
+            for j, (b, hist) in enumerate(zip(group, histories)):
+                images = x[j * len(cls) : (j + 1) * len(cls)].detach().cpu()
+                # a group's cost is shared equally by its batches
+                result = {"images": images, "labels": labels[: len(cls)].cpu(), "seconds": seconds / len(group),
+                          "cpu_seconds": cpu_seconds / len(group), "final_loss": hist["loss"][-1]}
+                results[b] = result
+                if partial is not None:
+                    atomic_torch_save(result, partial / f"batch_{b:05d}.pt")
+                bar.update(1)
+                bar.set_postfix(loss=f"{hist['loss'][-1]:.3f}")
+                if callback is not None:
+                    callback(b, result["images"], hist)
     bar.close()
 
     images = torch.cat([r["images"] for r in results])
