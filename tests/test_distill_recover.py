@@ -181,3 +181,19 @@ def test_manifest_records_wall_and_cpu_seconds():
     m = d.manifest
     assert m["cpu_seconds"] > 0 and m["seconds"] > 0
     assert math.isclose(m["cpu_seconds_per_image"], m["cpu_seconds"] / CLASSES)
+
+
+def test_pixel_adam_follows_the_plain_adam_update():
+    from accelerate_ssl.distill.recover import pixel_adam
+
+    torch.manual_seed(0)
+    a = torch.randn(2, 1, 5, 5, requires_grad=True)
+    b = a.detach().clone().requires_grad_(True)
+    fast, plain = pixel_adam(a, 0.25, (0.5, 0.9)), torch.optim.Adam([b], lr=0.25, betas=(0.5, 0.9), eps=1e-8, foreach=False)
+    for step in range(5):
+        g = torch.randn(2, 1, 5, 5)
+        for opt, x in ((fast, a), (plain, b)):
+            opt.param_groups[0]["lr"] = cosine_lr(step, 5, 0.25)
+            x.grad = g.clone()
+            opt.step()
+    assert torch.allclose(a, b, atol=1e-6) and not torch.equal(a, torch.zeros_like(a))
