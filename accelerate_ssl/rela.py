@@ -70,7 +70,7 @@ from torch.utils.data import DataLoader
 from .data.indexing import IndexTracker, track_loader
 from .schedules import Schedule, create_schedule
 
-__all__ = ["ReLA", "rela_loss"]
+__all__ = ["ReLA", "fit_transport_head", "rela_loss"]
 
 #: captured feature tensors kept at most between two ``wrap`` calls (they hold autograd graphs).
 MAX_CAPTURED = 32
@@ -82,6 +82,46 @@ def rela_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     with torch.autocast(device_type=prediction.device.type, enabled=False):
         cos = F.cosine_similarity(prediction.float(), target.float(), dim=1, eps=1e-8)
         return (1.0 - cos).mean()
+
+
+@torch.no_grad()
+def fit_transport_head(head: nn.Linear, features: torch.Tensor, target: torch.Tensor, *, ridge: float = 1e-3,
+                       distributed: bool = False) -> None:
+    """Set ``head`` to the ridge-regression map from ``features`` to the unit-normalised ``target`` rows.
+
+    The transport head of paper 000 Eq. 9 / paper 001 Eq. 9 is a linear map trained from random
+    initialisation (and the authors' code never trains it at all). A random head makes the first
+    gradients that reach the student point in arbitrary directions of the target space; starting
+    from the closed-form least-squares map for the student's *current* features instead lets those
+    gradients improve the features at once (the same reason linear-probe-then-fine-tune distorts
+    pretrained features less). Our choice, measured in the demo (README, "The demo"); pass
+    ``ReLA(head_init="random")`` for the papers' behaviour.
+
+    Solves ``min_W,b ||[F 1] [W; b] - Y||^2 + r ||W||^2`` in float64 with ``r = ridge * trace(F^T F) / D``
+    (the bias is not penalised). Targets are unit-normalised first because the loss is a cosine: only
+    each row's direction matters. Under ``torch.distributed`` the normal equations are summed over all
+    processes before solving, so every process gets the same head from the union of their batches.
+    """
+    f = features.detach().double()
+    y = F.normalize(target.detach().double(), dim=1)
+    f1 = torch.cat([f, torch.ones(len(f), 1, dtype=f.dtype, device=f.device)], dim=1)
+    gram, cross = f1.T @ f1, f1.T @ y
+    if distributed:
+        import torch.distributed as dist
+
+        dist.all_reduce(gram)
+        dist.all_reduce(cross)
+    d = f.shape[1]
+    penalty = torch.ones(d + 1, dtype=f.dtype, device=f.device)
+    penalty[-1] = 0.0
+    scale = torch.diagonal(gram)[:d].sum() / d
+    reg = ridge * (scale if scale > 0 else torch.ones((), dtype=f.dtype, device=f.device))
+    solution = torch.linalg.solve(gram + torch.diag(penalty * reg + 1e-12), cross)
+    if not torch.isfinite(solution).all():
+        raise FloatingPointError("ReLA: the least-squares head fit produced non-finite weights (non-finite student "
+                                 "features?); check the backbone output, or pass head_init='random'.")
+    head.weight.copy_(solution[:d].T.to(head.weight.dtype))
+    head.bias.copy_(solution[d].to(head.bias.dtype))
 
 
 # ---------------------------------------------------------------------------------------------- targets
@@ -288,6 +328,9 @@ class ReLA:
             not hold ``rela.parameters()``); the papers' 1e-3 and 0.01.
         head_optimizer: ``"auto"`` (decide at your optimiser's first step), ``"user"`` (your optimiser
             must hold the head) or ``"own"`` (ReLA's AdamW; your optimiser must not hold it).
+        head_init: ``"fit"`` (default) sets the head, at the first ``wrap``, to the ridge-regression
+            solution from that batch's student features to its targets (:func:`fit_transport_head`);
+            ``"random"``: PyTorch's default ``nn.Linear`` initialisation, as in the papers.
     """
 
     def __init__(
@@ -303,11 +346,14 @@ class ReLA:
         head_lr: Optional[float] = None,
         head_weight_decay: Optional[float] = None,
         head_optimizer: str = "auto",
+        head_init: str = "fit",
     ):
         if not isinstance(backbone, nn.Module):
             raise TypeError(f"backbone must be an nn.Module (the student's feature extractor), got {type(backbone).__name__}.")
         if head_optimizer not in ("auto", "user", "own"):
             raise ValueError(f"head_optimizer must be 'auto', 'user' or 'own', got {head_optimizer!r}.")
+        if head_init not in ("fit", "random"):
+            raise ValueError(f"head_init must be 'fit' (least-squares at the first batch) or 'random', got {head_init!r}.")
         if not (n_components in ("auto", None) or (isinstance(n_components, int) and n_components >= 0)):
             raise ValueError(f"n_components must be 'auto', None, 0 or a positive int, got {n_components!r}.")
         self.store = _open_targets(targets, dataset, dataloader)
@@ -321,6 +367,9 @@ class ReLA:
         self.head_mode: Optional[str] = None if head_optimizer == "auto" else head_optimizer
 
         self.head: Optional[nn.Linear] = None
+        self.head_init = head_init
+        #: whether the head still waits for its least-squares fit (``head_init="fit"``, before the first wrap)
+        self._head_needs_fit = head_init == "fit"
         self.pca = None
         self._own_optimizer: Optional[torch.optim.Optimizer] = None
         self._captured: list[torch.Tensor] = []
@@ -476,6 +525,9 @@ class ReLA:
             self.to(feats.device)
         target = self._lookup(index, feats.device)
         target = target.repeat(feats.shape[0] // n, 1)  # views are stacked blocks of n, all share a target
+        if self._head_needs_fit:
+            fit_transport_head(self.head, feats, target, distributed=_distributed())
+            self._head_needs_fit = False
         with torch.autocast(device_type=feats.device.type, enabled=False):
             pred = self.head(feats.float())
         return rela_loss(pred, target)
@@ -646,6 +698,7 @@ class ReLA:
             "dims": None if self.head is None else [self.head.in_features, self.head.out_features],
             "own_optimizer": None if self._own_optimizer is None else self._own_optimizer.state_dict(),
             "head_mode": self.head_mode,
+            "head_needs_fit": self._head_needs_fit,
             "schedule": {"type": type(self.schedule).__name__, **self.schedule.state_dict()},
             "steps": self.steps,
             "n_components": self.n_components,
@@ -675,6 +728,8 @@ class ReLA:
                     f"{self.head.out_features}; use the same backbone and n_components."
                 )
             self.head.load_state_dict(state["head"])
+        # a checkpoint from before the fit (or without the key: a head that has been training) is not refitted
+        self._head_needs_fit = bool(state.get("head_needs_fit", False)) and self.head_init == "fit"
         self.schedule.load_state_dict(sched)
         self.head_mode = state["head_mode"] if self.head_optimizer == "auto" else self.head_optimizer
         self.steps = int(state["steps"])

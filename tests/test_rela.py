@@ -371,3 +371,53 @@ def test_real_store_and_mismatch(tmp_path):
         ReLA(str(tmp_path / "store"), student, dataset=_tiny_images(24, 1))  # another dataset, same length
     with pytest.raises(ValueError, match="24 rows"):
         ReLA(store, student, dataset=_tiny_images(30, 0))
+
+
+def test_head_fit_is_the_ridge_solution_and_lowers_the_first_loss():
+    from accelerate_ssl.rela import fit_transport_head, rela_loss
+
+    g = torch.Generator().manual_seed(3)
+    feats, tgt = torch.randn(64, 4, generator=g), torch.randn(64, D_T, generator=g)
+    head = nn.Linear(4, D_T)
+    fit_transport_head(head, feats, tgt, ridge=0.0)
+    y = torch.nn.functional.normalize(tgt, dim=1)
+    want = torch.linalg.lstsq(torch.cat([feats, torch.ones(64, 1)], 1).double(), y.double()).solution
+    assert torch.allclose(head.weight.double(), want[:4].T, atol=1e-5)
+    assert torch.allclose(head.bias.double(), want[4], atol=1e-5)
+
+    # in ReLA: fitted at the first wrap from that batch (before the loss), only once, and the loss is lower
+    x, idx = fixed_batches(1, bs=16)[0][0], fixed_batches(1, bs=16)[0][2]
+    losses = {}
+    for init in ("fit", "random"):
+        torch.manual_seed(0)
+        bb = nn.Linear(D_IN, 4)
+        rela = ReLA(targets(), bb, feature_dim=4, n_components=None, head_init=init)
+        w0 = rela.head.weight.detach().clone()
+        bb(x)
+        losses[init] = float(rela.wrap(torch.tensor(0.0), index=idx).detach())
+        assert torch.equal(rela.head.weight, w0) == (init == "random")
+        w1 = rela.head.weight.detach().clone()
+        bb(x * 2)
+        rela.wrap(torch.tensor(0.0), index=idx)
+        assert torch.equal(rela.head.weight, w1)  # not refitted at the second wrap
+    assert losses["fit"] < losses["random"]
+
+
+def test_head_fit_state_is_checkpointed():
+    x, _, idx = fixed_batches(1)[0]
+    bb = nn.Linear(D_IN, 4)
+    before = ReLA(targets(), bb, feature_dim=4).state_dict()  # saved before the first wrap: still to be fitted
+    assert before["head_needs_fit"] is True
+    rela = ReLA(targets(), bb, feature_dim=4)
+    bb(x)
+    rela.wrap(torch.tensor(0.0), index=idx)
+    after = rela.state_dict()
+    assert after["head_needs_fit"] is False
+    resumed = ReLA(targets(), bb, feature_dim=4)
+    resumed.load_state_dict(after)
+    w = resumed.head.weight.detach().clone()
+    bb(x)
+    resumed.wrap(torch.tensor(0.0), index=idx)
+    assert torch.equal(resumed.head.weight, w)  # a resumed head is never refitted
+    with pytest.raises(ValueError, match="head_init"):
+        ReLA(targets(), bb, feature_dim=4, head_init="zeros")
