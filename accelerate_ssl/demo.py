@@ -74,7 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "were computed on")
     parser.add_argument("--components", type=int, default=16,
                         help="PCA components of the targets (paper 001 Eq. 41; default 16); 0: the student feature dim")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", "--seeds", dest="seeds", type=int, nargs="+", default=[0],
+                        help="seed(s) (default 0); with several, both runs are repeated per seed and the table, the "
+                             "plot and the speed-up use the mean curves (each seed's speed-up is reported too)")
     parser.add_argument("--out", default="demo-output", help="output folder (targets cache, demo.json, demo.png)")
     parser.add_argument("--train-size", type=int, default=20000, help="Fashion-MNIST train images used (default 20000)")
     parser.add_argument("--test-size", type=int, default=10000, help="Fashion-MNIST test images for the probe (default 10000)")
@@ -110,6 +112,8 @@ def _check_args(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
     if args.components < 0:
         raise ValueError(f"--components must be >= 0 (0: the student feature dim), got {args.components}.")
+    if len(set(args.seeds)) != len(args.seeds):
+        raise ValueError(f"--seeds must be distinct (a repeated seed repeats the same run), got {args.seeds}.")
     if args.plain_multiple < 1:
         raise ValueError(f"--plain-multiple must be >= 1 (plain BYOL must run at least the budget), got {args.plain_multiple}.")
     if args.batch_size > args.train_size:
@@ -182,7 +186,8 @@ def _uint8_tensor(image):
     return torch.from_numpy(np.array(image, dtype=np.uint8)).unsqueeze(0)
 
 
-def train_byol(args, train, probe, steps: int, checkpoints: list[int], store=None, desc: str = "BYOL") -> dict:
+def train_byol(args, train, probe, steps: int, checkpoints: list[int], store=None, desc: str = "BYOL",
+               seed: int = 0) -> dict:
     """BYOL for ``steps`` steps (ReLA when ``store`` is given), probing at ``checkpoints``.
 
     Both runs seed the same way, so they share the initial weights and the order of the batches; the
@@ -194,11 +199,11 @@ def train_byol(args, train, probe, steps: int, checkpoints: list[int], store=Non
     from .backbones import ConvNet
     from .demo_recipe import BYOL, BYOL_VIEWS, WEAK_VIEWS, images_to_tensor, random_views
 
-    torch.manual_seed(args.seed)
+    torch.manual_seed(seed)
     backbone = ConvNet(widths=tuple(args.widths))
     model = BYOL(backbone, backbone.feature_dim)
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True,
-                        generator=torch.Generator().manual_seed(args.seed))
+                        generator=torch.Generator().manual_seed(seed))
     params = [p for p in model.parameters() if p.requires_grad]
     rela = None
     if store is not None:
@@ -208,7 +213,7 @@ def train_byol(args, train, probe, steps: int, checkpoints: list[int], store=Non
                     feature_dim=backbone.feature_dim, n_components=args.components or "auto")
         params += list(rela.parameters())  # the transport head trains with the model (same AdamW)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
-    views = torch.Generator().manual_seed(args.seed + 1)
+    views = torch.Generator().manual_seed(seed + 1)
     curve: list[dict] = []
     lambdas: list[float] = []
     train_seconds = 0.0
@@ -261,16 +266,47 @@ def train_byol(args, train, probe, steps: int, checkpoints: list[int], store=Non
     return {"curve": curve, "lambda_per_step": lambdas, "train_seconds": train_seconds}
 
 
+def _summarise(seed, plain: dict, rela: dict, budget: int) -> dict:
+    """One seed's (or the mean curves') accuracies at the budget and the speed-up they give."""
+    rela_top1 = next(c["top1"] for c in rela["curve"] if c["step"] == budget)
+    plain_at_budget = next(c["top1"] for c in plain["curve"] if c["step"] == budget)
+    out = {"plain": plain, "rela": rela, "rela_top1": rela_top1, "plain_top1_at_budget": plain_at_budget,
+           "speedup": speedup([(c["step"], c["top1"]) for c in plain["curve"]], rela_top1, budget)}
+    return out if seed is None else {"seed": seed, **out}
+
+
+def mean_run(runs: list[dict]) -> dict:
+    """Checkpoint-wise mean (and population std) of several seeds' runs of the same length."""
+    import statistics
+
+    if len(runs) == 1:
+        return runs[0]
+    curve = []
+    for points in zip(*(r["curve"] for r in runs)):
+        assert len({p["step"] for p in points}) == 1, "seeds were probed at different steps"
+        top1 = [p["top1"] for p in points]
+        curve.append({"step": points[0]["step"], "top1": statistics.fmean(top1), "top1_std": statistics.pstdev(top1),
+                      "lambda": statistics.fmean(p["lambda"] for p in points),
+                      "train_seconds": statistics.fmean(p["train_seconds"] for p in points),
+                      "probe_seconds": statistics.fmean(p["probe_seconds"] for p in points)})
+    lambdas = [statistics.fmean(v) for v in zip(*(r["lambda_per_step"] for r in runs))]
+    return {"curve": curve, "lambda_per_step": lambdas,
+            "train_seconds": statistics.fmean(r["train_seconds"] for r in runs)}
+
+
 # ---------------------------------------------------------------------------------------------- outputs
 def format_table(result: dict) -> str:
     plain = {c["step"]: c for c in result["plain"]["curve"]}
     rela = {c["step"]: c for c in result["rela"]["curve"]}
     lines = ["| steps | plain BYOL top-1 % | ReLA top-1 % | lambda | plain time s | ReLA time s |",
              "|---:|---:|---:|---:|---:|---:|"]
+    def acc(c):
+        return "" if c is None else f"{c['top1']:.2f}" + (f" ± {c['top1_std']:.2f}" if "top1_std" in c else "")
+
     for s in sorted(set(plain) | set(rela)):
         p, r = plain.get(s), rela.get(s)
         lines.append("| {} | {} | {} | {} | {} | {} |".format(
-            s, f"{p['top1']:.2f}" if p else "", f"{r['top1']:.2f}" if r else "",
+            s, acc(p), acc(r),
             f"{r['lambda']:.2f}" if r else "", f"{p['train_seconds']:.0f}" if p else "",
             f"{r['train_seconds']:.0f}" if r else ""))
     return "\n".join(lines)
@@ -286,14 +322,17 @@ def write_png(result: dict, path: Path) -> None:
     fig, (ax, axl) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     for key, label, style in (("plain", "plain BYOL", "o-"), ("rela", "BYOL + ReLA", "s-")):
         c = result[key]["curve"]
-        ax.plot([p["step"] for p in c], [p["top1"] for p in c], style, label=label)
+        ax.errorbar([p["step"] for p in c], [p["top1"] for p in c], yerr=[p.get("top1_std", 0.0) for p in c],
+                    fmt=style, capsize=3, label=label)
+    seeds = result["settings"]["seeds"]
     sp = result["speedup"]
     ax.axhline(result["rela_top1"], color="gray", ls=":", lw=1)
     if sp["steps_plain"] is not None:
         ax.axvline(sp["steps_plain"], color="gray", ls=":", lw=1)
     ax.axvline(budget, color="k", ls="--", lw=0.8)
     ax.set_ylabel("linear probe top-1 (%)")
-    ax.set_title(f"Fashion-MNIST, BYOL vs BYOL + ReLA: speed-up {sp['text'].split(' (')[0]}")
+    over = f" (mean ± std of {len(seeds)} seeds)" if len(seeds) > 1 else ""
+    ax.set_title(f"Fashion-MNIST, BYOL vs BYOL + ReLA: speed-up {sp['text'].split(' (')[0]}{over}", fontsize=10)
     ax.legend(loc="lower right")
     lam = result["rela"]["lambda_per_step"]
     axl.plot(range(1, len(lam) + 1), lam, color="C1")
@@ -323,7 +362,7 @@ def run(args) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seeds[0])
 
     train = FashionMNIST("train", limit=args.train_size)
     test = FashionMNIST("test", limit=args.test_size)
@@ -342,22 +381,26 @@ def run(args) -> int:
                                    command=" ".join(shlex.quote(a) for a in ["accelerate-ssl", *sys.argv[1:]]))
     targets_seconds = time.perf_counter() - t
 
-    # 2-3. the two runs, probed on the same train subset / test set
+    # 2-3. the two runs per seed, probed on the same train subset / test set
     train.transform = _uint8_tensor  # training batches: uint8 [1, 28, 28] tensors; views are made per batch
-    probe = _Probe(images_to_tensor(train.data), train.targets, images_to_tensor(test.data), test.targets,
-                   epochs=args.probe_epochs, seed=args.seed)
+    train_x, test_x = images_to_tensor(train.data), images_to_tensor(test.data)
     plain_steps = int(round(args.plain_multiple * args.budget))
     plain_ckpts = probe_steps(args.budget, plain_steps, args.probes)
     rela_ckpts = probe_steps(args.budget, args.budget, args.probes)
-    rela = train_byol(args, train, probe, args.budget, [s for s in rela_ckpts if s > 0], store=store, desc="BYOL + ReLA")
-    plain = train_byol(args, train, probe, plain_steps, plain_ckpts, desc="plain BYOL")
-    # step 0 is the same network for both runs (same seed, same initialisation): probed once
-    step0 = next(c for c in plain["curve"] if c["step"] == 0)
-    rela["curve"].insert(0, {**step0, "lambda": rela["lambda_per_step"][0] if rela["lambda_per_step"] else 0.0})
+    per_seed = []
+    for seed in args.seeds:
+        probe = _Probe(train_x, train.targets, test_x, test.targets, epochs=args.probe_epochs, seed=seed)
+        tag = f" (seed {seed})" if len(args.seeds) > 1 else ""
+        rela = train_byol(args, train, probe, args.budget, [s for s in rela_ckpts if s > 0], store=store,
+                          desc="BYOL + ReLA" + tag, seed=seed)
+        plain = train_byol(args, train, probe, plain_steps, plain_ckpts, desc="plain BYOL" + tag, seed=seed)
+        # step 0 is the same network for both runs (same seed, same initialisation): probed once
+        step0 = next(c for c in plain["curve"] if c["step"] == 0)
+        rela["curve"].insert(0, {**step0, "lambda": rela["lambda_per_step"][0] if rela["lambda_per_step"] else 0.0})
+        per_seed.append(_summarise(seed, plain, rela, args.budget))
 
-    rela_top1 = next(c["top1"] for c in rela["curve"] if c["step"] == args.budget)
-    plain_at_budget = next(c["top1"] for c in plain["curve"] if c["step"] == args.budget)
-    sp = speedup([(c["step"], c["top1"]) for c in plain["curve"]], rela_top1, args.budget)
+    plain, rela = (mean_run([r[key] for r in per_seed]) for key in ("plain", "rela"))
+    summary = _summarise(None, plain, rela, args.budget)
     result = {
         "command": " ".join(shlex.quote(a) for a in ["accelerate-ssl", *sys.argv[1:]]),
         "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -365,8 +408,8 @@ def run(args) -> int:
         "settings": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "command"},
         "prior": prior.describe(),
         "targets": {"path": str(store_dir), "rows": len(store), "dim": store.dim, "seconds": targets_seconds},
-        "plain": plain, "rela": rela,
-        "rela_top1": rela_top1, "plain_top1_at_budget": plain_at_budget, "speedup": sp,
+        **summary,
+        "per_seed": per_seed if len(per_seed) > 1 else [],
     }
     result["settings"]["prior_spec"] = spec
     result["wall_seconds"] = time.perf_counter() - t_start
@@ -380,10 +423,15 @@ def run(args) -> int:
     print()
     print(table)
     print()
-    print(f"ReLA at {args.budget} steps: {rela_top1:.2f} %   plain BYOL at {args.budget} steps: {plain_at_budget:.2f} %")
-    print(f"speed-up: {sp['text']}")
-    print(f"wall time: {result['wall_seconds']:.0f} s, CPU time {result['cpu_seconds']:.0f} s (targets {targets_seconds:.0f} s, plain {plain['train_seconds']:.0f} s "
-          f"+ ReLA {rela['train_seconds']:.0f} s of training, the rest probes)")
+    means = f" (mean of {len(args.seeds)} seeds)" if len(args.seeds) > 1 else ""
+    print(f"ReLA at {args.budget} steps: {result['rela_top1']:.2f} %   plain BYOL at {args.budget} steps: "
+          f"{result['plain_top1_at_budget']:.2f} %{means}")
+    print(f"speed-up: {result['speedup']['text']}{means}")
+    for r in result["per_seed"]:
+        print(f"  seed {r['seed']}: {r['speedup']['text']}")
+    n = len(args.seeds)
+    print(f"wall time: {result['wall_seconds']:.0f} s, CPU time {result['cpu_seconds']:.0f} s (targets {targets_seconds:.0f} s, "
+          f"plain {plain['train_seconds'] * n:.0f} s + ReLA {rela['train_seconds'] * n:.0f} s of training, the rest probes)")
     print(f"wrote {png} and {out / 'demo.json'}")
     return 0
 

@@ -51,6 +51,7 @@ def test_parse_schedule_scales_to_budget(spec, cls, value):
     (["--plain-multiple", "0.5"], ["--plain-multiple", ">= 1"]),
     (["--batch-size", "64", "--train-size", "32"], ["--batch-size", "lower"]),
     (["--components", "-1"], ["--components", ">= 0"]),
+    (["--seeds", "1", "1"], ["--seeds", "distinct"]),
 ])
 def test_bad_arguments_name_the_problem_and_the_fix(tmp_path, flags, words):
     with pytest.raises(ValueError) as err:
@@ -107,6 +108,28 @@ def test_demo_tiny_end_to_end(tmp_path, capsys, fashion_mnist_available):
     assert [c["top1"] for c in again["plain"]["curve"]] == [c["top1"] for c in result["plain"]["curve"]]
 
 
+def test_demo_several_seeds_reports_mean_curves_and_each_speedup(tmp_path, capsys, fashion_mnist_available):
+    out = tmp_path / "demo"
+    flags = ["demo", "--budget", "4", "--plain-multiple", "2", "--probes", "1", "--train-size", "256",
+             "--test-size", "128", "--batch-size", "32", "--probe-epochs", "2", "--widths", "8", "16",
+             "--prior", "random:convnet", "--seeds", "0", "1", "--out", str(out)]
+    assert cli_main(flags) == 0
+    stdout = capsys.readouterr().out
+    result = _check_outputs(out, stdout, budget=4, plain_steps=8)
+    assert [r["seed"] for r in result["per_seed"]] == [0, 1]
+    for key in ("plain", "rela"):
+        curves = [r[key]["curve"] for r in result["per_seed"]]
+        assert curves[0] != curves[1]  # the seeds are different runs
+        for k, point in enumerate(result[key]["curve"]):
+            accs = [c[k]["top1"] for c in curves]
+            assert point["top1"] == pytest.approx(sum(accs) / 2)
+            assert point["top1_std"] == pytest.approx(abs(accs[0] - accs[1]) / 2)
+    for r in result["per_seed"]:
+        assert r["speedup"] == demo.speedup([(c["step"], c["top1"]) for c in r["plain"]["curve"]], r["rela_top1"], 4)
+        assert f"seed {r['seed']}: {r['speedup']['text']}" in stdout
+    assert "(mean of 2 seeds)" in stdout and " ± " in result["table"]
+
+
 def test_rela_run_differs_from_plain_only_by_the_wrap(tmp_path, fashion_mnist_available):
     """Same seed: both runs start from the same weights and see the same batches; with lambda = 0 for
     good (constant:0) ReLA must give exactly the plain BYOL numbers."""
@@ -124,8 +147,8 @@ def test_rela_run_differs_from_plain_only_by_the_wrap(tmp_path, fashion_mnist_av
     train.transform = demo._uint8_tensor
     probe = demo._Probe(images_to_tensor(train.data), train.targets, images_to_tensor(test.data), test.targets, 1, 0)
     targets = torch.randn(128, 16)
-    a = demo.train_byol(args, train, probe, 3, [3], store=targets)
-    b = demo.train_byol(args, train, probe, 3, [3])
+    a = demo.train_byol(args, train, probe, 3, [3], store=targets, seed=0)
+    b = demo.train_byol(args, train, probe, 3, [3], seed=0)
     assert a["curve"][0]["top1"] == b["curve"][0]["top1"]
     assert a["lambda_per_step"] == [0.0, 0.0, 0.0]
 
