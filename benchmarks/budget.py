@@ -11,10 +11,14 @@ Side by side on real Fashion-MNIST, every cell a separate seeded run:
   fixed subset for all epochs.
 - **Rows**: plain SSL; ReLA with a random prior (same architecture, random init); ReLA with a
   cross-dataset prior (BYOL trained here on scikit-learn digits, unlabelled; never sees Fashion-MNIST);
-  ReLA with a same-dataset prior (BYOL trained here on the unlabelled Fashion-MNIST train images, or with
-  ``--same-prior demo`` the demo's shipped prior). No prior ever sees a label.
-- **Controllers**: ``Decay`` (paper 001 App. L) for the main rows; ``Switch`` (paper 000 App. J) and
-  ``Constant(0.5)`` as an ablation with the same-dataset prior at two budgets.
+  ReLA with a same-dataset prior (default ``--same-prior demo``: the demo's shipped BYOL ConvNet, trained
+  on the unlabelled Fashion-MNIST train images; ``train``: a weaker one trained here for 600 steps).
+  No prior ever sees a label or a test image.
+- **ReLA recipe** (the demo's, each part measured there): ``Switch`` (paper 000 App. J) for the main
+  rows, ``Decay`` (paper 001 App. L) and ``Constant(0.5)`` as an ablation with the same-dataset prior
+  at two budgets; paper 000's weak views while lambda == 1; 16 PCA components of the targets; the
+  transport head fitted by least squares at the first batch (``--head-init random``: the papers'
+  random head, which made every ReLA row dip *below* the untrained network at 10-20 % of the steps).
 - **Methods**: BYOL (core grid); ``--grid extended`` adds SimCLR, Barlow Twins, VICReg, SimSiam, MoCo,
   DINO (lightly's heads/losses, :mod:`budget_methods`), plain vs ReLA with the same-dataset prior.
 - **Evaluation**: linear probe and kNN (:mod:`accelerate_ssl.evaluate`) on the Fashion-MNIST test split;
@@ -91,16 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--knn-k", type=int, default=20)
     p.add_argument("--prior-steps-same", type=int, default=600, help="BYOL steps of the same-dataset prior (cached)")
     p.add_argument("--prior-steps-cross", type=int, default=300, help="BYOL steps of the digits prior (cached)")
-    p.add_argument("--same-prior", choices=("train", "demo"), default="train",
+    p.add_argument("--same-prior", choices=("train", "demo"), default="demo",
                    help="same-dataset prior: 'train' = BYOL trained by this study on unlabelled Fashion-MNIST "
                         "(cached); 'demo' = the demo's shipped prior accelerate_ssl/assets/demo_prior_convnet.safetensors")
-    p.add_argument("--main-schedule", choices=("decay", "switch"), default="decay",
+    p.add_argument("--main-schedule", choices=("decay", "switch"), default="switch",
                    help="lambda controller of the main ReLA rows (the other one and constant:0.5 are the ablation)")
-    p.add_argument("--rela-views", choices=("byol", "weak"), default="byol",
+    p.add_argument("--rela-views", choices=("byol", "weak"), default="weak",
                    help="views while lambda == 1 (ReLA term only): the BYOL views, or paper 000's weak views "
                         "(resized crop scale 0.5-1 + flip), as the demo recipe does")
-    p.add_argument("--components", type=int, default=None,
-                   help="target PCA components (paper 001 Eq. 41; default: the student feature dim; the demo uses 16)")
+    p.add_argument("--components", type=int, default=16,
+                   help="target PCA components (paper 001 Eq. 41; default 16 as in the demo; 0: the student feature dim)")
+    p.add_argument("--head-init", choices=("fit", "random"), default="fit",
+                   help="ReLA transport head: least-squares fit at the first batch (the library's default) or "
+                        "random as in the papers")
     p.add_argument("--device", default="cpu", help="cpu or cuda (results are labelled with the device)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads per process (default 1; part of the cache key: it changes float rounding)")
@@ -140,6 +147,8 @@ def check_args(args) -> None:
         raise ValueError(f"--device {args.device} but torch sees no CUDA device; run on a GPU machine or use --device cpu.")
     if args.same_prior == "demo" and not demo_prior_file().is_file():
         raise FileNotFoundError(f"--same-prior demo needs {demo_prior_file()} (not present); use --same-prior train.")
+    if args.components < 0:
+        raise ValueError(f"--components must be >= 0 (0: the student feature dim), got {args.components}.")
     parse_shard(args.shard)
     if args.methods:
         from budget_methods import METHODS
@@ -227,15 +236,17 @@ def shared_settings(args) -> dict:
         settings["prior_widths"] = prior_widths(args)
     if args.rela_views != "byol":
         settings["rela_views"] = args.rela_views
-    if args.components is not None:
+    if args.components:  # 0 = the student feature dim (the key of cells cached before this option existed)
         settings["components"] = args.components
+    if args.head_init != "random":  # cells cached before the fit existed used a random head: their keys stay valid
+        settings["head_init"] = args.head_init
     return settings
 
 
 #: settings that only change cells with a prior; a plain cell's key uses these values whatever was asked,
 #: so plain cells are shared between studies that differ only in their priors / ReLA recipe.
 RELA_ONLY_DEFAULTS = {"same_prior": "train", "prior_steps_same": 600, "prior_steps_cross": 300}
-RELA_ONLY_OPTIONAL = ("prior_widths", "rela_views", "components")
+RELA_ONLY_OPTIONAL = ("prior_widths", "rela_views", "components", "head_init")
 
 
 def prior_widths(args) -> list[int]:
@@ -366,7 +377,8 @@ def train_ssl(args, images: torch.Tensor, steps: int, seed: int, *, method: str 
         from accelerate_ssl.rela import ReLA
 
         rela = ReLA(targets, backbone, schedule=make_schedule(schedule, steps), feature_dim=dim,
-                    n_components="auto" if components is None else min(components, targets.shape[1]))
+                    n_components="auto" if components is None else min(components, targets.shape[1]),
+                    head_init=args.head_init)
         rela.to(device)
         params += list(rela.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
@@ -535,7 +547,7 @@ def run_cell(args, cell: dict, seed: int, data: Data, targets: dict) -> dict:
         tg = None if cell["prior"] == "none" else targets[cell["prior"]]
         backbone, log = train_ssl(args, data.train_x, steps, seed, method=cell["method"], targets=tg,
                                   schedule=cell["schedule"], fraction=cell["fraction"], subset=cell["subset"],
-                                  rela_views=args.rela_views, components=args.components,
+                                  rela_views=args.rela_views, components=args.components or None,
                                   progress=f"{cell['method']} {cell['prior']} {cell['kind']} {cell['fraction']:.0%} s{seed}")
     train_seconds, train_cpu = time.perf_counter() - t, time.process_time() - cpu
     cpu_probe = time.process_time()
