@@ -570,10 +570,10 @@ def run_cell(args, cell: dict, seed: int, data: Data, targets: dict) -> dict:
 
 
 def _write_json(obj, path: Path) -> None:
+    from accelerate_ssl.atomic import atomic_write_json
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
+    atomic_write_json(path, obj, indent=2)
 
 
 def switch_timing(args, data: Data, target_rows: torch.Tensor, n: int) -> dict:

@@ -74,6 +74,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from accelerate_ssl.atomic import atomic_write_json  # noqa: E402
 from accelerate_ssl.backbones import ConvNet  # noqa: E402
 from accelerate_ssl.compact import (  # noqa: E402
     CompactDataset, DistillConfig, Distiller, Teacher, load_teacher, pixel_compact, pixel_images_for_budget, pretrain,
@@ -387,9 +388,7 @@ def main(argv=None) -> int:
     }
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    tmp.write_text(json.dumps(out, indent=2))
-    os.replace(tmp, out_path)
+    atomic_write_json(out_path, out, indent=2)
     plot(out, out_path.with_suffix(".png"))
     print(json.dumps({k: (round(v["mean"], 2), round(v["std"], 2)) for k, v in summary.items()}), "goal:", out["goal_c_gt_b_gt_a"])
     return 0
