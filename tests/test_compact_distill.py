@@ -149,3 +149,27 @@ def test_pretrain_regresses_decoded_pairs():
     assert all(not torch.equal(a, b) for a, b in zip(before, student.parameters()))
     with pytest.raises(ValueError, match="matching"):
         pretrain(student, (x, y[:3]), epochs=1, progress=False)
+
+
+def test_poor_approximation_nets_warn_and_are_recorded():
+    from accelerate_ssl.compact import ApproxFitWarning
+    from accelerate_ssl.compact.approx import unexplained_fraction
+
+    g = torch.Generator().manual_seed(0)
+    c = torch.randn(200, 6, generator=g)
+    unrelated = torch.randn(200, 6, generator=g) * 3  # no function of c: a 1-unit net cannot fit it
+    _, mse = fit_approx_net(c, unrelated, hidden=1, steps=100)
+    assert unexplained_fraction(mse, unrelated) > 0.5
+    linear = c @ torch.randn(6, 6, generator=g)
+    _, mse = fit_approx_net(c, linear, hidden=12, steps=500)
+    assert unexplained_fraction(mse, linear) < 1e-4
+
+    # the distiller measures every net, stores the fractions and warns when one is poor (H = 1 here)
+    d = Distiller(_images(), _teacher(), _config(approx_hidden=1, steps=2), progress=False)
+    d.run(progress=False)
+    with torch.no_grad():
+        d.synthetic.aug_target_coeffs.copy_(torch.randn(d.synthetic.aug_target_coeffs.shape, generator=g) * 5)
+    with pytest.warns(ApproxFitWarning, match="approx_hidden"):
+        compact = d.result()
+    fractions = compact.metadata["approx_unexplained"]
+    assert len(fractions) == 3 and all(f > 0.2 for f in fractions)

@@ -37,6 +37,8 @@ def test_cli_distill_and_info(tmp_path, capsys):
                "--pool-max-steps", "2", "--pool-width", "4", "--pool-depth", "2", "--scale", "4", "--U", "6", "--V", "6", "--m", "20",
                "--approx-hidden", "2", "--out", str(out)])
     assert rc == 0 and out.exists()
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(printed["approx_unexplained"]) == 3  # the fit quality of each rotation's approximation net
     compact = CompactDataset.load(out)
     assert compact.num_floats <= 3 * 28 * 28 and compact.metadata["preprocessing"]["data"] == "digits"
     capsys.readouterr()

@@ -11,7 +11,7 @@ decode them into (image, target) pairs and pretrain a student on them by regress
     pretrain(student, CompactDataset.load("fmnist_n100.safetensors"), epochs=200)
 """
 
-from .approx import ApproxNet, fit_approx_net
+from .approx import ApproxFitWarning, ApproxNet, fit_approx_net
 from .augment import Augmentation, create_augmentations, list_augmentations
 from .bases import decode_images, decode_targets, downscale, pca_basis, project, upsample
 from .budget import StorageBudgetError, StoragePlan, pixel_images_for_budget, pixel_storage_floats, plan_storage
@@ -24,7 +24,7 @@ from .teacher import Teacher, load_teacher, save_teacher, train_teacher
 pretrain_on_compact = pretrain  # the name exported at the top level: accelerate_ssl.pretrain_on_compact
 
 __all__ = [
-    "ApproxNet", "fit_approx_net", "Augmentation", "create_augmentations", "list_augmentations",
+    "ApproxFitWarning", "ApproxNet", "fit_approx_net", "Augmentation", "create_augmentations", "list_augmentations",
     "decode_images", "decode_targets", "downscale", "pca_basis", "project", "upsample",
     "StorageBudgetError", "StoragePlan", "pixel_images_for_budget", "pixel_storage_floats", "plan_storage", "CompactDataset", "pixel_compact",
     "DistillConfig", "Distiller", "distill_compact", "ModelPool", "krr_predict", "krr_predict_primal", "outer_loss",

@@ -10,6 +10,15 @@ strong-Wolfe line search, up to 500 iterations, from PyTorch's default initialis
 fixed seed. Full batch because there are only ``m`` rows; L-BFGS because this small smooth
 least-squares problem converges in a few hundred iterations where Adam needs thousands (and each
 step is Python-overhead bound on a CPU).
+
+Fit quality (``unexplained_fraction``): the residual MSE of ``Q_a`` divided by the variance of the
+augmented coefficients ``C_a^y`` it stands in for (``1 - R^2`` of the decoded augmented targets in
+coefficient space). ``Q_a`` is only ever evaluated on the ``m`` stored rows, so this training error
+is exactly the error of the targets a student will regress onto. Above ``APPROX_WARN_FRACTION`` the
+distiller warns (``ApproxFitWarning``) and names the fixes. Measured on Fashion-MNIST with the
+shipped BYOL teacher, ``U = V = 64``, ``m = 436``, rotations, at the PCA initialisation: the paper's
+``H = 4`` leaves 46-55 % of the rotated targets' variance unexplained (3 of 4 decoded pairs then
+carry targets that are half error), ``H = 16`` 21-23 %, ``H = 64`` 5 %.
 """
 
 from __future__ import annotations
@@ -17,6 +26,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+#: ``unexplained_fraction`` above which ``Distiller.result`` warns that augmented targets are poor.
+APPROX_WARN_FRACTION = 0.2
+
+
+class ApproxFitWarning(UserWarning):
+    """The approximation nets reproduce the augmented target coefficients poorly."""
+
+
+def unexplained_fraction(mse: float, c_aug: torch.Tensor) -> float:
+    """``mse / Var(C_a^y)`` (per-column variance over the ``m`` rows, averaged): the share of the augmented
+    targets' variation that ``C^y + Q_a(C^y)`` misses (0 = exact, 1 = no better than the column means)."""
+    var = float(c_aug.detach().float().var(0, unbiased=False).mean())
+    return float(mse) / max(var, 1e-12)
 
 
 class ApproxNet(nn.Module):

@@ -100,5 +100,8 @@ def run(args: argparse.Namespace) -> int:
                               teacher_description=teacher.describe())
     compact.metadata["preprocessing"] = preprocessing
     compact.save(args.out)
-    print(json.dumps({k: v for k, v in compact.describe().items() if k in ("kind", "num_images", "num_pairs", "num_floats")}))
+    summary = {k: v for k, v in compact.describe().items() if k in ("kind", "num_images", "num_pairs", "num_floats")}
+    if "approx_unexplained" in compact.metadata:  # share of each augmentation's target variance the nets miss
+        summary["approx_unexplained"] = [round(u, 3) for u in compact.metadata["approx_unexplained"]]
+    print(json.dumps(summary))
     return 0

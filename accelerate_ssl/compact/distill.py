@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from .approx import fit_approx_net
+from .approx import APPROX_WARN_FRACTION, ApproxFitWarning, fit_approx_net, unexplained_fraction
 from .augment import create_augmentations
 from .budget import pixel_images_for_budget, pixel_storage_floats, plan_storage
 from .codec import CompactDataset
@@ -237,12 +238,22 @@ class Distiller:
         if isinstance(s, BasisSynthetic):
             tensors = {"image_basis": s.image_basis, "image_coeffs": s.image_coeffs,
                        "target_basis": s.target_basis, "target_coeffs": s.target_coeffs}
-            approx_mse = []
+            approx_mse, unexplained = [], []
             for a in range(len(self.augmentations)):
                 net, mse = fit_approx_net(s.target_coeffs, s.aug_target_coeffs[a], cfg.approx_hidden, cfg.approx_steps, seed=cfg.seed + a)
                 approx_mse.append(mse)
+                unexplained.append(unexplained_fraction(mse, s.aug_target_coeffs[a]))
                 tensors.update({f"approx.{a}.{k}": v for k, v in net.state_dict().items()})
-            meta.update(kind="basis", scale=cfg.scale, hidden=cfg.approx_hidden, plan=self.plan.describe(), approx_mse=approx_mse)
+            poor = [f"{tau.name} {u:.0%}" for tau, u in zip(self.augmentations, unexplained) if u > APPROX_WARN_FRACTION]
+            if poor:
+                warnings.warn(
+                    f"compact distill: the approximation nets (H = {cfg.approx_hidden}) leave {', '.join(poor)} of the "
+                    f"augmented target coefficients' variance unexplained (threshold {APPROX_WARN_FRACTION:.0%}), so the "
+                    "decoded targets of those augmented images are largely wrong. Raise approx_hidden (costs storage, "
+                    "fewer images m), or distil with augmentations='none' if this teacher gains nothing from them.",
+                    ApproxFitWarning, stacklevel=2)
+            meta.update(kind="basis", scale=cfg.scale, hidden=cfg.approx_hidden, plan=self.plan.describe(), approx_mse=approx_mse,
+                        approx_unexplained=unexplained)
         else:
             tensors = {"images": s.images_, "targets": s.targets_}
             tensors.update({f"aug_targets.{a}": s.aug_targets[a] for a in range(len(self.augmentations))})
