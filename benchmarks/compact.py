@@ -54,9 +54,9 @@ noted; random-init student 79.29 / 80.48 / 81.29 for seeds 0/1/2):
   m = 255) the nets miss 2.5-2.8 % after distillation, and the rotated pairs add +0.45 on every
   seed. Remaining costs of the parameterisation: the x2-upsampled 14x14 images are blurred (the
   teacher's features of a decoded image differ from the sharp original's stored target by MSE 1.87
-  on z-scored targets at U = 196); rotations alone with exact teacher targets (no approximation)
-  measured 82.10 vs 82.17 unrotated on seed 0 at step 0, so the gain of the full row comes with the
-  distillation, not from the rotated views themselves.
+  on z-scored targets at U = 196). Not explained yet: undistilled stores at U = V = 64 (step 0) gave
+  seed 0 82.10 % with rotations and exact teacher targets, 82.17 % without rotations, above both
+  distilled (c) rows on that seed (81.83 / 81.39), so 500 outer steps may be too few to help.
 """
 
 from __future__ import annotations
