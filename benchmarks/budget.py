@@ -171,7 +171,9 @@ def parse_shard(spec: Optional[str]) -> tuple[int, int]:
 
 
 def demo_prior_file() -> Path:
-    return ROOT / "accelerate_ssl" / "assets" / "demo_prior_convnet.safetensors"
+    from accelerate_ssl.demo import DEFAULT_PRIOR_FILE
+
+    return DEFAULT_PRIOR_FILE
 
 
 # ---------------------------------------------------------------------------------------------- the grid

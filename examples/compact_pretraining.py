@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import accelerate_ssl
 from accelerate_ssl.backbones import ConvNet
 from accelerate_ssl.compact import CompactDataset, distill_compact, load_teacher, pretrain, train_teacher
 from accelerate_ssl.data import load_fashion_mnist
+from accelerate_ssl.demo import DEFAULT_PRIOR_FILE
 
 
 def main() -> None:
@@ -51,8 +51,7 @@ def main() -> None:
     if args.teacher == "train":
         teacher = train_teacher(x, method="barlow_twins", steps=args.teacher_steps, batch_size=128, widths=(16, 32, 64))
     else:
-        shipped = Path(accelerate_ssl.__file__).parent / "assets" / "demo_prior_convnet.safetensors"
-        teacher = load_teacher(f"checkpoint:{shipped}" if args.teacher == "shipped" else args.teacher)
+        teacher = load_teacher(f"checkpoint:{DEFAULT_PRIOR_FILE}" if args.teacher == "shipped" else args.teacher)
     teacher.standardize(x)  # unit-scale regression targets
 
     compact = distill_compact(x, teacher, budget_images=args.budget, steps=args.steps, real_batch=256, pool_size=4,
