@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 # name -> (module that implements it, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "compact": ("accelerate_ssl.compact.cli", "distil unlabelled images into a compact parameterized store (paper 002), or inspect one"),
+    "priors": ("accelerate_ssl.targets.catalog", "list recommended priors, show what a prior spec names, fetch its weights into the cache"),
     "precompute": ("accelerate_ssl.targets.precompute", "run a prior model over a data set once and write a TargetStore"),
     "demo": ("accelerate_ssl.demo", "ReLA's speed-up over plain BYOL on Fashion-MNIST, on CPU (table + PNG + JSON)"),
     "distill": ("accelerate_ssl.distill.cli", "synthesise a distilled warm-start set (SRe2L / DWA / FADRM) from a BatchNorm teacher"),

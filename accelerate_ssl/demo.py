@@ -55,8 +55,7 @@ import torch
 
 from .atomic import atomic_write_json
 
-DEFAULT_PRIOR_FILE = Path(__file__).resolve().parent / "assets" / "demo_prior_convnet.safetensors"
-DEFAULT_PRIOR = "demo"  # shorthand for checkpoint:<DEFAULT_PRIOR_FILE>
+DEFAULT_PRIOR = "shipped:fashion-mnist-byol"  # the BYOL ConvNet that ships with the package (no label seen)
 
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -67,8 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probes", type=int, default=2,
                         help="linear-probe checkpoints per budget length, for both curves (default 2)")
     parser.add_argument("--prior", default=DEFAULT_PRIOR,
-                        help="prior spec for create_prior (e.g. 'checkpoint:/path/prior.safetensors', 'random:convnet'); "
-                             "'demo' (default) is the shipped BYOL ConvNet trained on unlabelled Fashion-MNIST")
+                        help=f"prior spec, as everywhere (`accelerate-ssl priors list`); default {DEFAULT_PRIOR}: the "
+                             "shipped BYOL ConvNet trained on unlabelled Fashion-MNIST")
     parser.add_argument("--schedule", default="switch",
                         help="lambda controller: 'decay', 'switch' (default), 'constant:<lambda>' or 'epochs:<fraction>'; "
                              "decay/switch constants are scaled to --budget")
@@ -125,17 +124,6 @@ def _check_args(args) -> None:
     if args.batch_size > args.train_size:
         raise ValueError(f"--batch-size {args.batch_size} exceeds --train-size {args.train_size}; lower the batch size.")
     parse_schedule(args.schedule, args.budget)
-
-
-def resolve_prior_spec(spec: str) -> str:
-    if spec == DEFAULT_PRIOR:
-        if not DEFAULT_PRIOR_FILE.is_file():
-            raise FileNotFoundError(
-                f"The demo's shipped prior {DEFAULT_PRIOR_FILE} is missing (a broken install?). Re-install the package, "
-                "re-create it with `python benchmarks/train_demo_prior.py`, or pass --prior random:convnet."
-            )
-        return f"checkpoint:{DEFAULT_PRIOR_FILE}"
-    return spec
 
 
 # ---------------------------------------------------------------------------------------------- measuring
@@ -375,7 +363,7 @@ def run(args) -> int:
     test = FashionMNIST("test", limit=args.test_size)
 
     # 1. targets from the prior (clean images, the prior's own preprocessing), cached in --out
-    spec = resolve_prior_spec(args.prior)
+    spec = args.prior
     t = time.perf_counter()
     prior = create_prior(spec)
     sha = str(prior.describe().get("checkpoint_sha256") or "")[:10]

@@ -171,9 +171,9 @@ def parse_shard(spec: Optional[str]) -> tuple[int, int]:
 
 
 def demo_prior_file() -> Path:
-    from accelerate_ssl.demo import DEFAULT_PRIOR_FILE
+    from accelerate_ssl.targets.priors import shipped_prior_file
 
-    return DEFAULT_PRIOR_FILE
+    return shipped_prior_file("fashion-mnist-byol")
 
 
 # ---------------------------------------------------------------------------------------------- the grid

@@ -86,7 +86,7 @@ from accelerate_ssl.compact import (  # noqa: E402
     save_teacher, train_teacher,
 )
 from accelerate_ssl.data import load_fashion_mnist  # noqa: E402
-from accelerate_ssl.demo import DEFAULT_PRIOR_FILE  # noqa: E402
+from accelerate_ssl.targets.priors import shipped_prior_file  # noqa: E402
 
 CACHE = ROOT / "benchmarks" / "cache"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -192,7 +192,7 @@ def linear_probe(f_train, y_train, f_test, y_test, iters=300) -> float:
         return float((clf(b).argmax(1) == y_test).float().mean() * 100)
 
 
-DEMO_PRIOR = DEFAULT_PRIOR_FILE  # the library's shipped prior (accelerate_ssl/assets)
+DEMO_PRIOR = shipped_prior_file("fashion-mnist-byol")  # the library's shipped prior (accelerate_ssl/assets)
 
 
 def demo_prior_teacher() -> Teacher:

@@ -27,14 +27,13 @@ import torch.nn.functional as F
 from accelerate_ssl.backbones import ConvNet
 from accelerate_ssl.compact import CompactDataset, distill_compact, load_teacher, pretrain, train_teacher
 from accelerate_ssl.data import load_fashion_mnist
-from accelerate_ssl.demo import DEFAULT_PRIOR_FILE
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n-real", type=int, default=10000)
     p.add_argument("--teacher", default="shipped",
-                   help="'shipped': accelerate_ssl/assets/demo_prior_convnet.safetensors; 'train': Barlow Twins here; "
+                   help="'shipped': the shipped prior shipped:fashion-mnist-byol; 'train': Barlow Twins here; "
                         "or any prior spec, e.g. checkpoint:<path>")
     p.add_argument("--teacher-steps", type=int, default=200, help="with --teacher train")
     p.add_argument("--steps", type=int, default=100, help="outer distillation steps")
@@ -51,7 +50,7 @@ def main() -> None:
     if args.teacher == "train":
         teacher = train_teacher(x, method="barlow_twins", steps=args.teacher_steps, batch_size=128, widths=(16, 32, 64))
     else:
-        teacher = load_teacher(f"checkpoint:{DEFAULT_PRIOR_FILE}" if args.teacher == "shipped" else args.teacher)
+        teacher = load_teacher("shipped:fashion-mnist-byol" if args.teacher == "shipped" else args.teacher)
     teacher.standardize(x)  # unit-scale regression targets
 
     compact = distill_compact(x, teacher, budget_images=args.budget, steps=args.steps, real_batch=256, pool_size=4,

@@ -6,6 +6,10 @@ import torch
 # Two cores: keep every test process to a predictable thread count.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# Tests never touch the network: zoo priors read only the caches the tests build (see tests/test_zoo.py).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["ACCELERATE_SSL_OFFLINE"] = "1"
+
 
 @pytest.fixture(autouse=True)
 def _seed():

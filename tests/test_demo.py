@@ -156,9 +156,12 @@ def test_rela_run_differs_from_plain_only_by_the_wrap(tmp_path, fashion_mnist_av
 def test_default_prior_ships_and_loads():
     from accelerate_ssl.targets.priors import create_prior
 
-    assert demo.DEFAULT_PRIOR_FILE.is_file(), "the demo's prior must ship in accelerate_ssl/assets/"
-    assert demo.DEFAULT_PRIOR_FILE.stat().st_size < 5 * 2**20
-    prior = create_prior(demo.resolve_prior_spec("demo"))
+    from accelerate_ssl.targets.priors import shipped_prior_file
+
+    assert demo.DEFAULT_PRIOR == "shipped:fashion-mnist-byol"
+    assert shipped_prior_file("fashion-mnist-byol").stat().st_size < 5 * 2**20
+    prior = create_prior(demo.DEFAULT_PRIOR)
+    assert prior.describe()["family"] == "shipped" and len(prior.describe()["checkpoint_sha256"]) == 64
     x = torch.randint(0, 256, (2, 1, 28, 28), dtype=torch.uint8)
     y = prior(prior.preprocess.batch(x))
     assert y.shape == (2, prior.output_dim) and torch.isfinite(y).all()

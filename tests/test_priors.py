@@ -21,7 +21,7 @@ def _features(prior, images):
 
 
 def test_families_registered():
-    assert list_priors() == ["checkpoint", "open_clip", "random", "timm", "torchvision"]
+    assert list_priors() == ["checkpoint", "open_clip", "random", "shipped", "timm", "torchvision"]
 
 
 @pytest.mark.parametrize("spec,dim,channels", [("random:convnet", 256, 1), ("random:resnet_small", 128, 1),
@@ -116,20 +116,21 @@ def test_checkpoint_prior_torchscript(tmp_path):
     assert _features(prior, [_gray()]).shape == (1, 16)
 
 
-def test_missing_weights_file_names_the_path(tmp_path):
+def test_missing_weights_file_names_the_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf-cache"))
     missing = tmp_path / "nope.pth"
     with pytest.raises(FileNotFoundError, match="nope.pth"):
         create_prior("timm:resnet18", weights=str(missing))
     with pytest.raises(FileNotFoundError, match="nope.safetensors"):
         create_prior(f"checkpoint:{tmp_path / 'nope.safetensors'}")
-    with pytest.raises(FileNotFoundError, match="weights="):
-        create_prior("timm:resnet18")
+    with pytest.raises(FileNotFoundError, match="priors fetch timm:resnet18"):  # offline (conftest), not cached
+        create_prior("timm:resnet18", offline=True)
 
 
 def test_bad_specs_and_weights_are_explained(tmp_path):
     with pytest.raises(ValueError, match="family"):
         create_prior("hub:resnet18")
-    with pytest.raises(ValueError, match="'<family>:<arch>'"):
+    with pytest.raises(ValueError, match="'<family>:<name>'"):
         create_prior("resnet18")
     with pytest.raises(ValueError, match="Unknown architecture"):
         create_prior("random:resnet999")

@@ -299,10 +299,24 @@ def _consolidate(path: Path, ranges, dim: int, metadata: dict) -> None:
 
 
 def _settings_diff(path: Path, old: dict, new: dict, finished: bool) -> str:
-    differ = [k for k in new if old.get(k) != new.get(k)]
+    """Which settings differ, down to the leaf keys, with the stored and the requested value of each."""
+
+    def leaves(a, b, prefix):
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b), key=str):
+                yield from leaves(a.get(k), b.get(k), f"{prefix}.{k}" if prefix else str(k))
+        elif a != b:
+            yield f"{prefix}: {_short(a)} in the store vs {_short(b)} now"
+
+    differ = list(leaves(old, new, ""))
     what = "a finished store" if finished else "an unfinished precompute"
-    return (f"{str(path)!r} holds {what} with other settings (differs in: {', '.join(differ)}). Use another --out / path, "
-            f"or delete {str(path)!r} to recompute it.")
+    return (f"{str(path)!r} holds {what} with other settings ({'; '.join(differ[:6])}{'; ...' if len(differ) > 6 else ''}). "
+            f"Use another --out / path, or delete {str(path)!r} to recompute it.")
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ------------------------------------------------------------------------------------------------
@@ -316,9 +330,12 @@ def _dataset_arg(value: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prior", required=True, help="prior spec: random:<arch>, torchvision:<arch>, timm:<name>, "
-                        "open_clip:<arch> or checkpoint:<path> (e.g. random:resnet18)")
-    parser.add_argument("--weights", default=None, help="local weights file for the prior (never downloaded)")
+    parser.add_argument("--prior", required=True, help="prior spec, e.g. timm:vit_small_patch14_dinov2.lvd142m, "
+                        "open_clip:ViT-B-32/laion2b_s34b_b79k, torchvision:resnet50/IMAGENET1K_V2, shipped:fashion-mnist-byol, "
+                        "random:resnet18, checkpoint:<path> (`accelerate-ssl priors list`)")
+    parser.add_argument("--weights", default=None, help="local weights file for the prior (wins over the zoo caches)")
+    parser.add_argument("--offline", action="store_true",
+                        help="never download zoo weights, use the local cache only (also: HF_HUB_OFFLINE=1)")
     parser.add_argument("--dataset", required=True, type=_dataset_arg, help="fashion-mnist, digits or folder:<path>")
     parser.add_argument("--split", default="train", help="train / test (fashion-mnist, digits), or all (digits)")
     parser.add_argument("--data-root", default=None, help="folder with the Fashion-MNIST idx files (default: system package)")
@@ -373,7 +390,7 @@ def run(args: argparse.Namespace) -> int:
         if family == "random" and arch in backbones.BACKBONES:
             channels = int(_image_channels(dataset[0]))
             overrides["in_channels"] = channels
-        prior = create_prior(args.prior, weights=args.weights, **overrides)
+        prior = create_prior(args.prior, weights=args.weights, offline=True if args.offline else None, **overrides)
         store = precompute_targets(prior, dataset, args.out, batch_size=args.batch_size, num_workers=args.num_workers,
                                    precision=args.precision, chunk_size=args.chunk_size,
                                    progress=not args.no_progress, command=_command_line(args))

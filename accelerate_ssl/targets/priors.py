@@ -1,35 +1,35 @@
 """Prior models for ReLA-D targets: a registry of frozen feature extractors, each with its own preprocessing.
 
 A *prior* (paper 001, Sec. 4 / ReLA-D) is any frozen network psi whose pooled features become the
-per-sample targets. ``create_prior(spec)`` builds one from a readable spec (timm/open_clip style):
+per-sample targets. ``create_prior(spec)`` builds one from a readable spec, one grammar for Python
+and every CLI verb (``--prior SPEC [--weights FILE]``):
 
-=====================  ==========================================================================
-``random:<arch>``      randomly initialised (seeded, ``seed=0``) torchvision arch (``resnet18``) or
-                       one of :mod:`accelerate_ssl.backbones` (``convnet``, ``resnet_small``;
-                       ``in_channels=1`` by default, pass ``in_channels=3`` for colour data).
-                       Input kept at the data's **native size** (28 px for Fashion-MNIST): a random
-                       network has no training resolution to match, and upscaling to 224 px would
-                       cost ~64x the compute for no benefit. Normalised with the **data set's own**
-                       mean/std (``precompute_targets`` takes them from ``dataset.mean``/``.std``;
-                       ``mean=``/``std=`` override; 0.5/0.5 when neither is known).
-``torchvision:<arch>`` a torchvision model with ImageNet weights from ``weights=<file>`` (or the
-                       torch hub cache); resize 256 -> centre crop 224, bilinear, ImageNet mean/std.
-``timm:<name>``        ``timm.create_model(name, pretrained=False, num_classes=0)`` + ``weights=<file>``;
-                       the model's own ``pretrained_cfg`` preprocessing (size, crop_pct,
-                       interpolation, ImageNet mean/std for ImageNet models).
-``open_clip:<arch>``   the image tower of ``open_clip.create_model(arch, pretrained=None)`` + a local
-                       CLIP checkpoint ``weights=<file>`` (full model or ``visual.*`` only); CLIP's
-                       **own** mean/std and bicubic resize (the authors' code used ImageNet stats for
-                       CLIP: a bug we do not copy).
-``checkpoint:<path>``  a TorchScript file, or a safetensors state_dict written by
-                       :func:`save_prior_checkpoint` whose JSON metadata names the arch
-                       (``convnet``/``resnet_small``, ``torchvision:<arch>``, ``timm:<name>``).
-=====================  ==========================================================================
+=========================================  ===================================================================
+``timm:<model>[.<tag>]``                   timm weights by name, e.g. ``timm:vit_small_patch14_dinov2.lvd142m``;
+``timm:hf-hub:<org>/<repo>``               also a timm repository on the Hugging Face hub.
+``open_clip:<arch>/<tag>``                 a CLIP image tower, e.g. ``open_clip:ViT-B-32/laion2b_s34b_b79k``;
+``open_clip:hf-hub:<org>/<repo>``          also an open_clip repository on the hub.
+``torchvision:<arch>[/<weights member>]``  e.g. ``torchvision:resnet50/IMAGENET1K_V2`` (default ``DEFAULT``).
+``shipped:<name>``                         a prior that ships inside this package (:data:`SHIPPED_PRIORS`), e.g.
+                                           ``shipped:fashion-mnist-byol``.
+``random:<arch>``                          randomly initialised (seeded, ``seed=0``) torchvision arch or one of
+                                           :mod:`accelerate_ssl.backbones` (``convnet``, ``resnet_small``;
+                                           ``in_channels=1`` by default). Input kept at the data's **native
+                                           size**: a random network has no training resolution to match.
+                                           Normalised with the **data set's own** mean/std
+                                           (``precompute_targets`` takes them from ``dataset.mean``/``.std``).
+``checkpoint:<path>``                      a TorchScript file, or a safetensors state_dict written by
+                                           :func:`save_prior_checkpoint` whose metadata names the arch.
+=========================================  ===================================================================
 
-Every prior outputs pooled features with the classifier removed (``output_dim``). Grayscale input
-is repeated to 3 channels when the network wants RGB (and RGB is converted to luminance for a
-1-channel network). Nothing here ever touches the network: a missing weights file is a
-``FileNotFoundError`` naming the path.
+The zoo families (timm, open_clip, torchvision) load through each zoo's own mechanism and caches,
+offline-first, with the weights' own preprocessing: see :mod:`accelerate_ssl.targets.zoo`. An
+explicit ``weights=<file>`` always wins over the caches.
+
+Every prior outputs pooled features with the classifier removed (``output_dim``); for ViTs that is
+the pooled token the zoo defines (timm's ``num_classes=0`` features, CLIP's ``encode_image``).
+Grayscale input is repeated to 3 channels when the network wants RGB (and RGB is converted to
+luminance for a 1-channel network).
 """
 
 from __future__ import annotations
@@ -216,34 +216,39 @@ def register_prior(family: str):
 
 
 def list_priors() -> list[str]:
-    """The registered prior families (``["checkpoint", "open_clip", "random", "timm", "torchvision"]``)."""
+    """The registered prior families (``["checkpoint", "open_clip", "random", "shipped", "timm", "torchvision"]``)."""
     return sorted(_FAMILIES)
 
 
 _PREPROCESS_OVERRIDES = {"size", "resize", "crop", "mean", "std", "interpolation"}
 
 
-def create_prior(spec: str, weights: Optional[str] = None, **overrides) -> Prior:
-    """Build a frozen prior from ``"<family>:<arch>"`` (see module docstring); never downloads anything.
+def create_prior(spec: str, weights: Optional[str] = None, offline: Optional[bool] = None, **overrides) -> Prior:
+    """Build a frozen prior from ``"<family>:<name>"`` (see the module docstring).
 
     Args:
-        spec: e.g. ``"random:resnet18"``, ``"timm:resnet18"``, ``"open_clip:RN50"``, ``"checkpoint:prior.safetensors"``.
-        weights: a local weights file (``.safetensors`` or a ``torch.save``-d state_dict).
+        spec: e.g. ``"timm:resnet50.a1_in1k"``, ``"open_clip:ViT-B-32/laion2b_s34b_b79k"``,
+            ``"torchvision:resnet50/IMAGENET1K_V2"``, ``"shipped:fashion-mnist-byol"``, ``"random:resnet18"``,
+            ``"checkpoint:prior.safetensors"``.
+        weights: a local weights file (``.safetensors`` or a ``torch.save``-d state_dict); wins over any cache.
+        offline: never download (default: ``HF_HUB_OFFLINE`` / ``ACCELERATE_SSL_OFFLINE`` from the
+            environment). Cached zoo weights are used without the network either way.
         **overrides: preprocessing (``size`` = resize and crop to this, ``resize``, ``crop``, ``mean``,
             ``std``, ``interpolation``); for random priors also ``seed`` (default 0) and, for the
             backbones ``convnet``/``resnet_small``, ``in_channels`` (default 1).
     """
     if not isinstance(spec, str) or ":" not in spec:
-        raise ValueError(f"Prior spec must look like '<family>:<arch>' with family in {list_priors()}, got {spec!r} "
-                         "(e.g. 'random:resnet18').")
+        raise ValueError(f"Prior spec must look like '<family>:<name>' with family in {list_priors()}, got {spec!r} "
+                         "(e.g. 'timm:resnet50.a1_in1k', 'shipped:fashion-mnist-byol', 'random:resnet18'); "
+                         "`accelerate-ssl priors list` shows recommended ones.")
     family, arch = spec.split(":", 1)
     if family not in _FAMILIES:
         raise ValueError(f"Unknown prior family {family!r} in {spec!r}; choose one of {list_priors()}.")
     if not arch:
-        raise ValueError(f"Prior spec {spec!r} names no architecture; e.g. '{family}:resnet18'.")
+        raise ValueError(f"Prior spec {spec!r} names no model; e.g. '{family}:resnet18'.")
     if weights is not None:
         _check_file(weights, "weights file")
-    return _FAMILIES[family](arch, weights, **overrides)
+    return _FAMILIES[family](arch, weights, offline=offline, **overrides)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,7 +390,8 @@ def _info(family: str, arch: str, weights, output_dim: int, **extra) -> dict:
 # families
 # ----------------------------------------------------------------------------------------------
 @register_prior("random")
-def _random_prior(arch: str, weights: Optional[str] = None, seed: int = 0, in_channels: Optional[int] = None, **overrides) -> Prior:
+def _random_prior(arch: str, weights: Optional[str] = None, offline: Optional[bool] = None, seed: int = 0,
+                  in_channels: Optional[int] = None, **overrides) -> Prior:
     from .. import backbones
 
     spec = f"random:{arch}"
@@ -420,101 +426,14 @@ def _random_prior(arch: str, weights: Optional[str] = None, seed: int = 0, in_ch
 def _torchvision_model(arch: str, spec: str) -> nn.Module:
     import torchvision
 
+    import difflib
+
     names = torchvision.models.list_models(module=torchvision.models)
     if arch not in names:
+        close = difflib.get_close_matches(arch, names, n=5, cutoff=0.5)
         raise ValueError(f"Unknown architecture {arch!r} in {spec!r}: not in accelerate_ssl.backbones or torchvision "
-                         f"classification models (e.g. {', '.join(n for n in names if n.startswith('resnet'))}).")
+                         f"classification models ({'close matches: ' + ', '.join(close) if close else 'e.g. resnet18, resnet50'}).")
     return torchvision.models.get_model(arch, weights=None)
-
-
-@register_prior("torchvision")
-def _torchvision_prior(arch: str, weights: Optional[str] = None, **overrides) -> Prior:
-    import torchvision
-
-    spec = f"torchvision:{arch}"
-    model = _torchvision_model(arch, spec)
-    if weights is None:  # the torch hub cache, filled by torchvision on a machine with network
-        try:
-            url = torchvision.models.get_model_weights(arch).DEFAULT.url
-            cached = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url)
-        except Exception:
-            cached = None
-        if cached is None or not cached.is_file():
-            raise FileNotFoundError(
-                f"{spec} needs ImageNet weights, and accelerate-ssl never downloads: pass weights=<local file> "
-                f"(--weights on the CLI){f', or place {cached}' if cached else ''}; use 'random:{arch}' for a "
-                "randomly initialised prior."
-            )
-        weights = str(cached)
-    removed = _strip_classifier(model)
-    _load_weights(model, load_state_dict_file(weights), repr(weights), ignore_prefixes=removed)
-    pre = _preprocess({"channels": 3, "resize": 256, "crop": 224, "mean": list(IMAGENET_MEAN),
-                       "std": list(IMAGENET_STD), "interpolation": "bilinear", "stats": "imagenet"}, overrides)
-    _reject_unknown(overrides, spec)
-    dim = _probe_dim(model, 3, pre.crop or 224)
-    return Prior(model, spec, pre, _info("torchvision", arch, weights, dim))
-
-
-@register_prior("timm")
-def _timm_prior(arch: str, weights: Optional[str] = None, **overrides) -> Prior:
-    import timm
-    from timm.data import resolve_data_config
-
-    spec = f"timm:{arch}"
-    if weights is None:
-        raise FileNotFoundError(f"{spec} needs weights=<local file> (--weights on the CLI): accelerate-ssl never "
-                                f"downloads. Use 'random:<torchvision arch>' for a random prior.")
-    try:
-        model = timm.create_model(arch, pretrained=False, num_classes=0)
-    except RuntimeError as err:
-        raise ValueError(f"Unknown timm model {arch!r} in {spec!r}: {err}; see timm.list_models().") from err
-    head = model.pretrained_cfg.get("classifier") or "fc"
-    heads = [head] if isinstance(head, str) else list(head)
-    _load_weights(model, load_state_dict_file(weights), repr(weights), ignore_prefixes=heads)
-    data_cfg = resolve_data_config({}, model=model)
-    size = int(data_cfg["input_size"][-1])
-    crop_pct = float(data_cfg.get("crop_pct") or 1.0)
-    mean = list(data_cfg["mean"])
-    stats = "imagenet" if tuple(round(m, 3) for m in mean) == tuple(round(m, 3) for m in IMAGENET_MEAN) else "model"
-    pre = _preprocess({"channels": 3, "resize": int(size / crop_pct), "crop": size, "mean": mean,
-                       "std": list(data_cfg["std"]), "interpolation": data_cfg.get("interpolation", "bicubic")
-                       if data_cfg.get("interpolation") in ("bilinear", "bicubic") else "bicubic", "stats": stats}, overrides)
-    _reject_unknown(overrides, spec)
-    return Prior(model, spec, pre, _info("timm", arch, weights, int(model.num_features)))
-
-
-@register_prior("open_clip")
-def _open_clip_prior(arch: str, weights: Optional[str] = None, **overrides) -> Prior:
-    import open_clip
-
-    spec = f"open_clip:{arch}"
-    if weights is None:
-        raise FileNotFoundError(f"{spec} needs a local CLIP checkpoint: pass weights=<file> (--weights on the CLI), "
-                                "e.g. open_clip's RN50 'openai' .pt/.safetensors copied here; accelerate-ssl never downloads.")
-    if arch not in open_clip.list_models():
-        raise ValueError(f"Unknown open_clip architecture {arch!r}; choose one of open_clip.list_models() (e.g. 'RN50', 'ViT-B-32').")
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)  # silence "No pretrained weights loaded" (we load them ourselves)
-    try:
-        clip = open_clip.create_model(arch, pretrained=None)
-    finally:
-        root.setLevel(level)
-    visual = clip.visual
-    state = load_state_dict_file(weights)
-    if any(k.startswith("visual.") for k in state):
-        state = {k[len("visual."):]: v for k, v in state.items() if k.startswith("visual.")}
-    _load_weights(visual, state, repr(weights))
-    cfg = dict(getattr(visual, "preprocess_cfg", {}) or {})
-    size = cfg.get("size", visual.image_size)
-    size = int(size[0] if isinstance(size, (tuple, list)) else size)
-    interp = cfg.get("interpolation", "bicubic")
-    pre = _preprocess({"channels": 3, "resize": size, "crop": size,
-                       "mean": list(cfg.get("mean", open_clip.OPENAI_DATASET_MEAN)),
-                       "std": list(cfg.get("std", open_clip.OPENAI_DATASET_STD)),
-                       "interpolation": interp if interp in ("bilinear", "bicubic") else "bicubic", "stats": "clip"}, overrides)
-    _reject_unknown(overrides, spec)
-    return Prior(visual, spec, pre, _info("open_clip", arch, weights, int(visual.output_dim)))
 
 
 def _build_arch(arch: str, arch_kwargs: dict) -> nn.Module:
@@ -562,9 +481,11 @@ def save_prior_checkpoint(model: nn.Module, path, arch: str, arch_kwargs: Option
 
 
 @register_prior("checkpoint")
-def _checkpoint_prior(arch: str, weights: Optional[str] = None, **overrides) -> Prior:
-    path = _check_file(arch, "checkpoint")
-    spec = f"checkpoint:{arch}"
+def _checkpoint_prior(arch: str, weights: Optional[str] = None, offline: Optional[bool] = None, **overrides) -> Prior:
+    return _load_checkpoint(_check_file(arch, "checkpoint"), f"checkpoint:{arch}", weights, overrides)
+
+
+def _load_checkpoint(path: Path, spec: str, weights: Optional[str], overrides: dict, provenance: str = "path") -> Prior:
     if weights is not None:
         raise ValueError(f"{spec} already holds its weights; drop weights=.")
     sidecar = path.with_name(path.name + ".json")
@@ -601,5 +522,44 @@ def _checkpoint_prior(arch: str, weights: Optional[str] = None, **overrides) -> 
     pre = _preprocess(Preprocess.from_config(pre_cfg).config, overrides)
     _reject_unknown(overrides, spec)
     dim = _probe_dim(model, pre.channels, pre.crop or 32)
-    return Prior(model, spec, pre, _info("checkpoint", arch_name, None, dim, checkpoint=str(path.resolve()),
+    where = {"checkpoint": str(path.resolve())} if provenance == "path" else {}
+    return Prior(model, spec, pre, _info(spec.split(":", 1)[0], arch_name, None, dim, **where,
                                          checkpoint_sha256=_sha256(path)))
+
+
+# ----------------------------------------------------------------------------------------------
+# priors that ship with the package
+# ----------------------------------------------------------------------------------------------
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+#: name -> (file in ``accelerate_ssl/assets``, what it is). ``shipped:<name>`` loads it anywhere a prior is named.
+SHIPPED_PRIORS: dict[str, tuple[str, str]] = {
+    "fashion-mnist-byol": (
+        "demo_prior_convnet.safetensors",
+        "BYOL ConvNet 32/64/128, 1000 steps on the unlabelled Fashion-MNIST train images (no label seen; "
+        "benchmarks/train_demo_prior.py); 128-d, 28 px grayscale"),
+}
+
+
+def shipped_prior_file(name: str) -> Path:
+    """The file of shipped prior ``name``; a clear error for unknown names or a broken install."""
+    if name not in SHIPPED_PRIORS:
+        close = __import__("difflib").get_close_matches(name, list(SHIPPED_PRIORS), n=3, cutoff=0.4)
+        raise ValueError(f"Unknown shipped prior {name!r}; shipped: {', '.join(sorted(SHIPPED_PRIORS))}"
+                         + (f" (close: {', '.join(close)})" if close else "") + ".")
+    path = ASSETS / SHIPPED_PRIORS[name][0]
+    if not path.is_file():
+        raise FileNotFoundError(f"Shipped prior {name!r} is missing from the installed package ({path}): re-install "
+                                "accelerate-ssl.")
+    return path
+
+
+@register_prior("shipped")
+def _shipped_prior(arch: str, weights: Optional[str] = None, offline: Optional[bool] = None, **overrides) -> Prior:
+    spec = f"shipped:{arch}"
+    if weights is not None:
+        raise ValueError(f"{spec} ships with its weights; drop weights=.")
+    return _load_checkpoint(shipped_prior_file(arch), spec, None, overrides, provenance="name")
+
+
+from . import zoo as _zoo  # noqa: E402,F401  - registers the timm / open_clip / torchvision families
