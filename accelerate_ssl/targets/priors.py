@@ -538,6 +538,11 @@ SHIPPED_PRIORS: dict[str, tuple[str, str]] = {
         "demo_prior_convnet.safetensors",
         "BYOL ConvNet 32/64/128, 1000 steps on the unlabelled Fashion-MNIST train images (no label seen; "
         "benchmarks/train_demo_prior.py); 128-d, 28 px grayscale"),
+    "fashion-mnist-byol-20k": (
+        "fashion_mnist_byol_20k.safetensors",
+        "the same BYOL ConvNet 32/64/128 trained 20,000 steps on the unlabelled Fashion-MNIST train images "
+        "(no label seen; `python benchmarks/train_demo_prior.py --steps 20000 --cache "
+        "benchmarks/prior_runs/byol_convnet_long`, resumable); 128-d, 28 px grayscale"),
 }
 
 
