@@ -304,3 +304,14 @@ def test_priors_cli_list_show_fetch(caches, capsys):
     assert json.loads(capsys.readouterr().out)["loaded"]["revision"] == REV
     assert cli_main(["priors", "show"]) == 2 and "needs a SPEC" in capsys.readouterr().err
     assert cli_main(["priors", "show", "timm:resnet5"]) == 2 and "close matches" in capsys.readouterr().err
+
+
+def test_timm_vit_at_another_input_size_and_wrong_file(caches, tmp_path):
+    name = "test_vit.r160_in1k"
+    _save(_random_timm(name, seed=10).state_dict(), hub_snapshot(caches, f"timm/{name}") / "model.safetensors")
+    prior = create_prior(f"timm:{name}", size=96)  # timm resamples the position embeddings as it loads
+    assert prior.preprocess_config["crop"] == 96
+    assert _features(prior, _images()).shape == (3, prior.output_dim)
+    torch.save(_random_timm("test_resnet.r160_in1k", seed=0).state_dict(), tmp_path / "resnet.pth")
+    with pytest.raises(ValueError, match="do not fit 'timm:test_vit.r160_in1k'"):
+        create_prior(f"timm:{name}", weights=str(tmp_path / "resnet.pth"))

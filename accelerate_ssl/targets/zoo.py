@@ -227,6 +227,28 @@ def _timm_preprocess(model, overrides: dict) -> Preprocess:
                         else "bicubic", "stats": stats}, overrides)
 
 
+def _create_timm(name: str, size: Optional[int], spec: str, file: Optional[str] = None):
+    """``timm.create_model(name, pretrained=True, num_classes=0)`` through timm's own loader (its checkpoint
+    filters, classifier removal). ``size``: build the model for that input size where timm allows it
+    (ViTs: position embeddings resampled by timm as it loads), so ``create_prior(spec, size=224)`` runs."""
+    import timm
+
+    kwargs = {"pretrained": True, "num_classes": 0}
+    if file is not None:
+        kwargs["pretrained_cfg_overlay"] = {"file": file}
+    try:
+        if size is not None:
+            try:
+                return timm.create_model(name, img_size=int(size), **kwargs)
+            except TypeError:  # a model without a fixed input size (CNNs): nothing to change
+                pass
+        return timm.create_model(name, **kwargs)
+    except RuntimeError as err:  # state_dict shape / key mismatches
+        first = str(err).splitlines()[0][:300]
+        raise ValueError(f"Weights {file!r} do not fit {spec!r} ({first}). Pass weights saved from the same "
+                         "architecture as the spec.") from err
+
+
 @register_prior("timm")
 def _timm_prior(arch: str, weights: Optional[str] = None, offline: Optional[bool] = None, **overrides) -> Prior:
     import timm
@@ -239,16 +261,20 @@ def _timm_prior(arch: str, weights: Optional[str] = None, offline: Optional[bool
                              "architecture instead: timm:<model>[.<tag>] with weights=<file>.")
         config = resolve_hf_file(spec, repo, ["config.json"], offline)
         path = resolve_hf_file(spec, repo, TIMM_HUB_FILES, offline)
-        model = timm.create_model(f"local-dir:{config.parent}", pretrained=True, num_classes=0)
+        model = _create_timm(f"local-dir:{config.parent}", overrides.get("size"), spec)
         prov = _provenance(path, repo, None, "hf-hub")
         name = model.pretrained_cfg.get("architecture", repo)
     else:
         name = _timm_name(arch, spec)
         if weights is not None:
-            model = timm.create_model(name, pretrained=False, num_classes=0)
-            head = model.pretrained_cfg.get("classifier") or "fc"
-            _load_weights(model, load_state_dict_file(weights), repr(weights),
-                          ignore_prefixes=[head] if isinstance(head, str) else list(head))
+            state = load_state_dict_file(weights)  # a readable state_dict, or a clear error
+            model = _create_timm(name, overrides.get("size"), spec, file=weights)
+            # timm loads non-strictly once it drops the classifier: check the file covered the whole backbone
+            missing = sorted(k for k in model.state_dict() if k not in state)
+            if missing:
+                raise ValueError(f"Weights {weights!r} do not fit {spec!r}: no values for {missing[:6]}"
+                                 f"{'...' if len(missing) > 6 else ''}. Pass a state_dict saved from the same timm "
+                                 "architecture (timm's key names).")
             prov = {"source": "file", "hub_id": None, "tag": name.split(".", 1)[1]}
         else:
             kind, where, files = timm_weights_source(name)
@@ -256,7 +282,7 @@ def _timm_prior(arch: str, weights: Optional[str] = None, offline: Optional[bool
                 path = resolve_hf_file(spec, where, files, offline)
             else:
                 path = resolve_url_file(spec, where, torch_hub_file(where), offline)
-            model = timm.create_model(name, pretrained=True, num_classes=0, pretrained_cfg_overlay={"file": str(path)})
+            model = _create_timm(name, overrides.get("size"), spec, file=str(path))
             prov = _provenance(path, where, name.split(".", 1)[1], "hf-hub" if kind == "hf" else "url")
     pre = _timm_preprocess(model, overrides)
     _reject_unknown(overrides, spec)
