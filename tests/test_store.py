@@ -113,3 +113,42 @@ def test_pca_is_fitted_once_and_saved(store_dir, tmp_path, monkeypatch):
 def test_pca_n_components_capped(store_dir, tmp_path):
     store = TargetStore.open(_copy(store_dir, tmp_path / "q"))
     assert store.pca(10_000, standardize=False).n_components == 256
+
+
+def test_nan_rows_are_refused_at_lookup_naming_rows_and_store(tmp_path):
+    """A damaged row (disk fault, bad prior) is caught where it is read, not later as 'non-finite student features'."""
+    import numpy as _np
+
+    from accelerate_ssl.targets.precompute import precompute_targets
+    from accelerate_ssl.targets.priors import create_prior
+    from accelerate_ssl.targets.store import TargetStore, TargetStoreCorruptError
+
+    images = [torch.randint(0, 256, (1, 28, 28), dtype=torch.uint8) for _ in range(8)]
+    store = precompute_targets(create_prior("random:convnet"), images, tmp_path / "s", progress=False)
+    data = tmp_path / "s" / store.metadata["file"]
+    arr = _np.load(data, mmap_mode="r+")
+    arr[5, 3] = _np.nan
+    arr[6, 0] = _np.inf
+    arr.flush()
+    del arr
+    store = TargetStore.open(tmp_path / "s")
+    assert torch.isfinite(store[[0, 1, 2]]).all()
+    with pytest.raises(TargetStoreCorruptError, match=r"row\(s\) \[5, 6\].*random:convnet.*recompute") as err:
+        store[torch.tensor([1, 5, 6])]
+    assert str(tmp_path / "s") in str(err.value)
+    with pytest.raises(TargetStoreCorruptError, match=r"\[5\]"):
+        store[5]
+    with pytest.raises(TargetStoreCorruptError, match=r"\[5, 6\]"):
+        store[4:8]
+
+
+def test_iterable_dataset_is_refused_with_the_reason(tmp_path):
+    from accelerate_ssl.targets.precompute import precompute_targets
+    from accelerate_ssl.targets.priors import create_prior
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield from (torch.zeros(1, 28, 28, dtype=torch.uint8) for _ in range(4))
+
+    with pytest.raises(TypeError, match="map-style dataset.*Stream has no stable index"):
+        precompute_targets(create_prior("random:convnet"), Stream(), tmp_path / "s", progress=False)

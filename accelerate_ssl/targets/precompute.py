@@ -156,6 +156,10 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
     for name, value, low in (("batch_size", batch_size, 1), ("chunk_size", chunk_size, 1), ("num_workers", num_workers, 0)):
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+        raise TypeError(f"precompute_targets needs a map-style dataset (len() and dataset[i]): target row i belongs to "
+                        f"dataset[i], and a {type(dataset).__name__} has no stable index. Wrap the samples in a map-style "
+                        "Dataset (e.g. a list of images, or an ImageFolder) and train on that same dataset.")
     n = len(dataset)
     if n == 0:
         raise ValueError("The dataset is empty; pass a dataset with at least one sample.")

@@ -169,6 +169,13 @@ class TargetStore:
             if idx.size and (idx.min() < -len(self) or idx.max() >= len(self)):
                 raise IndexError(f"Row index out of range for a store of {len(self)} rows.")
         rows = np.array(self._array[idx], dtype=np.float32)
+        finite = np.isfinite(rows)
+        if not finite.all():  # a disk fault or a bad prior: never hand such a row to training
+            bad_rows = np.atleast_1d(np.arange(len(self))[idx])[~np.atleast_1d(finite.all(axis=-1))]
+            raise TargetStoreCorruptError(
+                f"Target store {str(self.path)!r} has NaN/Inf values in row(s) {bad_rows[:10].tolist()}"
+                f"{'...' if len(bad_rows) > 10 else ''} (prior {self.metadata.get('prior', {}).get('spec')!r}). The stored "
+                "targets are damaged: recompute the store (delete the folder and rerun its precompute command).")
         return torch.from_numpy(rows)
 
     # ------------------------------------------------------------------ PCA
