@@ -32,6 +32,23 @@ def _split_batch(batch):
     )
 
 
+def _to_image_tensor(image) -> torch.Tensor:
+    """A PIL image / ndarray / tensor as a float tensor ``[C, H, W]`` (uint8 scaled to [0, 1])."""
+    from .targets.priors import Preprocess
+
+    x = Preprocess.to_tensor(image)
+    return x.float().div_(255.0) if x.dtype == torch.uint8 else x.float()
+
+
+def _collate_images(batch):
+    """Default collate, after turning PIL images / arrays (the library's own datasets yield PIL) into tensors."""
+    from torch.utils.data import default_collate
+
+    if batch and isinstance(batch[0], (list, tuple)) and len(batch[0]) >= 2 and not isinstance(batch[0][0], torch.Tensor):
+        batch = [(_to_image_tensor(item[0]), *item[1:]) for item in batch]
+    return default_collate(batch)
+
+
 @torch.no_grad()
 def extract_features(
     backbone: nn.Module,
@@ -44,10 +61,12 @@ def extract_features(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(features float32 [N, D] on CPU, labels int64 [N])`` of ``backbone`` over ``data``.
 
-    ``data`` is a dataset yielding ``(image tensor, label)`` or a DataLoader over one. The backbone runs
+    ``data`` is a dataset yielding ``(image, label)`` (a tensor, or a PIL image / array, converted to a float
+    tensor in [0, 1]) or a DataLoader over one. The backbone runs
     in eval mode under ``no_grad`` and its mode is restored afterwards. Outputs are flattened to [N, D].
     """
-    loader = data if isinstance(data, DataLoader) else DataLoader(data, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+    loader = data if isinstance(data, DataLoader) else DataLoader(data, batch_size=batch_size, shuffle=False, num_workers=num_workers,
+                                                                     collate_fn=_collate_images)
     if device is None:
         device = next((p.device for p in backbone.parameters()), torch.device("cpu"))
     was_training = backbone.training

@@ -36,3 +36,21 @@ def test_extract_features_eval_mode_no_grad_and_restores_mode():
     assert torch.equal(bb[1].running_mean, stats) and bb.training
     res = evaluate_backbone(bb, TensorDataset(xtr, ytr), TensorDataset(*_blobs(40, 1)), epochs=5)
     assert set(res) == {"linear_top1", "knn_top1"}
+
+
+def test_extract_features_on_the_librarys_pil_datasets():
+    """The library's own datasets yield PIL images: evaluation takes them as they are (no transform needed)."""
+    from accelerate_ssl.backbones import ConvNet
+    from accelerate_ssl.data import Digits
+
+    data = Digits("test")
+    net = ConvNet(widths=(8,), in_channels=1)
+    feats, labels = extract_features(net, data, batch_size=64)
+    assert feats.shape == (len(data), net.feature_dim) and torch.isfinite(feats).all()
+    assert torch.equal(labels, data.targets)
+    x0 = data.data[0].float().div(255.0)[None, None]  # the PIL image as a float tensor in [0, 1]
+    net.eval()
+    with torch.no_grad():
+        assert torch.allclose(feats[0], net(x0)[0], atol=1e-6)
+    res = evaluate_backbone(net, data, data, epochs=100)
+    assert res["linear_top1"] > 30 and res["knn_top1"] > 50  # 10 classes (chance 10 %); kNN of a set on itself
