@@ -68,3 +68,23 @@ def test_fingerprint_of_random_items_asks_for_clean_dataset():
     with pytest.raises(ValueError, match="random transform"):
         dataset_fingerprint(Noisy())
     assert dataset_fingerprint(TensorDataset(torch.arange(5.0)))["kind"] == "items"
+
+
+def test_subset_mismatch_says_what_differs():
+    """Same data, other Subset indices (e.g. a subset that repeats rows): named as such, not 'different content'."""
+    from accelerate_ssl.data import ArrayImageDataset
+    from accelerate_ssl.data.fingerprint import describe_fingerprint_mismatch
+
+    rng = np.random.default_rng(0)
+    ds = ArrayImageDataset(rng.integers(0, 256, (100, 8, 8), dtype=np.uint8), np.zeros(100), name="arr")
+    stored = dataset_fingerprint(Subset(ds, list(range(50))))
+    repeating = dataset_fingerprint(Subset(ds, list(range(40)) + list(range(10))))
+    msg = describe_fingerprint_mismatch(stored, repeating)
+    assert "same underlying data set" in msg and "10 of them repeated rows" in msg and "50 indices, no repeats" in msg
+    other = describe_fingerprint_mismatch(stored, dataset_fingerprint(Subset(ds, list(range(50, 100)))))
+    assert "other indices" in other and "repeated" not in other
+    plain = describe_fingerprint_mismatch(dataset_fingerprint(ds), dataset_fingerprint(Subset(ds, list(range(100)))))
+    assert "plain data set" in plain and "Subset" in plain
+    other_data = ArrayImageDataset(rng.integers(0, 256, (100, 8, 8), dtype=np.uint8), np.zeros(100), name="arr")
+    assert "different content" in describe_fingerprint_mismatch(stored, dataset_fingerprint(Subset(other_data, list(range(50)))))
+    assert describe_fingerprint_mismatch(stored, dataset_fingerprint(Subset(ds, list(range(50))))) is None

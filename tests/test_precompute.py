@@ -200,3 +200,23 @@ def test_cli_help_bad_dataset_and_run(tmp_path, capsys):
     assert len(store) == len(Digits("test")) and store.dim == 256
     assert store.metadata["command"].startswith("accelerate-ssl precompute --prior random:convnet --dataset digits")
     assert json.loads((out / "metadata.json").read_text())["prior"]["preprocess"]["channels"] == 1
+
+
+def test_a_store_written_before_the_descriptive_fingerprint_fields_is_still_this_computation(tmp_path):
+    """Fingerprints of Subsets now also describe the subset (for mismatch messages); an existing store whose
+    fingerprint lacks those fields is still recognised as the same computation, not refused."""
+    import json as _json
+
+    from torch.utils.data import Subset
+
+    data = Subset(tiny_dataset(12), list(range(10)))
+    prior = create_prior("random:convnet")
+    store = pc.precompute_targets(prior, data, tmp_path / "s", progress=False)
+    assert "subset" in store.metadata["dataset"]["fingerprint"]
+    meta_file = tmp_path / "s" / "metadata.json"
+    meta = _json.loads(meta_file.read_text())
+    for key in ("subset", "base_sha256"):
+        meta["dataset"]["fingerprint"].pop(key, None)
+    meta_file.write_text(_json.dumps(meta))
+    again = pc.precompute_targets(prior, data, tmp_path / "s", progress=False)
+    assert again.array.shape == (10, store.dim)

@@ -64,23 +64,33 @@ def _file_names(dataset) -> list[str] | None:
 def dataset_fingerprint(dataset, num_samples: int = DEFAULT_NUM_SAMPLES) -> dict:
     """Fingerprint ``dataset`` (see module docstring). Cheap: reads at most ``num_samples`` items."""
     h = hashlib.sha256()
+    base_h = hashlib.sha256()  # the content underneath any Subset, so a mismatch can say which of the two differs
     base = dataset
+    subset_indices = []
     while isinstance(base, Subset):
-        h.update(b"subset:" + np.asarray(base.indices, dtype=np.int64).tobytes())
+        indices = np.asarray(base.indices, dtype=np.int64)
+        subset_indices.append(indices)
+        h.update(b"subset:" + indices.tobytes())
         base = base.dataset
     n = len(dataset)
     files = _file_names(base)
     data = getattr(base, "data", None)
+
+    def both(chunk: bytes) -> None:
+        h.update(chunk)
+        base_h.update(chunk)
+
     if files is not None:
         kind = "files"
-        h.update("\n".join(files).encode())
+        both("\n".join(files).encode())
     elif isinstance(data, (torch.Tensor, np.ndarray)) and len(data) == len(base):
         kind = "array"
-        h.update(repr(tuple(data.shape)).encode())
+        both(repr(tuple(data.shape)).encode())
         for i in _sample_positions(len(base), num_samples):
-            h.update(_to_bytes(data[i]))
+            both(_to_bytes(data[i]))
     else:
         kind = "items"
+        base_h = None  # items are read through the Subset: no separate view of the content underneath
         for i in _sample_positions(n, num_samples):
             first, second = _to_bytes(dataset[i]), _to_bytes(dataset[i])
             if first != second:
@@ -90,7 +100,14 @@ def dataset_fingerprint(dataset, num_samples: int = DEFAULT_NUM_SAMPLES) -> dict
                     "`.data` array or `.samples` file list."
                 )
             h.update(first)
-    return {"length": n, "kind": kind, "sha256": h.hexdigest()}
+    out = {"length": n, "kind": kind, "sha256": h.hexdigest()}
+    if subset_indices:
+        outer = subset_indices[0]
+        out["subset"] = {"length": int(len(outer)), "unique": int(len(np.unique(outer))),
+                         "indices_sha256": hashlib.sha256(b"".join(i.tobytes() for i in subset_indices)).hexdigest()}
+        if base_h is not None:
+            out["base_sha256"] = base_h.hexdigest()
+    return out
 
 
 def describe_fingerprint_mismatch(expected: dict, actual: dict) -> str | None:
@@ -103,8 +120,36 @@ def describe_fingerprint_mismatch(expected: dict, actual: dict) -> str | None:
     if expected.get("kind") != actual.get("kind"):
         return f"the store was fingerprinted from {expected.get('kind')!r} data but this dataset gives {actual.get('kind')!r}"
     if expected.get("sha256") != actual.get("sha256"):
+        subset_problem = _describe_subset_mismatch(expected, actual)
+        if subset_problem:
+            return subset_problem
         return (
             f"same length ({actual.get('length')}) but different content (fingerprint "
             f"{str(expected.get('sha256'))[:12]} vs {str(actual.get('sha256'))[:12]}): another data set, or reordered samples"
         )
+    return None
+
+
+def _describe_subset_mismatch(expected: dict, actual: dict) -> str | None:
+    """When the data under a ``Subset`` is the same and only the chosen indices differ, say so (and whether the
+    subset repeats rows) instead of "different content"."""
+    exp_sub, act_sub = expected.get("subset"), actual.get("subset")
+    if not (exp_sub or act_sub):
+        return None
+    if exp_sub and act_sub and expected.get("base_sha256") and expected.get("base_sha256") == actual.get("base_sha256"):
+        def words(sub: dict) -> str:
+            repeats = sub["length"] - sub["unique"]
+            return f"{sub['length']} indices, " + (f"{repeats} of them repeated rows" if repeats else "no repeats")
+
+        return ("the same underlying data set, but a Subset with other indices (the store: "
+                f"{words(exp_sub)}; this dataset: {words(act_sub)}). Rows are looked up by position in the Subset, "
+                "so pass the very Subset (same indices, same order) the targets were computed on")
+    if act_sub and not exp_sub:
+        repeats = act_sub["length"] - act_sub["unique"]
+        return ("the store was computed on a plain data set, but this dataset is a Subset of one ("
+                f"{act_sub['length']} indices{f', {repeats} repeated' if repeats else ''}); compute the targets on the "
+                "full data set and train on it, or precompute on this Subset")
+    if exp_sub and not act_sub:
+        return ("the store was computed on a Subset, but this dataset is not one; pass that Subset (same indices and "
+                "order), or recompute the targets for this dataset")
     return None

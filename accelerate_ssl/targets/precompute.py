@@ -185,7 +185,7 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
     if (path / METADATA).is_file():
         store = TargetStore.open(path)
         old = {k: store.metadata.get(k) for k in settings}
-        if old != settings:
+        if _identity(old) != _identity(settings):
             raise ValueError(_settings_diff(path, old, settings, finished=True))
         return store
 
@@ -193,7 +193,7 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
     manifest_file = path / MANIFEST
     if manifest_file.is_file():
         old = read_json(manifest_file).get("settings")
-        if old != settings:
+        if _identity(old or {}) != _identity(settings):
             raise ValueError(_settings_diff(path, old or {}, settings, finished=False))
     state.wait_for_everyone()
     if state.is_main_process:
@@ -300,6 +300,16 @@ def _consolidate(path: Path, ranges, dim: int, metadata: dict) -> None:
     atomic_write_text(path / METADATA, json.dumps(metadata, indent=1))
     shutil.rmtree(path / CHUNKS, ignore_errors=True)
     (path / MANIFEST).unlink(missing_ok=True)
+
+
+def _identity(settings: dict) -> dict:
+    """The settings that decide a store's content: the dataset fingerprint counts by its identity (length, kind,
+    sha256), not by the descriptive fields added to it for error messages (stores written before them stay valid)."""
+    fp = (settings.get("dataset") or {}).get("fingerprint")
+    if not isinstance(fp, dict):
+        return settings
+    return {**settings, "dataset": {**settings["dataset"],
+                                    "fingerprint": {k: fp.get(k) for k in ("length", "kind", "sha256")}}}
 
 
 def _settings_diff(path: Path, old: dict, new: dict, finished: bool) -> str:
