@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence

@@ -251,8 +251,6 @@ def _create_timm(name: str, size: Optional[int], spec: str, file: Optional[str] 
 
 @register_prior("timm")
 def _timm_prior(arch: str, weights: Optional[str] = None, offline: Optional[bool] = None, **overrides) -> Prior:
-    import timm
-
     spec = f"timm:{arch}"
     if arch.startswith("hf-hub:"):
         repo = arch[len("hf-hub:"):]
