@@ -66,10 +66,10 @@ def dataset_fingerprint(dataset, num_samples: int = DEFAULT_NUM_SAMPLES) -> dict
     h = hashlib.sha256()
     base_h = hashlib.sha256()  # the content underneath any Subset, so a mismatch can say which of the two differs
     base = dataset
-    subset_indices = []
+    outer_indices = None  # the indices of the outermost Subset: what the dataset's positions map to
     while isinstance(base, Subset):
         indices = np.asarray(base.indices, dtype=np.int64)
-        subset_indices.append(indices)
+        outer_indices = indices if outer_indices is None else outer_indices
         h.update(b"subset:" + indices.tobytes())
         base = base.dataset
     n = len(dataset)
@@ -101,10 +101,8 @@ def dataset_fingerprint(dataset, num_samples: int = DEFAULT_NUM_SAMPLES) -> dict
                 )
             h.update(first)
     out = {"length": n, "kind": kind, "sha256": h.hexdigest()}
-    if subset_indices:
-        outer = subset_indices[0]
-        out["subset"] = {"length": int(len(outer)), "unique": int(len(np.unique(outer))),
-                         "indices_sha256": hashlib.sha256(b"".join(i.tobytes() for i in subset_indices)).hexdigest()}
+    if outer_indices is not None:
+        out["subset"] = {"length": int(len(outer_indices)), "unique": int(len(np.unique(outer_indices)))}
         if base_h is not None:
             out["base_sha256"] = base_h.hexdigest()
     return out

@@ -34,6 +34,7 @@ luminance for a 1-channel network).
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -425,8 +426,6 @@ def _random_prior(arch: str, weights: Optional[str] = None, offline: Optional[bo
 def _torchvision_model(arch: str, spec: str) -> nn.Module:
     import torchvision
 
-    import difflib
-
     names = torchvision.models.list_models(module=torchvision.models)
     if arch not in names:
         close = difflib.get_close_matches(arch, names, n=5, cutoff=0.5)
@@ -548,7 +547,7 @@ SHIPPED_PRIORS: dict[str, tuple[str, str]] = {
 def shipped_prior_file(name: str) -> Path:
     """The file of shipped prior ``name``; a clear error for unknown names or a broken install."""
     if name not in SHIPPED_PRIORS:
-        close = __import__("difflib").get_close_matches(name, list(SHIPPED_PRIORS), n=3, cutoff=0.4)
+        close = difflib.get_close_matches(name, list(SHIPPED_PRIORS), n=3, cutoff=0.4)
         raise ValueError(f"Unknown shipped prior {name!r}; shipped: {', '.join(sorted(SHIPPED_PRIORS))}"
                          + (f" (close: {', '.join(close)})" if close else "") + ".")
     path = ASSETS / SHIPPED_PRIORS[name][0]

@@ -42,13 +42,24 @@ from typing import Optional, Sequence
 
 import torch
 
-from .priors import (IMAGENET_MEAN, Preprocess, Prior, _info, _load_weights, _preprocess, _reject_unknown,
-                     _strip_classifier, _torchvision_model, load_state_dict_file, register_prior)
+from .priors import (IMAGENET_MEAN, Preprocess, Prior, _info, _load_weights, _preprocess, _probe_dim, _reject_unknown,
+                     _sha256, _strip_classifier, _torchvision_model, load_state_dict_file, register_prior)
 
 # Weights file names, in the order the zoos themselves prefer them.
 TIMM_HUB_FILES = ("model.safetensors", "pytorch_model.bin")
 OPEN_CLIP_HUB_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
 _TRUE = {"1", "true", "yes", "on"}
+# A .bin weights file's safetensors twin, tried first as timm and open_clip do (other ``X.bin``: ``X.safetensors``).
+_SAFE_TWIN = {"pytorch_model.bin": "model.safetensors", "open_clip_pytorch_model.bin": "open_clip_model.safetensors"}
+
+
+def _hub_files(filename: Optional[str], default: Sequence[str]) -> list[str]:
+    """The files to look for in a hub repo: the zoo's named file (its safetensors twin first), else ``default``."""
+    if not filename:
+        return list(default)
+    if filename.endswith(".bin"):
+        return [_SAFE_TWIN.get(filename, filename[: -len(".bin")] + ".safetensors"), filename]
+    return [filename]
 
 
 class PriorWeightsNotFoundError(FileNotFoundError):
@@ -160,8 +171,6 @@ def _revision(path: Path) -> Optional[str]:
 
 
 def _provenance(path: Path, hub_id: str, tag: Optional[str], source: str) -> dict:
-    from .priors import _sha256
-
     return {"source": source, "hub_id": hub_id, "tag": tag, "revision": _revision(path),
             "weights_file": Path(path).name, "weights_sha256": _sha256(path)}
 
@@ -204,10 +213,7 @@ def timm_weights_source(name: str) -> tuple[str, str, Sequence[str]]:
     cfg = get_pretrained_cfg(name)
     if cfg.hf_hub_id:
         repo = cfg.hf_hub_id if not cfg.hf_hub_id.endswith("/") else cfg.hf_hub_id + name
-        files = [cfg.hf_hub_filename] if cfg.hf_hub_filename else list(TIMM_HUB_FILES)
-        if cfg.hf_hub_filename and cfg.hf_hub_filename.endswith(".bin"):
-            files.insert(0, cfg.hf_hub_filename[: -len(".bin")].replace("pytorch_model", "model") + ".safetensors")
-        return "hf", repo, files
+        return "hf", repo, _hub_files(cfg.hf_hub_filename, TIMM_HUB_FILES)
     if cfg.url:
         return "url", cfg.url, ()
     raise ValueError(f"timm lists no download location for {name!r}; pass weights=<file>.")
@@ -309,10 +315,7 @@ def open_clip_tag_source(arch: str, tag: str) -> tuple[str, str, Sequence[str], 
     if hub:
         parts = hub.split("/")
         repo, filename = "/".join(parts[:2]), "/".join(p for p in parts[2:] if p)
-        files = [filename] if filename else list(OPEN_CLIP_HUB_FILES)
-        if filename.endswith(".bin"):
-            files.insert(0, filename[: -len(".bin")].replace("open_clip_pytorch_model", "open_clip_model") + ".safetensors")
-        return "hf", repo, files, cfg
+        return "hf", repo, _hub_files(filename, OPEN_CLIP_HUB_FILES), cfg
     if cfg.get("url"):
         return "url", cfg["url"], (), cfg
     raise ValueError(f"open_clip lists no download location for {arch}/{tag}; pass weights=<file>.")
@@ -421,7 +424,5 @@ def _torchvision_prior(arch: str, weights: Optional[str] = None, offline: Option
                        "interpolation": interp if interp in ("bilinear", "bicubic") else "bilinear",
                        "stats": "imagenet" if tuple(t.mean) == IMAGENET_MEAN else "model"}, overrides)
     _reject_unknown(overrides, spec)
-    from .priors import _probe_dim
-
     dim = _probe_dim(model, 3, pre.crop or 224)
     return Prior(model, spec, pre, _info("torchvision", name, weights, dim, **prov))
