@@ -53,7 +53,7 @@ def test_mismatched_dataset_is_refused(store_dir):
     assert "Fix" in str(err.value)
     other = ArrayImageDataset(np.zeros((40, 16, 16), np.uint8), np.zeros(40, np.int64))
     with pytest.raises(TargetStoreMismatchError, match="same length \\(40\\) but different content"):
-        TargetStore.open(store_dir).verify(other)
+        TargetStore.open(store_dir).check_dataset(other)
     assert isinstance(TargetStoreMismatchError("x"), ValueError)
 
 

@@ -12,13 +12,17 @@ While a precompute runs the folder holds ``manifest.json`` (the run's settings) 
 **Why .npy, not safetensors, for the rows:** ``np.load(path, mmap_mode="r")`` gives a true
 memory-mapped array on every numpy version, so opening a store costs nothing and random row reads
 touch only those rows; ``safetensors.safe_open`` loads whole tensors into memory on several versions.
-The metadata records the file's byte size so truncation is detected on open.
+The metadata records the file's byte size (truncation is detected on open) and its sha256
+(:meth:`TargetStore.verify`, ``accelerate-ssl store verify <path>``, checks it and every row).
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -34,6 +38,15 @@ CHUNKS = "chunks"
 PCA_DIR = "pca"
 FORMAT = "accelerate-ssl-targets"
 FORMAT_VERSION = 1
+
+
+def file_sha256(file: Path) -> str:
+    """sha256 of a file, read in 16 MiB blocks (recorded at precompute, checked by :meth:`TargetStore.verify`)."""
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 class TargetStoreMismatchError(ValueError):
@@ -120,11 +133,44 @@ class TargetStore:
                                           f"{metadata['dtype']} {expected}; recompute the store.")
         store = cls(path, metadata, array)
         if dataset is not None:
-            store.verify(dataset)
+            store.check_dataset(dataset)
         return store
 
     # ------------------------------------------------------------------ checks
-    def verify(self, dataset) -> None:
+    def verify(self, block_rows: int = 65536, progress: bool = False) -> dict:
+        """Read the whole store once: the file's sha256 against the one recorded at precompute, and every row
+        finite. Raises :class:`TargetStoreCorruptError` naming what is wrong (and the rows); returns a summary
+        ``{"rows", "dim", "sha256", "checksum": "ok" | "not recorded"}``.
+
+        Opening a store checks only its size and header (cheap); run this after copying a store between
+        machines, or when a disk is suspect. Stores written before checksums were recorded are still
+        checked row by row."""
+        from tqdm.auto import tqdm
+
+        data_path = self.path / self.metadata["file"]
+        actual = file_sha256(data_path)
+        recorded = self.metadata.get("file_sha256")
+        if recorded is not None and recorded != actual:
+            raise TargetStoreCorruptError(
+                f"{data_path} has sha256 {actual[:16]}... but {METADATA} recorded {recorded[:16]}... when the store was "
+                "written: the file changed on disk (a copy error or a disk fault). Recompute the store (delete the folder "
+                "and rerun its precompute command" + (f": `{self.metadata['command']}`" if self.metadata.get("command") else "")
+                + ").")
+        bad: list[int] = []
+        n = len(self)
+        for a in tqdm(range(0, n, block_rows), desc="verify rows", unit="block", disable=not progress):
+            rows = np.asarray(self._array[a : a + block_rows])
+            ok = np.isfinite(rows).all(axis=1)
+            if not ok.all():
+                bad.extend((a + np.flatnonzero(~ok)).tolist())
+        if bad:
+            raise TargetStoreCorruptError(
+                f"Target store {str(self.path)!r} has NaN/Inf values in {len(bad)} row(s): {bad[:10]}"
+                f"{'...' if len(bad) > 10 else ''} (prior {self.metadata.get('prior', {}).get('spec')!r}). Recompute the "
+                "store (delete the folder and rerun its precompute command).")
+        return {"rows": n, "dim": self.dim, "sha256": actual, "checksum": "ok" if recorded else "not recorded"}
+
+    def check_dataset(self, dataset) -> None:
         """Raise :class:`TargetStoreMismatchError` unless ``dataset`` fingerprints like the stored one."""
         from ..data import dataset_fingerprint, describe_fingerprint_mismatch
 
@@ -213,3 +259,33 @@ class TargetStore:
     def __repr__(self) -> str:
         return (f"TargetStore({str(self.path)!r}, rows={len(self)}, dim={self.dim}, "
                 f"prior={self.metadata.get('prior', {}).get('spec')!r})")
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI: accelerate-ssl store verify <path>
+# ------------------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    verbs = parser.add_subparsers(dest="store_verb", metavar="VERB", required=True)
+    verify = verbs.add_parser("verify", help="read a store once: its file checksum and every row finite",
+                              description="Read a target store once: compare the targets file's sha256 with the one "
+                                          "recorded when it was written, and check that every row is finite.")
+    verify.add_argument("path", help="the store folder (written by `accelerate-ssl precompute --out`)")
+    verify.add_argument("--json", action="store_true", help="print the result as JSON")
+    verify.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        store = TargetStore.open(args.path)
+        summary = store.verify(progress=not args.no_progress)
+    except (FileNotFoundError, TargetStoreCorruptError) as err:
+        if args.json:
+            print(json.dumps({"path": args.path, "ok": False, "error": str(err)}))
+        print(f"accelerate-ssl store verify: error: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"path": args.path, "ok": True, **summary}))
+    else:
+        note = "checksum matches" if summary["checksum"] == "ok" else "no checksum recorded (an older store): rows only"
+        print(f"{args.path}: ok, {summary['rows']} rows x {summary['dim']}, every row finite, {note}")
+    return 0
