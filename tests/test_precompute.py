@@ -187,7 +187,12 @@ def test_cli_help_bad_dataset_and_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["precompute", "--prior", "random:convnet", "--dataset", "cifar-10", "--out", str(tmp_path / "o")])
     assert exit_.value.code == 2
-    assert "unknown dataset 'cifar-10'; use 'fashion-mnist', 'digits' or 'folder:<path>'" in capsys.readouterr().err
+    assert "unknown dataset 'cifar-10'; use fashion-mnist, digits, folder:<path>" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["precompute", "--prior", "random:convnet", "--dataset", "solo:x", "--fraction", "1.5", "--out", "o"])
+    assert exit_.value.code == 2 and "--fraction must be a number in (0, 1)" in capsys.readouterr().err
+    assert main(["precompute", "--prior", "random:convnet", "--dataset", "digits", "--fraction", "0.5", "--out", "o"]) == 2
+    assert "--fraction reproduces solo-learn's data.fraction and needs --dataset solo:" in capsys.readouterr().err
     assert main(["precompute", "--prior", "timm:resnet18", "--weights", str(tmp_path / "w.pth"), "--dataset", "digits",
                  "--split", "test", "--out", str(tmp_path / "o")]) == 2
     assert "w.pth" in capsys.readouterr().err
@@ -220,3 +225,56 @@ def test_a_store_written_before_the_descriptive_fingerprint_fields_is_still_this
     meta_file.write_text(_json.dumps(meta))
     again = pc.precompute_targets(prior, data, tmp_path / "s", progress=False)
     assert again.array.shape == (10, store.dim)
+
+
+def test_checksum_recorded_and_verify_reads_every_row(tmp_path, capsys):
+    out = tmp_path / "store"
+    assert main(["precompute", "--prior", "random:convnet", "--dataset", "digits", "--split", "test", "--out", str(out),
+                 "--batch-size", "128", "--no-progress"]) == 0
+    store = TargetStore.open(out)
+    summary = store.verify()
+    assert summary["checksum"] == "ok" and summary["rows"] == len(store)
+    assert summary["sha256"] == store.metadata["file_sha256"]
+    capsys.readouterr()
+    assert main(["store", "verify", str(out), "--json", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    # one row damaged in place, same size: opening still works (header and size are right), verify does not
+    arr = np.load(out / "targets.npy", mmap_mode="r+")
+    arr[7, 3] = np.nan
+    arr.flush()
+    del arr
+    with pytest.raises(ValueError, match="sha256 .* but metadata.json recorded .*changed on disk"):
+        TargetStore.open(out).verify()
+    assert main(["store", "verify", str(out), "--no-progress"]) == 1
+    assert "changed on disk" in capsys.readouterr().err
+    # a store written without a checksum is still checked row by row, and names the row
+    meta = json.loads((out / "metadata.json").read_text())
+    del meta["file_sha256"]
+    (out / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"NaN/Inf values in 1 row\(s\): \[7\]"):
+        TargetStore.open(out).verify()
+    assert main(["store", "verify", str(tmp_path / "nowhere")]) == 1
+    assert "No target store" in capsys.readouterr().err
+
+
+def test_items_with_a_leading_index_or_a_list_of_views_are_refused_with_the_fix(tmp_path):
+    prior = create_prior("random:convnet", in_channels=1)
+
+    class SoloStyle(torch.utils.data.Dataset):  # (index, [view1, view2], label)
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            x = torch.rand(1, 8, 8)
+            return i, [x, x], 0
+
+    class Views(SoloStyle):
+        def __getitem__(self, i):
+            x = torch.rand(1, 8, 8)
+            return [x, x], 0
+
+    with pytest.raises(TypeError, match="solo-learn's training data set.*precompute_dataset"):
+        pc.precompute_targets(prior, SoloStyle(), tmp_path / "a", progress=False)
+    with pytest.raises(TypeError, match="a list of 2 images per item"):
+        pc.precompute_targets(prior, Views(), tmp_path / "b", progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

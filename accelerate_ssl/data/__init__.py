@@ -1,7 +1,7 @@
 """Data helpers: real data sets without network, dataset fingerprints, and (ReLA) index tracking and
 the per-epoch subset sampler."""
 
-from .datasets import ArrayImageDataset, Digits, FashionMNIST, image_folder, load_fashion_mnist, read_idx
+from .datasets import ArrayImageDataset, Digits, FashionMNIST, ImageFiles, image_folder, load_fashion_mnist, read_idx
 from .fingerprint import dataset_fingerprint, describe_fingerprint_mismatch
 from .indexing import IndexTracker, track_indices
 from .subset import DynamicSubsetSampler
@@ -10,6 +10,7 @@ __all__ = [
     "ArrayImageDataset",
     "Digits",
     "FashionMNIST",
+    "ImageFiles",
     "image_folder",
     "load_fashion_mnist",
     "read_idx",

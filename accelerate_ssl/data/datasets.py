@@ -179,11 +179,56 @@ class Digits(ArrayImageDataset):
         self.split = split
 
 
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+class ImageFiles(Dataset):
+    """A flat folder of images without labels; items are ``(PIL RGB image, -1)``.
+
+    ``order="sorted"`` (default) lists the image files by name. ``order="listdir"`` keeps every entry in
+    the order ``os.listdir`` gives, which is how solo-learn's ``data.no_labels`` data set indexes a
+    folder (an order that depends on the file system, so targets for such a run must be computed from
+    the same listing). ``.samples`` holds ``(path, -1)`` pairs, so the file names fingerprint it.
+    """
+
+    def __init__(self, root: str | os.PathLike, transform: Optional[Callable] = None, order: str = "sorted"):
+        self.root = str(root)
+        if order == "sorted":
+            names = sorted(n for n in os.listdir(root) if n.lower().endswith(IMAGE_EXTENSIONS))
+        elif order == "listdir":
+            names = os.listdir(root)
+            others = [n for n in names if not n.lower().endswith(IMAGE_EXTENSIONS)]
+            if others:
+                raise ValueError(f"{root} holds entries that are not images ({others[:5]}); solo-learn's no_labels data "
+                                 "set would index them too and fail to load them. Move them out of the folder.")
+        else:
+            raise ValueError(f"order must be 'sorted' or 'listdir', got {order!r}.")
+        if not names:
+            raise FileNotFoundError(f"No image files ({', '.join(IMAGE_EXTENSIONS)}) in {root}.")
+        self.samples = [(os.path.join(self.root, n), -1) for n in names]
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        with Image.open(self.samples[index][0]) as im:
+            image = im.convert("RGB")
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, -1
+
+
 def image_folder(root: str | os.PathLike, transform: Optional[Callable] = None):
-    """Any folder of class sub-folders, as torchvision's ``ImageFolder`` (file names fingerprint it)."""
+    """A folder of images: one sub-folder per class (torchvision's ``ImageFolder``), or a flat folder of
+    image files (:class:`ImageFiles`, sorted by name, label -1). File names fingerprint both."""
     from torchvision.datasets import ImageFolder
 
     root = Path(root)
     if not root.is_dir():
-        raise FileNotFoundError(f"Image folder {root} does not exist; pass a folder with one sub-folder per class.")
-    return ImageFolder(str(root), transform=transform)
+        raise FileNotFoundError(f"Image folder {root} does not exist; pass a folder of images, or of one sub-folder "
+                                "of images per class.")
+    class_dirs = [d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")]
+    if class_dirs:
+        return ImageFolder(str(root), transform=transform)
+    return ImageFiles(root, transform=transform)

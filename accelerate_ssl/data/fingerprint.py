@@ -6,8 +6,8 @@ yields clean images (precompute) or augmented views (training):
 
 - ``"array"``: data sets holding their samples in ``.data`` (ours, torchvision MNIST/CIFAR): the
   bytes of ``num_samples`` evenly spaced rows plus the full shape;
-- ``"files"``: data sets listing files in ``.samples`` / ``.imgs`` (ImageFolder) or lightly's
-  ``get_filenames()``: every file name, relative, in order;
+- ``"files"``: data sets listing files in ``.samples`` / ``.imgs`` (ImageFolder), lightly's
+  ``get_filenames()`` or solo-learn's ``.images``: every file name, relative, in order;
 - ``"items"``: anything else: ``num_samples`` evenly spaced items read with the transform as it is;
   if two reads of one item differ (a random transform), a ``ValueError`` asks for a clean dataset.
 
@@ -55,6 +55,8 @@ def _file_names(dataset) -> list[str] | None:
         paths = [s[0] if isinstance(s, (list, tuple)) else s for s in dataset.imgs]
     elif callable(getattr(dataset, "get_filenames", None)):  # lightly's LightlyDataset
         paths = list(dataset.get_filenames())
+    elif isinstance(getattr(dataset, "images", None), list) and all(isinstance(p, str) for p in dataset.images):
+        paths = list(dataset.images)  # solo-learn's no_labels data set: file names under .root
     else:
         return None
     root = str(getattr(dataset, "root", "") or "")

@@ -36,7 +36,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .store import (CHUNKS, FORMAT, FORMAT_VERSION, MANIFEST, METADATA, TARGETS, TargetStore, atomic_write_text,
+from .store import (CHUNKS, FORMAT, FORMAT_VERSION, MANIFEST, METADATA, TARGETS, TargetStore, atomic_write_text, file_sha256,
                     read_json)
 
 _PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -82,6 +82,22 @@ class _Images(torch.utils.data.Dataset):
         item = self.dataset[i]
         image = item[0] if isinstance(item, (tuple, list)) else item
         return Preprocess.to_tensor(image)
+
+
+def _check_first_item(dataset) -> None:
+    """Items must be an image or ``(image, ...)``; say what to pass when they are not (e.g. solo-learn's
+    ``(index, views, label)`` items, whose first element is the index)."""
+    item = dataset[0]
+    first = item[0] if isinstance(item, (tuple, list)) else item
+    if isinstance(first, (int, np.integer)) and isinstance(item, (tuple, list)) and len(item) == 3:
+        raise TypeError(f"{type(dataset).__name__} yields (index, views, label) items like solo-learn's training data "
+                        "set: precompute needs the clean images in the same order. Pass "
+                        "accelerate_ssl.integrations.solo_learn.precompute_dataset(train_dataset), or use "
+                        "`accelerate-ssl precompute --dataset solo:<data.train_path>`.")
+    if isinstance(first, (list, tuple)):
+        raise TypeError(f"{type(dataset).__name__} yields a list of {len(first)} images per item (augmented views?); "
+                        "precompute needs one clean image per sample: pass the same data set without its multi-view "
+                        "transform (targets describe the unaugmented image).")
 
 
 class _Collate:
@@ -163,6 +179,7 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
     n = len(dataset)
     if n == 0:
         raise ValueError("The dataset is empty; pass a dataset with at least one sample.")
+    _check_first_item(dataset)
     path = Path(path)
     # cpu=True when there is no GPU: `accelerate launch --multi_gpu` then still runs gloo CPU processes
     # (accelerate would otherwise see no GPU and treat every process as a lone one).
@@ -297,6 +314,7 @@ def _consolidate(path: Path, ranges, dim: int, metadata: dict) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, final)
     metadata["file_bytes"] = final.stat().st_size
+    metadata["file_sha256"] = file_sha256(final)
     atomic_write_text(path / METADATA, json.dumps(metadata, indent=1))
     shutil.rmtree(path / CHUNKS, ignore_errors=True)
     (path / MANIFEST).unlink(missing_ok=True)
@@ -336,11 +354,25 @@ def _short(value, limit: int = 80) -> str:
 # ------------------------------------------------------------------------------------------------
 # CLI: accelerate-ssl precompute
 # ------------------------------------------------------------------------------------------------
+_DATASET_HELP = ("fashion-mnist, digits, folder:<path> (class sub-folders, or a flat folder of images), "
+                 "solo:<path> / solo-no-labels:<path> (indexed exactly as solo-learn indexes that train folder)")
+_PATH_DATASETS = ("folder:", "solo:", "solo-no-labels:")
+
+
 def _dataset_arg(value: str) -> str:
-    if value in ("fashion-mnist", "digits") or (value.startswith("folder:") and len(value) > len("folder:")):
+    if value in ("fashion-mnist", "digits") or any(value.startswith(p) and len(value) > len(p) for p in _PATH_DATASETS):
         return value
-    raise argparse.ArgumentTypeError(f"unknown dataset {value!r}; use 'fashion-mnist', 'digits' or 'folder:<path>' "
-                                     "(a folder with one sub-folder of images per class)")
+    raise argparse.ArgumentTypeError(f"unknown dataset {value!r}; use {_DATASET_HELP}")
+
+
+def _fraction_arg(value: str) -> float:
+    try:
+        f = float(value)
+    except ValueError:
+        f = float("nan")
+    if not 0 < f < 1:
+        raise argparse.ArgumentTypeError(f"--fraction must be a number in (0, 1) (solo-learn's data.fraction), got {value!r}")
+    return f
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -350,7 +382,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default=None, help="local weights file for the prior (wins over the zoo caches)")
     parser.add_argument("--offline", action="store_true",
                         help="never download zoo weights, use the local cache only (also: HF_HUB_OFFLINE=1)")
-    parser.add_argument("--dataset", required=True, type=_dataset_arg, help="fashion-mnist, digits or folder:<path>")
+    parser.add_argument("--dataset", required=True, type=_dataset_arg, help=_DATASET_HELP)
+    parser.add_argument("--fraction", type=_fraction_arg, default=None,
+                        help="with solo:<path>: solo-learn's data.fraction (its class-stratified split, random_state 42)")
     parser.add_argument("--split", default="train", help="train / test (fashion-mnist, digits), or all (digits)")
     parser.add_argument("--data-root", default=None, help="folder with the Fashion-MNIST idx files (default: system package)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N images (fashion-mnist)")
@@ -362,21 +396,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
-def build_dataset(name: str, split: str = "train", data_root: Optional[str] = None, limit: Optional[int] = None):
-    """The CLI's data sets: ``fashion-mnist``, ``digits`` or ``folder:<path>``."""
+def build_dataset(name: str, split: str = "train", data_root: Optional[str] = None, limit: Optional[int] = None,
+                  fraction: Optional[float] = None):
+    """The CLI's data sets: ``fashion-mnist``, ``digits``, ``folder:<path>``, ``solo:<path>``, ``solo-no-labels:<path>``."""
     from ..data import Digits, FashionMNIST, image_folder
+    from ..data.solo import solo_image_dataset
 
+    if fraction is not None and not name.startswith("solo:"):
+        raise ValueError("--fraction reproduces solo-learn's data.fraction and needs --dataset solo:<train folder>.")
     if name == "fashion-mnist":
         return FashionMNIST(split, root=data_root, limit=limit)
     if limit is not None:
         raise ValueError("--limit is only supported for fashion-mnist.")
     if name == "digits":
         return Digits(split)
-    if name.startswith("folder:"):
-        ds = image_folder(name[len("folder:"):])
-        ds.name = f"folder:{Path(name[len('folder:'):]).resolve()}"
-        return ds
-    raise ValueError(f"unknown dataset {name!r}; use 'fashion-mnist', 'digits' or 'folder:<path>'.")
+    kind, _, folder = name.partition(":")
+    if kind == "folder":
+        ds = image_folder(folder)
+    elif kind in ("solo", "solo-no-labels"):
+        ds = solo_image_dataset(folder, no_labels=kind == "solo-no-labels", fraction=fraction)
+    else:
+        raise ValueError(f"unknown dataset {name!r}; use {_DATASET_HELP}.")
+    ds.name = f"{kind}:{Path(folder).resolve()}" + (f"?fraction={fraction}" if fraction is not None else "")
+    return ds
 
 
 def _command_line(args: argparse.Namespace) -> str:
@@ -388,6 +430,8 @@ def _command_line(args: argparse.Namespace) -> str:
         parts += ["--data-root", args.data_root]
     if args.limit is not None:
         parts += ["--limit", str(args.limit)]
+    if args.fraction is not None:
+        parts += ["--fraction", str(args.fraction)]
     parts += ["--out", args.out, "--batch-size", str(args.batch_size), "--precision", args.precision,
               "--chunk-size", str(args.chunk_size)]
     return shlex.join(parts)
@@ -398,7 +442,7 @@ def run(args: argparse.Namespace) -> int:
     from .priors import create_prior
 
     try:
-        dataset = build_dataset(args.dataset, args.split, args.data_root, args.limit)
+        dataset = build_dataset(args.dataset, args.split, args.data_root, args.limit, args.fraction)
         overrides: dict[str, Any] = {}
         family, _, arch = args.prior.partition(":")
         if family == "random" and arch in backbones.BACKBONES:
