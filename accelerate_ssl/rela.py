@@ -27,7 +27,9 @@ What ReLA does behind those two lines:
   averaged. ``wrap(..., features=)`` overrides the hook.
 - **Indices**: ``dataloader=`` / ``rela.track(loader)`` makes the loader record the dataset indices of
   each batch it yields (:mod:`accelerate_ssl.data.indexing`), so batches stay as they are.
-  ``wrap(..., index=)`` overrides (frameworks that carry indices, e.g. solo-learn's ``batch[0]``).
+  ``wrap(..., index=)`` overrides (frameworks that carry indices, e.g. solo-learn's ``batch[0]``); an
+  explicit index vector that repeats on consecutive optimiser steps (checked on the first few) is refused as
+  placeholders.
 - **Transport head** ``nn.Linear(student_dim, target_dim)`` is always trained. If your optimiser holds
   ``rela.parameters()``, yours trains it; otherwise ReLA's own AdamW (``head_lr=1e-3``,
   ``head_weight_decay=0.01``, the papers' settings) steps it right after each step of your optimiser.
@@ -40,7 +42,8 @@ What ReLA does behind those two lines:
   previous step (so gradient accumulation, GradScaler-skipped steps and Accelerate's
   ``accumulate()`` are counted right), averaged across processes when ``torch.distributed`` is
   initialised so every process has the same lambda. Before your step the head's gradients are
-  averaged across processes (the head is not inside your DDP module). Loops that update parameters
+  averaged across processes (the head is not inside your DDP module; ``head_in_ddp=True`` when it is,
+  as in the solo-learn mixin, so it is averaged once, by DDP). Loops that update parameters
   without a ``torch.optim.Optimizer`` call ``rela.step()`` after each update instead.
 - **lambda of a step** is the controller's value after all *previous* optimiser steps (the controller
   reads the loss of step t to set lambda for step t + 1). This one-step lag vs Alg. 1 as printed is
@@ -54,7 +57,7 @@ What ReLA does behind those two lines:
 
 from __future__ import annotations
 
-import math
+import inspect
 import os
 import random
 import warnings
@@ -68,12 +71,15 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .data.indexing import IndexTracker, track_loader
-from .schedules import Schedule, create_schedule
+from .schedules import SCHEDULES, Schedule, create_schedule
 
 __all__ = ["ReLA", "fit_transport_head", "rela_loss"]
 
 #: captured feature tensors kept at most between two ``wrap`` calls (they hold autograd graphs).
 MAX_CAPTURED = 32
+#: optimiser steps whose explicit ``index=`` is compared with the previous step's: placeholder indexes (solo-learn's
+#: DALI loaders put ``arange(B) + rank * B`` there) repeat on every step, real ones do not.
+INDEX_CHECK_STEPS = 8
 _FEATURE_KEYS = ("features", "feats", "feat", "pooler_output", "pooled", "embedding", "embeddings")
 
 
@@ -200,9 +206,9 @@ def _open_targets(targets, dataset, dataloader):
                 f"(missing {missing}). Build one with accelerate_ssl.precompute_targets(prior, dataset, path)."
             )
         store = targets
-        if dataset is not None and hasattr(store, "verify"):
-            store.verify(dataset)
-    if dataset is not None and len(dataset) != len(store):  # stores without verify()
+        if dataset is not None and hasattr(store, "check_dataset"):
+            store.check_dataset(dataset)
+    if dataset is not None and len(dataset) != len(store):  # stores without check_dataset()
         raise ValueError(
             f"The target store holds {len(store)} rows but the dataset has {len(dataset)} samples; "
             "precompute targets for this dataset (accelerate-ssl precompute)."
@@ -300,6 +306,13 @@ def _make_hook(rela_ref: "weakref.ref[ReLA]", backbone_ref: "weakref.ref[nn.Modu
     return hook
 
 
+def _schedule_for(name: str, total_steps: Optional[int]) -> Schedule:
+    """A by-name schedule, told the run length when its class takes one (``Constant`` does not)."""
+    cls = SCHEDULES.get(str(name).lower())
+    takes_length = cls is not None and "total_steps" in inspect.signature(cls).parameters
+    return create_schedule(name, **({"total_steps": int(total_steps)} if takes_length and total_steps else {}))
+
+
 def _distributed() -> bool:
     import torch.distributed as dist
 
@@ -331,6 +344,11 @@ class ReLA:
         head_init: ``"fit"`` (default) sets the head, at the first ``wrap``, to the ridge-regression
             solution from that batch's student features to its targets (:func:`fit_transport_head`);
             ``"random"``: PyTorch's default ``nn.Linear`` initialisation, as in the papers.
+        total_steps: the planned number of optimiser steps, for a schedule given by name (``Decay`` and
+            ``Switch`` scale their constants to it, ``Epochs`` needs it); also settable later with
+            :meth:`set_total_steps`.
+        head_in_ddp: the head is a submodule of your DDP-wrapped model (solo-learn's mixin registers it so),
+            so DDP already averages its gradients and ReLA must not average them a second time.
     """
 
     def __init__(
@@ -347,6 +365,8 @@ class ReLA:
         head_weight_decay: Optional[float] = None,
         head_optimizer: str = "auto",
         head_init: str = "fit",
+        total_steps: Optional[int] = None,
+        head_in_ddp: bool = False,
     ):
         if not isinstance(backbone, nn.Module):
             raise TypeError(f"backbone must be an nn.Module (the student's feature extractor), got {type(backbone).__name__}.")
@@ -358,7 +378,12 @@ class ReLA:
             raise ValueError(f"n_components must be 'auto', None, 0 or a positive int, got {n_components!r}.")
         self.store = _open_targets(targets, dataset, dataloader)
         self.backbone = backbone
-        self.schedule = create_schedule(schedule)
+        self._schedule_name = None if isinstance(schedule, Schedule) else (schedule or "decay")
+        self.schedule = _schedule_for(self._schedule_name, total_steps) if self._schedule_name else schedule
+        self.head_in_ddp = bool(head_in_ddp)
+        self._previous_index: Optional[torch.Tensor] = None  # explicit index= of the previous optimiser step
+        self._step_index: Optional[torch.Tensor] = None  # ... and of this one
+        self._index_checks = 0
         self.n_components = n_components
         self.head_lr = 1e-3 if head_lr is None else float(head_lr)
         self.head_weight_decay = 0.01 if head_weight_decay is None else float(head_weight_decay)
@@ -445,6 +470,19 @@ class ReLA:
             self._trackers.append(tracker)
         return dataloader
 
+    def set_total_steps(self, total_steps: int) -> None:
+        """Plan a schedule given by name for ``total_steps`` optimiser steps (e.g. Lightning's
+        ``trainer.estimated_stepping_batches``), keeping the progress it has made (a resumed run stays
+        where it was). A :class:`Schedule` instance passed to ``ReLA`` is yours and is left as it is."""
+        if self._schedule_name is None:
+            return
+        if not isinstance(total_steps, int) or total_steps <= 0:
+            raise ValueError(f"total_steps must be a positive int (optimiser steps of the whole run), got {total_steps!r}.")
+        planned = _schedule_for(self._schedule_name, total_steps)
+        if self.schedule.steps:  # a resumed run: its state was planned for this run already, keep it
+            planned.load_state_dict(self.schedule.state_dict())
+        self.schedule = planned
+
     def parameters(self) -> Iterator[nn.Parameter]:
         """The transport head's parameters (add them to your optimiser, or leave them to ReLA's own)."""
         if self.head is None:
@@ -499,6 +537,26 @@ class ReLA:
         if self.pca is not None:
             rows = self.pca.transform(rows)
         return rows.to(device, non_blocking=True)
+
+    def _check_not_placeholder(self, index) -> None:
+        """Refuse ``index=`` vectors that repeat on consecutive optimiser steps although the store holds more
+        rows than one step can cover: such indexes are placeholders, not dataset positions (solo-learn's DALI
+        loaders put ``arange(B) + rank * B`` there), and every step would look up the same wrong rows.
+        Checked on the first :data:`INDEX_CHECK_STEPS` steps only (it reads the index on the host)."""
+        idx = torch.as_tensor(index).detach().reshape(-1).cpu()
+        previous, self._step_index = self._previous_index, idx
+        world = torch.distributed.get_world_size() if _distributed() else 1
+        if previous is None or previous.shape != idx.shape or len(self.store) <= len(idx) * world:
+            return
+        if torch.equal(previous, idx):
+            shown = idx[:6].tolist()
+            raise ValueError(
+                f"ReLA: the sample indexes given to wrap(index=) are the same on two consecutive steps ({shown}"
+                f"{'...' if len(idx) > 6 else ''}) although the target store holds {len(self.store)} rows: they are "
+                "placeholders, not dataset positions, and every step would train on the wrong targets. solo-learn's "
+                "DALI loaders do this (data.format: dali): train with its torchvision pipeline (data.format: "
+                "image_folder or h5). In your own loop, pass the dataset indices of the batch, or use rela.track(loader)."
+            )
 
     def _rela_term(self, features: Sequence[torch.Tensor], index) -> torch.Tensor:
         n = len(torch.as_tensor(index).reshape(-1))
@@ -570,6 +628,8 @@ class ReLA:
                     "and it must be the module given to ReLA (not a copy); or pass features= to wrap."
                 )
             feats = captured
+        if index is not None and self._index_checks < INDEX_CHECK_STEPS:
+            self._check_not_placeholder(index)
         if index is None:
             index = self._current_index
             if index is None:
@@ -600,7 +660,7 @@ class ReLA:
         return opt is not self._own_optimizer and self._holds(opt, self._backbone_param_ids)
 
     def _before_optimizer_step(self, opt) -> None:
-        if self.head is None or not self._is_user_optimizer(opt) or not _distributed():
+        if self.head is None or self.head_in_ddp or not self._is_user_optimizer(opt) or not _distributed():
             return
         import torch.distributed as dist
 
@@ -670,6 +730,9 @@ class ReLA:
             self.schedule.step(loss)
         self.steps += 1
         self._window_sum, self._window_count = None, 0
+        if self._step_index is not None:
+            self._previous_index, self._step_index = self._step_index, None
+            self._index_checks += 1
         if self.schedule.finished:
             self._captured = []
 
@@ -737,6 +800,7 @@ class ReLA:
             self._own_optimizer = torch.optim.AdamW(self.head.parameters(), lr=self.head_lr, weight_decay=self.head_weight_decay)
             self._own_optimizer.load_state_dict(state["own_optimizer"])
         self._window_sum, self._window_count, self._captured = None, 0, []
+        self._previous_index, self._step_index, self._index_checks = None, None, 0
 
     def close(self) -> None:
         """Remove the forward hook and the optimiser hooks (also done when ReLA is garbage-collected)."""

@@ -22,7 +22,7 @@ plugs ReLA into exactly that contract, placed *before* the method in the MRO:
 Use with a solo-learn checkout (its PyPI release pins torch 1.9; install the repository instead)::
 
     pip install -e path/to/solo-learn            # and: pip install accelerate-ssl
-    accelerate-ssl precompute --prior random:resnet18 --dataset folder:/data/train --out targets/train
+    accelerate-ssl precompute --prior shipped:fashion-mnist-byol --dataset solo:/data/train --out targets/train
 
     from solo.methods import BYOL
     from accelerate_ssl.integrations.solo_learn import ReLAMixin
@@ -38,26 +38,87 @@ TargetStore or Tensor, required), ``schedule`` (``"decay"``, ``"switch"``, ``"co
 or a Schedule), ``n_components``, ``head_lr`` / ``head_weight_decay`` (put in the head's
 ``learnable_params`` entry; default: the method's own lr / weight decay).
 
-Index pitfalls (checked at run time, with an error that says what to do):
+What the mixin guarantees on solo-learn's contract:
 
-- **DALI loaders** (solo-learn issue #222) do not carry real sample indices: the index slot holds
-  dummies. A batch whose indices are all equal (e.g. all zeros) or out of the store's range is refused;
-  use solo-learn's torchvision loaders (``data.format: image_folder`` / ``h5``) with ReLA.
-- **``data.fraction`` < 1** re-indexes the dataset: ``batch[0]`` is the position in the *reduced*
-  dataset, so the targets must be precomputed on that same reduced dataset (same fraction and seed).
-  When the training dataset can be reached through the trainer, its length is compared with the store
-  at ``on_train_start`` and a mismatch is refused.
+- **Row i is sample i.** solo-learn indexes its own training data set; the targets must be computed
+  over that same data set. ``--dataset solo:<data.train_path>`` (``solo-no-labels:<path>`` for
+  ``data.no_labels``; ``--fraction`` for ``data.fraction``) rebuilds it exactly
+  (:mod:`accelerate_ssl.data.solo`), and :func:`precompute_dataset` takes the very data set solo-learn
+  built (its augmentation removed). At train start the store's fingerprint is checked against
+  solo-learn's training data set (file names in order, or sampled pixels): another order, another
+  fraction or another folder is refused with the command that fixes it.
+- **Real indexes only.** solo-learn's DALI loaders put ``arange(B) + rank * B`` in ``batch[0]``: distinct and
+  in range, but the same on every step. ReLA refuses index vectors that repeat on consecutive steps, and
+  the mixin refuses all-equal or out-of-range ones; use solo-learn's torchvision pipeline
+  (``data.format: image_folder`` or ``h5``) with ReLA.
+- **Only the SSL loss is weighed.** A method's ``training_step`` returns its SSL loss plus the online
+  (and momentum) linear classifiers' losses; the mixin reads those from ``_base_shared_step`` /
+  ``_shared_step_momentum`` and returns ``lambda * L_rela + (1 - lambda) * L_ssl + L_classifiers``, so
+  the online classifiers train at full strength throughout.
+- **The run length reaches the schedule.** At fit start a schedule given by name is planned for
+  ``trainer.estimated_stepping_batches`` optimiser steps (``ReLA.set_total_steps``).
+- **DDP to the end.** The head is a registered submodule, averaged by DDP (once: ReLA does not average
+  it again). After lambda reaches 0 for good, the head stays in the graph with a zero-weighted term,
+  so DDP with ``find_unused_parameters=False`` (solo-learn's setting) keeps running.
 """
 
 from __future__ import annotations
 
+import copy
+import math
+import warnings
 from typing import Any, Optional
 
 import torch
+from torch.utils.data import Dataset
 
-__all__ = ["ReLAMixin"]
+from accelerate_ssl.rela import ReLA
+from accelerate_ssl.targets.store import TargetStoreMismatchError
+
+__all__ = ["ReLAMixin", "precompute_dataset"]
 
 _OPTIONS = ("targets", "schedule", "n_components", "head_lr", "head_weight_decay")
+_SOLO_FIX = ("compute the targets over the data set solo-learn trains on: `accelerate-ssl precompute --prior SPEC "
+             "--dataset solo:<data.train_path> [--fraction <data.fraction>] --out DIR` (solo-no-labels:<path> with "
+             "data.no_labels), or precompute_targets(prior, precompute_dataset(train_dataset), DIR) in Python")
+
+
+class _CleanImages(Dataset):
+    """solo-learn's training data set with its augmentation removed: item i -> ``(image, label)`` of sample i."""
+
+    def __init__(self, dataset):
+        inner = copy.copy(dataset)
+        if hasattr(inner, "transform"):
+            inner.transform = None
+        self._inner = inner
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getitem__(self, i):
+        item = self._inner[i]
+        # solo-learn's dataset_with_index yields (index, image, label)
+        if isinstance(item, tuple) and len(item) == 3 and isinstance(item[0], int):
+            item = item[1:]
+        return item
+
+    def __getattr__(self, name):  # .samples / .images / .root / .data: what fingerprints the data set
+        if name == "_inner":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def precompute_dataset(train_dataset) -> Dataset:
+    """The data set to compute ReLA targets over for a solo-learn run: solo-learn's own training data set
+    (``prepare_datasets(...)``'s result, after ``data.fraction``), augmentation removed, same order. Items
+    are ``(clean image, label)``; it fingerprints like ``train_dataset``, so the mixin's train-start check
+    passes exactly when the store was computed over it::
+
+        store = precompute_targets(create_prior("shipped:fashion-mnist-byol"), precompute_dataset(train_dataset), "targets/train")
+    """
+    if isinstance(train_dataset, _CleanImages):
+        return train_dataset
+    return _CleanImages(train_dataset)
 
 
 def _cfg_section(args) -> dict:
@@ -88,8 +149,6 @@ class ReLAMixin:
     def __init__(self, *args, rela_targets=None, rela_schedule=None, rela_n_components="auto",
                  rela_head_lr: Optional[float] = None, rela_head_weight_decay: Optional[float] = None, **kwargs):
         super().__init__(*args, **kwargs)
-        from accelerate_ssl.rela import ReLA
-
         opts = _cfg_section(args)
         targets = rela_targets if rela_targets is not None else opts.get("targets")
         if targets is None:
@@ -106,9 +165,11 @@ class ReLAMixin:
                                        else opts.get("head_weight_decay"))
         self.rela = ReLA(targets, backbone, feature_dim=int(feature_dim),
                          schedule=rela_schedule if rela_schedule is not None else opts.get("schedule"),
-                         n_components=opts.get("n_components", rela_n_components), head_optimizer="user")
+                         n_components=opts.get("n_components", rela_n_components), head_optimizer="user",
+                         head_in_ddp=True)
         self.rela_head = self.rela.head  # a registered submodule: device moves, DDP, state_dict
         self._rela_feats: Optional[list] = None
+        self._rela_classifier_losses: Optional[dict[str, list]] = None
 
     # ------------------------------------------------------------------ optimiser
     @property
@@ -131,6 +192,19 @@ class ReLAMixin:
             self._rela_feats.append(out["feats"])
         return out
 
+    # ------------------------------------------------------------------ the online classifiers' losses
+    def _base_shared_step(self, X, targets):
+        out = super()._base_shared_step(X, targets)
+        if self._rela_classifier_losses is not None and isinstance(out, dict) and out.get("loss") is not None:
+            self._rela_classifier_losses["online"].append(out["loss"])
+        return out
+
+    def _shared_step_momentum(self, X, targets):
+        out = super()._shared_step_momentum(X, targets)
+        if self._rela_classifier_losses is not None and isinstance(out, dict) and out.get("loss") is not None:
+            self._rela_classifier_losses["momentum"].append(out["loss"])
+        return out
+
     # ------------------------------------------------------------------ the loss
     def _rela_check_indexes(self, indexes) -> torch.Tensor:
         if not isinstance(indexes, torch.Tensor) or indexes.is_floating_point() or indexes.ndim != 1:
@@ -141,23 +215,23 @@ class ReLAMixin:
         if len(indexes) > 1 and bool((indexes == indexes[0]).all()):
             raise ValueError(
                 f"ReLAMixin: every sample index in this batch is {int(indexes[0])}: these are dummy indexes, not "
-                "dataset positions (solo-learn's DALI loaders, issue #222). Use the torchvision data pipeline "
+                "dataset positions (solo-learn's DALI loaders). Use the torchvision data pipeline "
                 "(data.format image_folder or h5) with ReLA.")
         lo, hi = int(indexes.min()), int(indexes.max())
         if lo < 0 or hi >= n:
             raise ValueError(
                 f"ReLAMixin: sample indexes span [{lo}, {hi}] but the target store has {n} rows. The targets must be "
-                "precomputed on the exact training dataset (with data.fraction < 1 solo-learn re-indexes the reduced "
-                "dataset: precompute on that reduced dataset), and DALI loaders give no real indexes (issue #222).")
+                f"computed over solo-learn's exact training data set (data.fraction included): {_SOLO_FIX}.")
         return indexes
 
     def training_step(self, batch, batch_idx):
         indexes = self._rela_check_indexes(batch[0])
-        self._rela_feats = []
+        self._rela_feats, self._rela_classifier_losses = [], {"online": [], "momentum": []}
         try:
             out = super().training_step(batch, batch_idx)
         finally:
             feats, self._rela_feats = self._rela_feats, None
+            classifier_losses, self._rela_classifier_losses = self._rela_classifier_losses, None
         loss = out["loss"] if isinstance(out, dict) else out
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
             raise ValueError(f"ReLAMixin: {type(self).__name__}.training_step must return a scalar loss tensor (or a dict "
@@ -165,7 +239,11 @@ class ReLAMixin:
         if not feats:
             raise RuntimeError(f"ReLAMixin: {type(self).__name__}.training_step made no forward() call in training mode "
                                "with grad enabled, so there are no features for ReLA.")
-        wrapped = self.rela.wrap(loss, index=indexes, features=feats)
+        # solo-learn averages each classifier's loss over the large crops and adds it to the method's SSL loss
+        classifier = sum((sum(v) / len(v) for v in classifier_losses.values() if v), torch.zeros((), device=loss.device))
+        wrapped = self.rela.wrap(loss - classifier, index=indexes, features=feats) + classifier
+        if self.rela.stats["loss_rela"] is None:  # lambda is 0 for good: keep the head in DDP's graph
+            wrapped = wrapped + 0.0 * sum(p.sum() for p in self.rela_head.parameters())
         stats = self.rela.stats
         log = {"rela/lambda": stats["lambda"]}
         if stats["loss_rela"] is not None:
@@ -177,18 +255,42 @@ class ReLAMixin:
             return {**out, "loss": wrapped}
         return wrapped
 
-    # ------------------------------------------------------------------ data_fraction check
+    # ------------------------------------------------------------------ run length
+    def on_fit_start(self):
+        parent = getattr(super(), "on_fit_start", None)
+        if parent is not None:
+            parent()
+        total = getattr(getattr(self, "_trainer", None), "estimated_stepping_batches", None)
+        if isinstance(total, (int, float)) and math.isfinite(total) and total > 0:
+            self.rela.set_total_steps(int(total))
+        else:
+            warnings.warn("ReLAMixin: the trainer cannot estimate the run's optimiser steps (no max_steps / max_epochs?), "
+                          f"so the {type(self.rela.schedule).__name__} schedule keeps its default constants.", stacklevel=2)
+
+    # ------------------------------------------------------------------ the data set matches the store
     def on_train_start(self):
         parent = getattr(super(), "on_train_start", None)
         if parent is not None:
             parent()
         loaders = getattr(getattr(self, "_trainer", None), "train_dataloader", None)
         dataset = getattr(loaders, "dataset", None)
-        if dataset is not None and hasattr(dataset, "__len__") and len(dataset) != len(self.rela.store):
-            raise ValueError(
-                f"ReLAMixin: the training dataset has {len(dataset)} samples but the target store has "
-                f"{len(self.rela.store)} rows. Precompute the targets on this exact dataset (solo-learn's data.fraction "
-                "re-indexes a reduced dataset: precompute on the reduced one).")
+        if dataset is None or not hasattr(dataset, "__len__"):
+            return
+        store = self.rela.store
+        if len(dataset) != len(store):
+            raise TargetStoreMismatchError(
+                f"ReLAMixin: the training dataset has {len(dataset)} samples but the target store has {len(store)} rows "
+                f"(data.fraction or another folder?); {_SOLO_FIX}.")
+        if not hasattr(store, "check_dataset"):  # Tensor targets: no fingerprint to compare
+            return
+        try:
+            store.check_dataset(precompute_dataset(dataset))
+        except TargetStoreMismatchError as err:
+            raise TargetStoreMismatchError(f"ReLAMixin: {err} For solo-learn, {_SOLO_FIX}.") from err
+        except (ValueError, TypeError, OSError) as err:  # a data set that cannot be fingerprinted
+            warnings.warn(f"ReLAMixin: could not fingerprint solo-learn's training data set ({err}); only its length was "
+                          "checked against the target store. Make sure the targets were computed over this data set "
+                          "in this order.", stacklevel=2)
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -1,102 +1,32 @@
-"""solo-learn adapter: ReLAMixin on a small LightningModule that follows solo-learn's method contract
-(BaseMethod-style `learnable_params` + `configure_optimizers`, `forward` -> {"logits", "feats", "z", "p"},
-batches `[indexes, [X1, X2], targets]`, concrete scalar `training_step`), trained with a real Trainer
-under both `lightning.pytorch` and `pytorch_lightning`."""
+"""solo-learn adapter: ReLAMixin on LightningModules that follow solo-learn's method contract (tests/solo_contract.py:
+BaseMethod / BaseMomentumMethod with online and momentum classifiers, batches `[indexes, [X1, X2], targets]`, concrete
+scalar `training_step`), trained with a real Trainer under both `lightning.pytorch` and `pytorch_lightning`; its DALI
+wrapper's index slot; its data sets (dataset_with_index, no_labels listing, data.fraction); 2-process gloo DDP with
+find_unused_parameters=False through the end of every schedule."""
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from accelerate_ssl.integrations.solo_learn import ReLAMixin
+from accelerate_ssl.integrations.solo_learn import precompute_dataset
+from accelerate_ssl.targets.store import TargetStoreMismatchError
+from solo_contract import IndexedTwoViews, make_methods
+from solo_contract import targets as _targets
 
-N, DIM, TARGET_DIM = 48, 16, 12
 FLAVOURS = ["lightning.pytorch", "pytorch_lightning"]
-
-
-class IndexedTwoViews(Dataset):
-    """solo-learn's dataset_with_index: items ``(index, [view1, view2], target)``."""
-
-    def __init__(self, n=N):
-        g = torch.Generator().manual_seed(0)
-        self.images = torch.rand(n, 1, 12, 12, generator=g)
-        self.labels = torch.randint(0, 3, (n,), generator=g)
-
-    def __len__(self):
-        return len(self.images)
-
-    def __getitem__(self, i):
-        x = self.images[i]
-        return i, [x + 0.05 * torch.randn_like(x), x.flip(-1)], int(self.labels[i])
-
-
-def make_methods(pl):
-    """A BaseMethod / BYOL-like pair following solo-learn's contract, for the given lightning flavour."""
-
-    class BaseMethod(pl.LightningModule):
-        def __init__(self, cfg):
-            super().__init__()
-            self.lr = cfg["lr"]
-            self.backbone = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
-                                          nn.Flatten(), nn.Linear(32, DIM))
-            self.features_dim = DIM
-            self.classifier = nn.Linear(DIM, 3)
-
-        @property
-        def learnable_params(self):
-            return [{"name": "backbone", "params": self.backbone.parameters()},
-                    {"name": "classifier", "params": self.classifier.parameters(), "lr": 0.1, "weight_decay": 0}]
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.learnable_params, lr=self.lr, momentum=0.9, weight_decay=1e-5)
-
-        def forward(self, X):
-            feats = self.backbone(X)
-            return {"logits": self.classifier(feats.detach()), "feats": feats}
-
-        def training_step(self, batch, batch_idx):  # BaseMethod's returns a dict
-            _, X, targets = batch
-            outs = [self(x) for x in X]
-            class_loss = sum(F.cross_entropy(o["logits"], targets) for o in outs) / len(outs)
-            return {"loss": class_loss, **{k: [o[k] for o in outs] for k in outs[0]}}
-
-    class BYOLLike(BaseMethod):
-        def __init__(self, cfg):
-            super().__init__(cfg)
-            self.projector = nn.Sequential(nn.Linear(DIM, 32), nn.ReLU(), nn.Linear(32, 8))
-            self.predictor = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
-
-        @property
-        def learnable_params(self):
-            return super().learnable_params + [{"name": "projector", "params": self.projector.parameters()},
-                                               {"name": "predictor", "params": self.predictor.parameters()}]
-
-        def forward(self, X):
-            out = super().forward(X)
-            z = self.projector(out["feats"])
-            return {**out, "z": z, "p": self.predictor(z)}
-
-        def training_step(self, batch, batch_idx):  # concrete methods return a scalar
-            out = super().training_step(batch, batch_idx)
-            (z1, z2), (p1, p2) = out["z"], out["p"]
-            neg_cos = -(F.cosine_similarity(p1, z2.detach()).mean() + F.cosine_similarity(p2, z1.detach()).mean()) / 2
-            self.log("train_neg_cos_sim", neg_cos)
-            return neg_cos + out["loss"]
-
-    class BYOLReLA(ReLAMixin, BYOLLike):
-        pass
-
-    return BaseMethod, BYOLLike, BYOLReLA
-
-
-def _targets():
-    return torch.randn(N, TARGET_DIM, generator=torch.Generator().manual_seed(1))
 
 
 def _trainer(pl, tmp_path, max_steps, **kw):
@@ -150,27 +80,62 @@ def test_trains_with_a_real_trainer_head_changes_and_lambda_is_logged(tmp_path, 
     assert len(seen) == 5 and all(s.dtype == torch.long for s in seen)
 
 
-@pytest.mark.parametrize("flavour", FLAVOURS)
-def test_wrapped_loss_is_lambda_mix_of_relas_term_and_the_methods_loss(flavour):
-    pl = importlib.import_module(flavour)
-    torch.manual_seed(0)
+def _plain_and_rela(pl, schedule):
     _, BYOLLike, BYOLReLA = make_methods(pl)
-    model = BYOLReLA({"lr": 0.05}, rela_targets=_targets(), rela_schedule="constant")
+    model = BYOLReLA({"lr": 0.05}, rela_targets=_targets(), rela_schedule=schedule)
     plain = BYOLLike({"lr": 0.05})
     plain.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("rela_head")})
-    model.log_dict = plain.log = model.log = lambda *a, **k: None  # no trainer attached here
+    for m in (model, plain):  # no trainer attached here
+        m.log_dict = m.log = lambda *a, **k: None
+    return model, plain
+
+
+def _classifier_losses(model, batch):
+    """solo-learn's online + momentum classifier losses, as its BaseMethod / BaseMomentumMethod compute them."""
+    _, X, targets = batch
+    online = sum(F.cross_entropy(model(x)["logits"], targets, ignore_index=-1) for x in X) / len(X)
+    momentum = sum(F.cross_entropy(model.momentum_classifier(model.momentum_backbone(x)), targets) for x in X) / len(X)
+    return online + momentum
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_only_the_ssl_loss_is_weighed_the_online_classifiers_keep_theirs(flavour):
+    pl = importlib.import_module(flavour)
+    torch.manual_seed(0)
+    model, plain = _plain_and_rela(pl, "constant")
     batch = next(iter(DataLoader(IndexedTwoViews(), batch_size=8)))
     torch.manual_seed(3)
     wrapped = model.training_step(batch, 0)
     torch.manual_seed(3)
-    ssl = plain.training_step(batch, 0)
+    total = plain.training_step(batch, 0)
     lam = model.rela.stats["lambda"]
     assert 0 < lam < 1
-    # ReLA term by hand: both views' feats through the head vs the PCA-reduced targets of batch[0]
+    classifier = _classifier_losses(plain, batch)
     feats = torch.cat([model.backbone(x) for x in batch[1]])
     target = model.rela._lookup(batch[0], feats.device).repeat(2, 1)
     l_rela = (1 - F.cosine_similarity(model.rela_head(feats), target)).mean()
-    assert wrapped.item() == pytest.approx(lam * l_rela.item() + (1 - lam) * ssl.item(), rel=1e-5)
+    expected = lam * l_rela.item() + (1 - lam) * (total.item() - classifier.item()) + classifier.item()
+    assert wrapped.item() == pytest.approx(expected, rel=1e-5)
+    assert model.rela.stats["loss_ssl"] == pytest.approx(total.item() - classifier.item(), rel=1e-5)
+    # the classifiers get exactly the gradient they get without ReLA
+    wrapped.backward()
+    total.backward()
+    for name in ("classifier", "momentum_classifier"):
+        ours, theirs = getattr(model, name).weight.grad, getattr(plain, name).weight.grad
+        assert theirs.abs().sum() > 0 and torch.allclose(ours, theirs, atol=1e-6), name
+
+
+def test_online_classifier_trains_while_switch_keeps_lambda_at_one():
+    import lightning.pytorch as pl
+
+    torch.manual_seed(0)
+    model, plain = _plain_and_rela(pl, "switch")
+    batch = next(iter(DataLoader(IndexedTwoViews(), batch_size=8)))
+    model.training_step(batch, 0).backward()
+    plain.training_step(batch, 0).backward()
+    assert model.rela.stats["lambda"] == 1.0
+    assert torch.allclose(model.classifier.weight.grad, plain.classifier.weight.grad, atol=1e-6)
+    assert model.classifier.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
@@ -209,12 +174,54 @@ def test_dummy_and_out_of_range_indexes_are_refused():
     model.log_dict = lambda *a, **k: None
     model.log = lambda *a, **k: None
     x = torch.rand(4, 1, 12, 12)
-    with pytest.raises(ValueError, match="dummy indexes.*DALI.*#222"):
+    with pytest.raises(ValueError, match="dummy indexes.*DALI"):
         model.training_step([torch.zeros(4, dtype=torch.long), [x, x], torch.zeros(4, dtype=torch.long)], 0)
-    with pytest.raises(ValueError, match=r"span \[0, 99\].*48 rows.*data.fraction"):
+    with pytest.raises(ValueError, match=r"span \[0, 99\].*48 rows.*solo:<data.train_path>"):
         model.training_step([torch.tensor([0, 1, 2, 99]), [x, x], torch.zeros(4, dtype=torch.long)], 0)
     with pytest.raises(ValueError, match="1-D integer tensor"):
         model.training_step([torch.rand(4), [x, x], torch.zeros(4, dtype=torch.long)], 0)
+
+
+class DALIStyleLoader:
+    """What solo-learn's DALI wrapper yields without encode_indexes_into_labels: real images and labels, and the
+    index slot filled with ``arange(batch_size) + rank * batch_size`` on every step."""
+
+    def __init__(self, batch_size=8, steps=4, rank=0):
+        self.batch_size, self.steps, self.rank = batch_size, steps, rank
+        self.data = IndexedTwoViews()
+
+    def __len__(self):
+        return self.steps
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        for _ in range(self.steps):
+            real = torch.randint(len(self.data), (self.batch_size,), generator=g)
+            items = [self.data[int(i)] for i in real]
+            views = [torch.stack([it[1][v] for it in items]) for v in range(2)]
+            labels = torch.tensor([it[2] for it in items])
+            yield [torch.arange(self.batch_size) + self.rank * self.batch_size, views, labels]
+
+
+def test_dali_placeholder_indexes_are_refused_in_a_real_trainer(tmp_path):
+    import lightning.pytorch as pl
+
+    _, _, BYOLReLA = make_methods(pl)
+    model = BYOLReLA({"lr": 0.05}, rela_targets=_targets())
+    trainer = _trainer(pl, tmp_path, max_steps=4, enable_checkpointing=False)
+    with pytest.raises(ValueError, match=r"same on two consecutive steps \(\[0, 1, 2, 3, 4, 5\]\.\.\.\).*48 rows.*DALI"):
+        trainer.fit(model, DALIStyleLoader(rank=0))
+    assert model.rela.steps == 1  # refused at the second step, before training on wrong rows again
+
+
+def test_repeated_indexes_are_fine_when_one_batch_is_the_whole_data_set(tmp_path):
+    import lightning.pytorch as pl
+
+    _, _, BYOLReLA = make_methods(pl)
+    model = BYOLReLA({"lr": 0.05}, rela_targets=_targets()[:8])
+    trainer = _trainer(pl, tmp_path, max_steps=3, enable_checkpointing=False)
+    trainer.fit(model, DataLoader(IndexedTwoViews(n=8), batch_size=8, shuffle=False))
+    assert model.rela.steps == 3
 
 
 def test_data_fraction_mismatch_is_refused_at_train_start(tmp_path):
@@ -225,6 +232,24 @@ def test_data_fraction_mismatch_is_refused_at_train_start(tmp_path):
     trainer = _trainer(pl, tmp_path, max_steps=2, enable_checkpointing=False)
     with pytest.raises(ValueError, match="training dataset has 24 samples but the target store has 48 rows"):
         trainer.fit(model, DataLoader(IndexedTwoViews(n=24), batch_size=8))
+
+
+@pytest.mark.parametrize("name", ["decay", "switch"])
+def test_the_trainers_run_length_plans_the_schedule(tmp_path, name):
+    import lightning.pytorch as pl
+
+    from accelerate_ssl.schedules import create_schedule
+
+    _, _, BYOLReLA = make_methods(pl)
+    model = BYOLReLA({"lr": 0.05}, rela_targets=_targets(), rela_schedule=name)
+    default = create_schedule(name)
+    trainer = _trainer(pl, tmp_path, max_steps=-1, max_epochs=5, enable_checkpointing=False)
+    trainer.fit(model, _loader())  # 48 samples / 8 = 6 steps per epoch -> 30 steps
+    assert trainer.estimated_stepping_batches == 30
+    planned = create_schedule(name, total_steps=30)
+    key = "loss_momentum" if name == "decay" else "slow_momentum"
+    assert getattr(model.rela.schedule, key) == getattr(planned, key) != getattr(default, key)
+    assert model.rela.steps == 30
 
 
 def test_missing_targets_and_cfg_section():
@@ -238,3 +263,142 @@ def test_missing_targets_and_cfg_section():
     assert model.learnable_params[-1]["lr"] == 0.01
     with pytest.raises(ValueError, match="Unknown key"):
         BYOLReLA({"lr": 0.05, "rela": {"targets": _targets(), "lamda": 1}})
+
+
+# ---------------------------------------------------------------------------------------------- the data set solo trains on
+def _write_images(folder, names):
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for k, name in enumerate(names):
+        rng = np.random.default_rng(k)
+        Image.fromarray(rng.integers(0, 255, (12, 12), dtype=np.uint8), mode="L").save(folder / name)
+
+
+def dataset_with_index(cls):
+    """solo-learn's dataset_with_index: items ``(index, *items of cls)``."""
+
+    class DatasetWithIndex(cls):
+        def __getitem__(self, index):
+            return (index, *super().__getitem__(index))
+
+    return DatasetWithIndex
+
+
+class CustomDatasetWithoutLabels(Dataset):
+    """solo-learn's no_labels data set: ``self.images = os.listdir(root)``, items ``(image, -1)``."""
+
+    def __init__(self, root, transform=None):
+        self.root = Path(root)
+        self.transform = transform
+        self.images = os.listdir(root)
+
+    def __getitem__(self, index):
+        x = Image.open(self.root / self.images[index]).convert("RGB")
+        return (self.transform(x) if self.transform is not None else x), -1
+
+    def __len__(self):
+        return len(self.images)
+
+
+def _two_views(image):
+    x = torch.from_numpy(np.asarray(image.convert("L"), dtype=np.float32) / 255.0)[None]
+    return [x + 0.01 * torch.randn_like(x), x.flip(-1)]
+
+
+def _precompute(args):
+    from accelerate_ssl.cli import main
+
+    assert main(["precompute", "--prior", "random:convnet", "--no-progress", "--batch-size", "16", *args]) == 0
+
+
+def _fit_on(tmp_path, train_dataset, store):
+    import lightning.pytorch as pl
+
+    _, _, BYOLReLA = make_methods(pl)
+    model = BYOLReLA({"lr": 0.05}, rela_targets=str(store), rela_n_components=8)
+    trainer = _trainer(pl, tmp_path / "run", max_steps=2, enable_checkpointing=False)
+    trainer.fit(model, DataLoader(train_dataset, batch_size=8, shuffle=True))
+    return model
+
+
+def test_a_store_over_another_file_order_is_refused_and_solo_no_labels_matches(tmp_path):
+    flat = tmp_path / "unlabelled"
+    _write_images(flat, [f"img_{k:03d}.png" for k in range(40)])
+    train = dataset_with_index(CustomDatasetWithoutLabels)(flat, transform=_two_views)
+    train.images = sorted(train.images)[::-1]  # a file system whose listing is not sorted
+
+    _precompute(["--dataset", f"folder:{flat}", "--out", str(tmp_path / "sorted")])  # a flat folder works, sorted
+    with pytest.raises(TargetStoreMismatchError, match="same length \\(40\\) but different content.*solo:<data.train_path>"):
+        _fit_on(tmp_path, train, tmp_path / "sorted")
+
+    # the same listing solo-learn makes (os.listdir) -> accepted, and so is the store made from solo's own object
+    train_listdir = dataset_with_index(CustomDatasetWithoutLabels)(flat, transform=_two_views)
+    _precompute(["--dataset", f"solo-no-labels:{flat}", "--out", str(tmp_path / "listdir")])
+    model = _fit_on(tmp_path, train_listdir, tmp_path / "listdir")
+    assert model.rela.steps == 2
+
+    from accelerate_ssl import create_prior, precompute_targets
+
+    store = precompute_targets(create_prior("random:convnet"), precompute_dataset(train), tmp_path / "python", progress=False)
+    assert _fit_on(tmp_path, train, store.path).rela.steps == 2
+
+
+def _solo_fraction(dataset, fraction):
+    """solo-learn's data.fraction: a class-stratified train_test_split of .samples with random_state=42."""
+    from sklearn.model_selection import train_test_split
+
+    files = [f for f, _ in dataset.samples]
+    labels = [label for _, label in dataset.samples]
+    files, _, labels, _ = train_test_split(files, labels, train_size=fraction, stratify=labels, random_state=42)
+    dataset.samples = [tuple(p) for p in zip(files, labels)]
+    return dataset
+
+
+def test_data_fraction_is_reproduced_by_the_cli_and_by_precompute_dataset(tmp_path):
+    from torchvision.datasets import ImageFolder
+
+    root = tmp_path / "train"
+    for c in range(3):
+        _write_images(root / f"class{c}", [f"{c}_{k:02d}.png" for k in range(16)])
+    train = _solo_fraction(dataset_with_index(ImageFolder)(str(root), transform=_two_views), 0.5)
+    assert len(train) == 24
+
+    _precompute(["--dataset", f"solo:{root}", "--fraction", "0.5", "--out", str(tmp_path / "half")])
+    assert _fit_on(tmp_path, train, tmp_path / "half").rela.steps == 2
+
+    _precompute(["--dataset", f"solo:{root}", "--out", str(tmp_path / "all")])
+    with pytest.raises(TargetStoreMismatchError, match="24 samples but the target store has 48 rows.*--fraction"):
+        _fit_on(tmp_path, train, tmp_path / "all")
+
+    # another fraction of the same size (a different split) is refused by content, not just length
+    other = _solo_fraction(dataset_with_index(ImageFolder)(str(root), transform=_two_views), 0.5)
+    other.samples = other.samples[::-1]
+    with pytest.raises(TargetStoreMismatchError, match="different content"):
+        _fit_on(tmp_path, other, tmp_path / "half")
+
+    # solo's dataset itself cannot be precomputed; its clean view can, and gives the CLI's rows
+    from accelerate_ssl import TargetStore, create_prior, precompute_targets
+
+    with pytest.raises(TypeError, match="precompute_dataset"):
+        precompute_targets(create_prior("random:convnet"), train, tmp_path / "bad", progress=False)
+    via_python = precompute_targets(create_prior("random:convnet", in_channels=3), precompute_dataset(train), tmp_path / "py",
+                                    progress=False)
+    assert np.array_equal(via_python.array, TargetStore.open(tmp_path / "half").array)
+
+
+# ---------------------------------------------------------------------------------------------- DDP to the end
+def test_two_process_ddp_without_unused_parameters_runs_past_the_end_of_every_schedule(tmp_path):
+    out = tmp_path / "ddp.json"
+    worker = Path(__file__).resolve().parent / "_solo_ddp_worker.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(worker), str(out)],
+                          cwd=tmp_path, env=env, text=True, capture_output=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    for name in ("switch", "decay", "epochs", "constant0"):
+        r = result[name]
+        assert r["finished"] and r["steps"] == r["global_step"] == 8, (name, r)
+        assert r["steps_after_finish"] >= 4, (name, r)  # kept training with lambda = 0 and the head unused by ReLA
+        assert r["head_equal_on_ranks"], name
+    assert result["head_grad_all_reduce_by_rela"] == 0  # DDP averages the registered head; ReLA does not again
