@@ -53,7 +53,7 @@ from typing import Optional
 
 import torch
 
-from .atomic import atomic_write_json
+from .results import write_results
 
 DEFAULT_PRIOR = "shipped:fashion-mnist-byol"  # the BYOL ConvNet that ships with the package (no label seen)
 
@@ -413,7 +413,7 @@ def run(args) -> int:
     result["table"] = table
     png = out / "demo.png"
     write_png(result, png)
-    atomic_write_json(out / "demo.json", result, indent=2)
+    write_results(out / "demo.json", result)
 
     print()
     print(table)

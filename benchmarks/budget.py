@@ -572,10 +572,10 @@ def run_cell(args, cell: dict, seed: int, data: Data, targets: dict) -> dict:
 
 
 def _write_json(obj, path: Path) -> None:
-    from accelerate_ssl.atomic import atomic_write_json
+    from accelerate_ssl.results import write_results
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, obj, indent=2)
+    write_results(path, obj, ROOT)
 
 
 def switch_timing(args, data: Data, target_rows: torch.Tensor, n: int) -> dict:

@@ -79,13 +79,13 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from accelerate_ssl.atomic import atomic_write_json  # noqa: E402
 from accelerate_ssl.backbones import ConvNet  # noqa: E402
 from accelerate_ssl.compact import (  # noqa: E402
     CompactDataset, DistillConfig, Distiller, Teacher, load_teacher, pixel_compact, pixel_images_for_budget, pretrain,
     save_teacher, train_teacher,
 )
 from accelerate_ssl.data import load_fashion_mnist  # noqa: E402
+from accelerate_ssl.results import write_results  # noqa: E402
 from accelerate_ssl.targets.priors import shipped_prior_file  # noqa: E402
 
 CACHE = ROOT / "benchmarks" / "cache"
@@ -403,7 +403,7 @@ def main(argv=None) -> int:
     }
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out_path, out, indent=2)
+    write_results(out_path, out, ROOT)
     plot(out, out_path.with_suffix(".png"))
     print(json.dumps({k: (round(v["mean"], 2), round(v["std"], 2)) for k, v in summary.items()}), "goal c > b > a:",
           out["goal_c_gt_b_gt_a"], "| c_param > b > a:", out["parameterised_gt_b_gt_a"])

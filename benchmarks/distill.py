@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT.parent))
 from accelerate_ssl.backbones import ConvNet, ResNetSmall  # noqa: E402
 from accelerate_ssl.data import FashionMNIST  # noqa: E402
 from accelerate_ssl.distill import DistilledSet, mro_cost_ratio, synthesize, train_student  # noqa: E402
-from accelerate_ssl.distill.dataset import atomic_write_json  # noqa: E402
+from accelerate_ssl.results import write_results  # noqa: E402
 
 # bump when a change to the synthesis code changes the images, so cached sets are not reused
 SYNTH_VERSION = 3  # 2: augmentation as separable matrices, MRO roll scaled to the low resolution; 3: batch_group in the manifest
@@ -417,7 +417,7 @@ def main(argv=None):
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out, report)
+    write_results(out, report, ROOT.parent, sort_keys=True)
     plot(report, sets, out.with_suffix(".png"))
     print(json.dumps({"goals": goals, "cost": {k: v for k, v in cost.items() if k != "per_round_seconds_per_image"}}, indent=1))
     print(f"wrote {out} and {out.with_suffix('.png')} in {report['wall_seconds']:.0f} s")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import statistics
@@ -29,7 +28,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,6 +79,7 @@ def main(argv=None) -> dict:
     from accelerate_ssl.backbones import ConvNet
     from accelerate_ssl.data import FashionMNIST
     from accelerate_ssl.schedules import Decay
+    from accelerate_ssl.results import write_results
 
     clean = FashionMNIST("train", limit=args.store_rows)
     store_dir = ROOT / "benchmarks" / "cache" / f"overhead-{args.prior.replace(':', '-')}-{args.store_rows}"
@@ -166,9 +165,7 @@ def main(argv=None) -> dict:
     }
     result["meets_goals"] = result["time_ratio"] <= 1.03 and result["memory_ratio"] <= 1.05
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, args.out)
+    write_results(args.out, result, ROOT)
     plot_report(result, args.out.with_suffix(".png"))
     print(f"step time  plain {t_plain * 1e3:.1f} ms  rela {t_rela * 1e3:.1f} ms  ratio {result['time_ratio']:.3f} (goal <= 1.03)")
     print(f"step memory plain {mem[False] / 2**20:.1f} MiB  rela {mem[True] / 2**20:.1f} MiB  ratio {result['memory_ratio']:.3f} (goal <= 1.05)")

@@ -35,8 +35,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from accelerate_ssl.atomic import atomic_write_json  # noqa: E402
 from accelerate_ssl.data import FashionMNIST  # noqa: E402
+from accelerate_ssl.results import write_results  # noqa: E402
 from accelerate_ssl.targets.precompute import precompute_targets  # noqa: E402
 from accelerate_ssl.targets.priors import create_prior  # noqa: E402
 
@@ -133,7 +133,7 @@ def main() -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out, report, indent=1)
+    write_results(out, report, ROOT, indent=1)
     plot_report(report, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from accelerate_ssl import __version__  # noqa: E402
-from accelerate_ssl.atomic import atomic_write_json  # noqa: E402
 from accelerate_ssl.data import FashionMNIST  # noqa: E402
+from accelerate_ssl.results import write_results  # noqa: E402
 from accelerate_ssl.targets.catalog import RECOMMENDED, describe_prior  # noqa: E402
 from accelerate_ssl.targets.precompute import precompute_targets  # noqa: E402
 from accelerate_ssl.targets.priors import create_prior  # noqa: E402
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
         "rows": rows,
     }
     out = Path(args.out)
-    atomic_write_json(out, result)
+    write_results(out, result, ROOT)
     write_png(rows, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0

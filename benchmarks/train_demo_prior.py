@@ -18,7 +18,6 @@ writes ``accelerate_ssl/assets/demo_prior_convnet.safetensors`` (+ its JSON meta
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -32,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from accelerate_ssl.backbones import ConvNet  # noqa: E402
 from accelerate_ssl.data import FashionMNIST  # noqa: E402
+from accelerate_ssl.results import write_results  # noqa: E402
 from accelerate_ssl.demo_recipe import (BYOL, BYOL_VIEWS, FASHION_MNIST_MEAN, FASHION_MNIST_STD,  # noqa: E402
                                         images_to_tensor, random_views)
 
@@ -151,9 +151,7 @@ def main(argv=None) -> int:
     }
     res = Path(args.results)
     res.parent.mkdir(parents=True, exist_ok=True)
-    tmp = res.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=2))
-    os.replace(tmp, res)
+    write_results(res, record, ROOT)
     return 0
 
 

@@ -25,3 +25,45 @@ def test_failed_write_keeps_the_old_file_and_removes_the_temporary(tmp_path):
         atomic_write_bytes(target, Unwritable())
     assert target.read_bytes() == b"complete"
     assert sorted(os.listdir(tmp_path)) == ["data.bin"]
+
+
+def test_committed_results_hold_no_absolute_paths():
+    """Result JSONs travel between machines: no string in them may name an absolute path of the machine that ran them."""
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = sorted((root / "benchmarks" / "results").glob("*.json")) + sorted((root / "benchmarks").glob("prior_runs/*/*.json"))
+    assert len(files) >= 8
+    absolute = re.compile(r"(?<![\w./:-])/(?=[\w.])|(?<=:)/(?=[\w.])")
+
+    def strings(obj):
+        if isinstance(obj, str):
+            yield obj
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                yield from strings(v)
+        elif isinstance(obj, list):
+            for v in obj:
+                yield from strings(v)
+
+    for f in files:
+        bad = [s for s in strings(json.loads(f.read_text())) if absolute.search(s)]
+        assert not bad, f"{f.name}: {bad[:3]}"
+
+
+def test_portable_paths_and_write_results(tmp_path):
+    import json
+    import sys
+
+    from accelerate_ssl.results import portable, write_results
+
+    obj = {"command": f"{sys.executable} benchmarks/x.py --out {tmp_path}/results/x.json",
+           "spec": f"checkpoint:{tmp_path}/assets/p.safetensors", "url": "https://huggingface.co/timm/x",
+           "rate": "3/4 it/s", "nested": [f"{tmp_path}/a b", 1.5]}
+    assert portable(obj, tmp_path) == {"command": "python benchmarks/x.py --out results/x.json",
+                                       "spec": "checkpoint:assets/p.safetensors", "url": "https://huggingface.co/timm/x",
+                                       "rate": "3/4 it/s", "nested": ["a b", 1.5]}
+    write_results(tmp_path / "r.json", obj, tmp_path)
+    assert json.loads((tmp_path / "r.json").read_text())["spec"] == "checkpoint:assets/p.safetensors"
