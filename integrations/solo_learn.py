@@ -9,9 +9,9 @@ plugs ReLA into exactly that contract, placed *before* the method in the MRO:
 - ``learnable_params`` gets the transport head (so solo-learn's own optimiser and LR schedule train it);
   the head is a registered submodule (``self.rela_head``): Lightning moves it to the device, DDP
   averages its gradients, and it is in the module's ``state_dict``;
-- sample indices are read from ``batch[0]``; features are the ``"feats"`` of every ``forward`` call made
-  inside ``training_step`` in training mode with grad enabled (all large crops; solo-learn's
-  ``multicrop_forward`` for small crops is not used, as in the papers);
+- sample indices are read from ``batch[0]``; features are the ``"feats"`` of each large crop's
+  ``_base_shared_step`` (or, for a module without one, of every ``forward`` call made inside
+  ``training_step`` in training mode with grad enabled); small crops are not used, as in the papers;
 - the method's scalar loss is replaced by ``lambda * L_rela + (1 - lambda) * L_method``; lambda,
   ``L_rela`` and ``L_method`` are logged through ``self.log`` as ``rela/lambda``, ``rela/loss_rela``,
   ``rela/loss_ssl``; the controller steps once per optimiser step (ReLA detects Lightning's
@@ -154,7 +154,8 @@ class ReLAMixin:
         if targets is None:
             raise ValueError(f"{type(self).__name__} needs ReLA targets: pass rela_targets=<TargetStore folder> or set "
                              "cfg.rela.targets (make one with `accelerate-ssl precompute ... --out DIR`).")
-        backbone = getattr(self, "backbone", None)
+        # solo-learn names the student `backbone` (releases before 1.0.3: `encoder`)
+        backbone = getattr(self, "backbone", None) or getattr(self, "encoder", None)
         feature_dim = getattr(self, "features_dim", None)
         if backbone is None or feature_dim is None:
             raise TypeError(f"{type(self).__name__}: ReLAMixin expects a solo-learn method with `self.backbone` and "
@@ -170,6 +171,7 @@ class ReLAMixin:
         self.rela_head = self.rela.head  # a registered submodule: device moves, DDP, state_dict
         self._rela_feats: Optional[list] = None
         self._rela_classifier_losses: Optional[dict[str, list]] = None
+        self._rela_in_shared_step = False
 
     # ------------------------------------------------------------------ optimiser
     @property
@@ -182,19 +184,29 @@ class ReLAMixin:
         return list(super().learnable_params) + [group]
 
     # ------------------------------------------------------------------ features
+    def _rela_record_feats(self, out, where: str) -> None:
+        if not isinstance(out, dict) or "feats" not in out:
+            raise ValueError(f"{type(self).__name__}.{where} must return a dict with 'feats' (solo-learn's contract) for "
+                             f"ReLA; got {type(out).__name__}{' with keys ' + str(sorted(out)) if isinstance(out, dict) else ''}.")
+        self._rela_feats.append(out["feats"])
+
     def forward(self, *args, **kwargs):
         out = super().forward(*args, **kwargs)
-        if self._rela_feats is not None and self.training and torch.is_grad_enabled():
-            if not isinstance(out, dict) or "feats" not in out:
-                raise ValueError(f"{type(self).__name__}.forward must return a dict with 'feats' (solo-learn's contract) "
-                                 f"for ReLA; got {type(out).__name__}"
-                                 f"{' with keys ' + str(sorted(out)) if isinstance(out, dict) else ''}.")
-            self._rela_feats.append(out["feats"])
+        if self._rela_feats is not None and not self._rela_in_shared_step and self.training and torch.is_grad_enabled():
+            self._rela_record_feats(out, "forward")
         return out
 
-    # ------------------------------------------------------------------ the online classifiers' losses
+    # ------------------------------------------------------------------ features and the online classifiers' losses
     def _base_shared_step(self, X, targets):
-        out = super()._base_shared_step(X, targets)
+        # solo-learn forwards each large crop here (through forward() or, in older releases, base_forward()):
+        # its "feats" are the student's features, its "loss" the online classifier's
+        self._rela_in_shared_step = True
+        try:
+            out = super()._base_shared_step(X, targets)
+        finally:
+            self._rela_in_shared_step = False
+        if self._rela_feats is not None and torch.is_grad_enabled():
+            self._rela_record_feats(out, "_base_shared_step")
         if self._rela_classifier_losses is not None and isinstance(out, dict) and out.get("loss") is not None:
             self._rela_classifier_losses["online"].append(out["loss"])
         return out
