@@ -51,12 +51,21 @@ What ReLA does behind those two lines:
   ``lambda == 1`` -> a callable ``loss`` is never called) and whether the ReLA term is (``finished``:
   ``wrap`` returns your loss unchanged and feature capture stops).
 - **Targets** are looked up by index, reduced by the store's batch PCA with z-scoring first
-  (paper 001 Eq. 41: ``V_n^T (y - mu) / sigma``), moved to the features' device; the loss is computed
-  in float32 even under ``torch.autocast``.
+  (paper 001 Eq. 41: ``V_n^T (y - mu) / sigma``) on the features' device (``targets_on_device=True``
+  keeps the reduced table there).
+- **Precision**: under ``torch.autocast`` (bf16 or fp16, with or without a ``GradScaler``) the student runs
+  in the autocast dtype and the rest in float32: the head (its least-squares fit solves normal equations,
+  in float64; its gradients sum over the batch), the PCA projection (z-scored targets) and the cosine
+  (a normalisation of sums over the feature dim). Their cost is one ``[B, D] x [D, n]`` product.
+- **On a GPU**: after the first steps (the head fit and the index checks read on the host once), ``wrap``
+  and the optimiser step never wait for the device when the indices are on the host (a DataLoader's) or
+  ``targets_on_device=True``, except for the loss read every ``sync_every`` steps. The step also runs
+  under ``torch.compile`` (the feature hook is traced into the student's graph) and on ``channels_last``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import random
@@ -72,6 +81,7 @@ from torch.utils.data import DataLoader
 
 from .data.indexing import IndexTracker, track_loader
 from .schedules import SCHEDULES, Schedule, create_schedule
+from .targets.pca import TargetPCA
 
 __all__ = ["ReLA", "fit_transport_head", "rela_loss"]
 
@@ -83,9 +93,15 @@ INDEX_CHECK_STEPS = 8
 _FEATURE_KEYS = ("features", "feats", "feat", "pooler_output", "pooled", "embedding", "embeddings")
 
 
+def full_precision(device: torch.device):
+    """A context with autocast off on ``device`` (a no-op where autocast does not exist, e.g. ``meta``)."""
+    kind = torch.device(device).type
+    return torch.autocast(device_type=kind, enabled=False) if torch.amp.is_autocast_available(kind) else contextlib.nullcontext()
+
+
 def rela_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """``mean(1 - cos(prediction, target))`` over rows, computed in float32 (paper 001 Eq. 9)."""
-    with torch.autocast(device_type=prediction.device.type, enabled=False):
+    with full_precision(prediction.device):
         cos = F.cosine_similarity(prediction.float(), target.float(), dim=1, eps=1e-8)
         return (1.0 - cos).mean()
 
@@ -121,42 +137,16 @@ def fit_transport_head(head: nn.Linear, features: torch.Tensor, target: torch.Te
     penalty = torch.ones(d + 1, dtype=f.dtype, device=f.device)
     penalty[-1] = 0.0
     scale = torch.diagonal(gram)[:d].sum() / d
-    reg = ridge * (scale if scale > 0 else torch.ones((), dtype=f.dtype, device=f.device))
+    reg = ridge * torch.where(scale > 0, scale, torch.ones_like(scale))
     solution = torch.linalg.solve(gram + torch.diag(penalty * reg + 1e-12), cross)
-    if not torch.isfinite(solution).all():
-        raise FloatingPointError("ReLA: the least-squares head fit produced non-finite weights (non-finite student "
-                                 "features?); check the backbone output, or pass head_init='random'.")
+    # checked on the device (raises there, asynchronously on CUDA): the fit never waits for the host
+    torch._assert_async(torch.isfinite(solution).all(), "ReLA: the least-squares head fit produced non-finite weights "
+                        "(non-finite student features?); check the backbone output, or pass head_init='random'.")
     head.weight.copy_(solution[:d].T.to(head.weight.dtype))
     head.bias.copy_(solution[d].to(head.bias.dtype))
 
 
 # ---------------------------------------------------------------------------------------------- targets
-class _TensorPCA:
-    """Paper 001 Eq. 41 on an in-memory matrix: ``V_n^T ((y - mu) / sigma)`` (z-score, then top-n PCA)."""
-
-    def __init__(self, rows: torch.Tensor, n_components: int, standardize: bool = True):
-        x = rows.double()
-        self.mean = x.mean(0)
-        self.std = x.std(0).clamp_min(1e-12) if standardize else torch.ones_like(self.mean)
-        z = (x - self.mean) / self.std
-        cov = z.T @ z / max(len(z) - 1, 1)
-        _, vecs = torch.linalg.eigh(cov)  # ascending eigenvalues
-        self.components = vecs[:, -n_components:].flip(1).float().contiguous()
-        self.mean, self.std = self.mean.float(), self.std.float()
-        self.n_components = int(n_components)
-
-    def transform(self, x: torch.Tensor) -> torch.Tensor:
-        dev = x.device
-        return ((x.float() - self.mean.to(dev)) / self.std.to(dev)) @ self.components.to(dev)
-
-    def state_dict(self) -> dict:
-        return {"mean": self.mean, "std": self.std, "components": self.components}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.mean, self.std, self.components = state["mean"], state["std"], state["components"]
-        self.n_components = self.components.shape[1]
-
-
 class _TensorTargets:
     """A float Tensor ``[N, d]`` with the TargetStore interface ReLA uses (tests, in-memory targets)."""
 
@@ -165,7 +155,7 @@ class _TensorTargets:
             raise ValueError(f"Tensor targets must be a float tensor [N, d], got {rows.dtype} of shape {tuple(rows.shape)}.")
         self.rows = rows.detach().float().cpu().contiguous()
         self.dim = self.rows.shape[1]
-        self._pca: dict[tuple, _TensorPCA] = {}
+        self._pca: dict[tuple, TargetPCA] = {}
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -173,10 +163,10 @@ class _TensorTargets:
     def __getitem__(self, idx) -> torch.Tensor:
         return self.rows[torch.as_tensor(idx, dtype=torch.long)]
 
-    def pca(self, n_components: Optional[int] = None, standardize: bool = True) -> _TensorPCA:
+    def pca(self, n_components: Optional[int] = None, standardize: bool = True) -> TargetPCA:
         n = self.dim if n_components is None else int(n_components)
         if (n, standardize) not in self._pca:
-            self._pca[(n, standardize)] = _TensorPCA(self.rows, n, standardize)
+            self._pca[(n, standardize)] = TargetPCA.fit(self.rows, n, standardize=standardize)
         return self._pca[(n, standardize)]
 
 
@@ -349,6 +339,14 @@ class ReLA:
             :meth:`set_total_steps`.
         head_in_ddp: the head is a submodule of your DDP-wrapped model (solo-learn's mixin registers it so),
             so DDP already averages its gradients and ReLA must not average them a second time.
+        sync_every: the controller reads the ReLA loss on the host once every ``sync_every`` optimiser steps;
+            meanwhile each step's mean loss stays on the device, and at the read all of them are fed to the
+            controller in order (and averaged across processes in one call). ``1`` (default) is Alg. 1 as
+            printed, with one host synchronisation per step; on a GPU, e.g. ``sync_every=50`` removes it at
+            the cost of lambda trailing the losses by up to 50 steps.
+        targets_on_device: keep every (PCA-reduced) target on the student's device, ``rows x n_components x 4``
+            bytes (1.28 M x 256: 1.3 GB), so a lookup is a device gather that never waits for the host.
+            Default: rows are read from the store on the host, which needs the batch's indices on the host.
     """
 
     def __init__(
@@ -367,6 +365,8 @@ class ReLA:
         head_init: str = "fit",
         total_steps: Optional[int] = None,
         head_in_ddp: bool = False,
+        sync_every: int = 1,
+        targets_on_device: bool = False,
     ):
         if not isinstance(backbone, nn.Module):
             raise TypeError(f"backbone must be an nn.Module (the student's feature extractor), got {type(backbone).__name__}.")
@@ -381,6 +381,12 @@ class ReLA:
         self._schedule_name = None if isinstance(schedule, Schedule) else (schedule or "decay")
         self.schedule = _schedule_for(self._schedule_name, total_steps) if self._schedule_name else schedule
         self.head_in_ddp = bool(head_in_ddp)
+        if not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every must be an int >= 1 (optimiser steps between host reads of the loss), got {sync_every!r}.")
+        self.sync_every = sync_every
+        self._pending_losses: list[torch.Tensor] = []  # per-step mean ReLA losses not yet read on the host
+        self.targets_on_device = bool(targets_on_device)
+        self._table: Optional[torch.Tensor] = None
         self._previous_index: Optional[torch.Tensor] = None  # explicit index= of the previous optimiser step
         self._step_index: Optional[torch.Tensor] = None  # ... and of this one
         self._index_checks = 0
@@ -525,6 +531,16 @@ class ReLA:
 
     # ------------------------------------------------------------------ the loss
     def _lookup(self, index, device) -> torch.Tensor:
+        """The (PCA-reduced) targets of ``index`` on ``device``. From the host store: the index is read on the
+        host (pass host indices, as the tracked DataLoader does, or every step waits for the device), rows are
+        copied with a non-blocking (pinned, on CUDA) copy and reduced on ``device``. With
+        ``targets_on_device``: a gather from the reduced table kept on ``device``, range-checked there."""
+        if self.targets_on_device:
+            table = self._device_table(device)
+            idx = torch.as_tensor(index).reshape(-1).to(device=device, dtype=torch.long, non_blocking=True)
+            torch._assert_async(((idx >= 0) & (idx < len(table))).all(),
+                                f"ReLA: sample index out of range for the target store ({len(table)} rows)")
+            return table[idx]
         idx = torch.as_tensor(index).reshape(-1).long().cpu()
         n = len(self.store)
         if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= n):
@@ -532,11 +548,25 @@ class ReLA:
                 f"Sample index out of range for the target store ({n} rows): got indices in "
                 f"[{int(idx.min())}, {int(idx.max())}]. The targets must be computed on the dataset being trained."
             )
-        rows = self.store[idx]
-        rows = torch.as_tensor(rows, dtype=torch.float32)
-        if self.pca is not None:
-            rows = self.pca.transform(rows)
-        return rows.to(device, non_blocking=True)
+        rows = torch.as_tensor(self.store[idx], dtype=torch.float32)
+        if torch.device(device).type == "cuda":
+            rows = rows.pin_memory()
+        rows = rows.to(device, non_blocking=True)
+        return rows if self.pca is None else self.pca.transform(rows)
+
+    def _device_table(self, device) -> torch.Tensor:
+        """Every target row, reduced, on ``device`` (built once per device; one finiteness check then)."""
+        device = torch.device(device)
+        if self._table is None or self._table.device != device:
+            n = len(self.store)
+            if self._table is not None:
+                table = self._table.to(device)
+            else:
+                rows = [torch.as_tensor(self.store[np.arange(a, min(a + 65536, n))], dtype=torch.float32)
+                        for a in range(0, n, 65536)]  # the store refuses NaN/Inf rows here, naming them
+                table = torch.cat([r if self.pca is None else self.pca.transform(r) for r in rows])
+            self._table = table.to(device)
+        return self._table
 
     def _check_not_placeholder(self, index) -> None:
         """Refuse ``index=`` vectors that repeat on consecutive optimiser steps although the store holds more
@@ -586,7 +616,7 @@ class ReLA:
         if self._head_needs_fit:
             fit_transport_head(self.head, feats, target, distributed=_distributed())
             self._head_needs_fit = False
-        with torch.autocast(device_type=feats.device.type, enabled=False):
+        with full_precision(feats.device):  # the head and the loss in float32: see the module docstring
             pred = self.head(feats.float())
         return rela_loss(pred, target)
 
@@ -716,18 +746,12 @@ class ReLA:
                 self._own_optimizer.zero_grad(set_to_none=True)
         if not self._window_count:
             return  # an optimiser step without any wrap (e.g. another phase of the loop)
-        loss = None
-        if self.schedule.needs_loss and self._window_sum is not None:
-            mean = self._window_sum.float() / self._window_count
-            if _distributed():
-                import torch.distributed as dist
-
-                mean = mean.clone()
-                dist.all_reduce(mean, op=dist.ReduceOp.SUM)
-                mean /= dist.get_world_size()
-            loss = float(mean)
-        if loss is not None or not self.schedule.needs_loss:
-            self.schedule.step(loss)
+        if not self.schedule.needs_loss:
+            self.schedule.step(None)
+        elif self._window_sum is not None:
+            self._pending_losses.append(self._window_sum.detach().float() / self._window_count)
+            if len(self._pending_losses) >= self.sync_every:
+                self._feed_schedule()
         self.steps += 1
         self._window_sum, self._window_count = None, 0
         if self._step_index is not None:
@@ -735,6 +759,22 @@ class ReLA:
             self._index_checks += 1
         if self.schedule.finished:
             self._captured = []
+
+    def _feed_schedule(self) -> None:
+        """Read the pending per-step losses on the host (one synchronisation; one all-reduce across processes)
+        and step the controller with each, in order."""
+        if not self._pending_losses:
+            return
+        losses = torch.stack(self._pending_losses)
+        self._pending_losses = []
+        if _distributed():
+            import torch.distributed as dist
+
+            dist.all_reduce(losses, op=dist.ReduceOp.SUM)
+            losses /= dist.get_world_size()
+        for value in losses.tolist():
+            if self.schedule.needs_loss:
+                self.schedule.step(value)
 
     # ------------------------------------------------------------------ logging and checkpoints
     @property
@@ -756,6 +796,7 @@ class ReLA:
         }
 
     def state_dict(self) -> dict[str, Any]:
+        self._feed_schedule()  # a checkpoint holds the controller with every step's loss read
         return {
             "head": None if self.head is None else self.head.state_dict(),
             "dims": None if self.head is None else [self.head.in_features, self.head.out_features],
@@ -801,6 +842,7 @@ class ReLA:
             self._own_optimizer.load_state_dict(state["own_optimizer"])
         self._window_sum, self._window_count, self._captured = None, 0, []
         self._previous_index, self._step_index, self._index_checks = None, None, 0
+        self._pending_losses = []
 
     def close(self) -> None:
         """Remove the forward hook and the optimiser hooks (also done when ReLA is garbage-collected)."""
