@@ -296,11 +296,14 @@ def _make_hook(rela_ref: "weakref.ref[ReLA]", backbone_ref: "weakref.ref[nn.Modu
     return hook
 
 
+def _takes_run_length(name: Optional[str]) -> bool:
+    cls = SCHEDULES.get(str(name).lower()) if name is not None else None
+    return cls is not None and "total_steps" in inspect.signature(cls).parameters
+
+
 def _schedule_for(name: str, total_steps: Optional[int]) -> Schedule:
     """A by-name schedule, told the run length when its class takes one (``Constant`` does not)."""
-    cls = SCHEDULES.get(str(name).lower())
-    takes_length = cls is not None and "total_steps" in inspect.signature(cls).parameters
-    return create_schedule(name, **({"total_steps": int(total_steps)} if takes_length and total_steps else {}))
+    return create_schedule(name, **({"total_steps": int(total_steps)} if _takes_run_length(name) and total_steps else {}))
 
 
 def _distributed() -> bool:
@@ -381,6 +384,8 @@ class ReLA:
         self._schedule_name = None if isinstance(schedule, Schedule) else (schedule or "decay")
         self.schedule = _schedule_for(self._schedule_name, total_steps) if self._schedule_name else schedule
         self.head_in_ddp = bool(head_in_ddp)
+        #: whether a by-name schedule knows the run length (warned about at the first wrap otherwise)
+        self._planned = total_steps is not None or not _takes_run_length(self._schedule_name)
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1 (optimiser steps between host reads of the loss), got {sync_every!r}.")
         self.sync_every = sync_every
@@ -488,6 +493,7 @@ class ReLA:
         if self.schedule.steps:  # a resumed run: its state was planned for this run already, keep it
             planned.load_state_dict(self.schedule.state_dict())
         self.schedule = planned
+        self._planned = True
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """The transport head's parameters (add them to your optimiser, or leave them to ReLA's own)."""
@@ -636,6 +642,13 @@ class ReLA:
             features: the student features of this batch, one tensor per view or views stacked as
                 blocks of B rows (default: the backbone calls captured since the last wrap).
         """
+        if not self._planned:
+            self._planned = True  # warn once
+            warnings.warn(
+                f"ReLA: the {self._schedule_name!r} schedule was not told the run length, so it keeps the papers' "
+                "ImageNet constants: lambda stays near its start for the first ~600 optimiser steps. Pass "
+                "ReLA(..., total_steps=<optimiser steps of the whole run>) (e.g. epochs * len(loader)), or call "
+                "rela.set_total_steps(n) before training.", UserWarning, stacklevel=2)
         lam = float(self.schedule.value)
         captured, self._captured = self._captured, []
         capture_error, self._capture_error = self._capture_error, None

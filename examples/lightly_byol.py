@@ -143,7 +143,7 @@ def main(argv=None):
         drop_last=True,
         num_workers=args.workers,
     )
-    rela = attach_rela(model.backbone, dataloader, prior=args.prior, cache_dir=args.targets, log_every=args.log_every, enabled=not args.no_rela)
+    rela = attach_rela(model.backbone, dataloader, prior=args.prior, cache_dir=args.targets, log_every=args.log_every, enabled=not args.no_rela, total_steps=args.epochs * len(dataloader))
 
     criterion = NegativeCosineSimilarity()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
