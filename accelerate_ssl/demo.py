@@ -93,22 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_schedule(spec: str, budget: int):
-    """``'decay' | 'switch' | 'constant:<lam>' | 'epochs:<fraction>'`` -> a controller sized to ``budget``."""
-    from .schedules import Constant, Decay, Epochs, Switch
+    """A ``--schedule`` spec (:data:`accelerate_ssl.schedules.SPEC_GRAMMAR`) -> a controller planned for ``budget``."""
+    from .schedules import create_schedule
 
-    name, _, arg = spec.partition(":")
     try:
-        if name == "decay" and not arg:
-            return Decay(total_steps=budget)
-        if name == "switch" and not arg:
-            return Switch(total_steps=budget)
-        if name == "constant":
-            return Constant(float(arg or 0.5))
-        if name == "epochs":
-            return Epochs(float(arg or 0.5), total_steps=budget)
-    except ValueError as err:
+        return create_schedule(spec, total_steps=budget)
+    except (ValueError, TypeError) as err:
         raise ValueError(f"--schedule {spec!r}: {err}") from err
-    raise ValueError(f"--schedule must be 'decay', 'switch', 'constant:<lambda>' or 'epochs:<fraction>', got {spec!r}.")
 
 
 def _check_args(args) -> None:

@@ -66,7 +66,6 @@ What ReLA does behind those two lines:
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import random
 import warnings
@@ -80,7 +79,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .data.indexing import IndexTracker, track_loader
-from .schedules import SCHEDULES, Schedule, create_schedule
+from .schedules import Constant, Schedule, create_schedule, needs_run_length, takes_run_length
 from .targets.pca import TargetPCA
 
 __all__ = ["ReLA", "fit_transport_head", "rela_loss"]
@@ -296,16 +295,6 @@ def _make_hook(rela_ref: "weakref.ref[ReLA]", backbone_ref: "weakref.ref[nn.Modu
     return hook
 
 
-def _takes_run_length(name: Optional[str]) -> bool:
-    cls = SCHEDULES.get(str(name).lower()) if name is not None else None
-    return cls is not None and "total_steps" in inspect.signature(cls).parameters
-
-
-def _schedule_for(name: str, total_steps: Optional[int]) -> Schedule:
-    """A by-name schedule, told the run length when its class takes one (``Constant`` does not)."""
-    return create_schedule(name, **({"total_steps": int(total_steps)} if _takes_run_length(name) and total_steps else {}))
-
-
 def _distributed() -> bool:
     import torch.distributed as dist
 
@@ -323,8 +312,8 @@ class ReLA:
             gives the feature dim by one dry forward (eval mode, no grad, state restored).
         dataloader: a DataLoader to track indices from (same as calling :meth:`track`); its dataset
             gives the feature dim when ``dataset`` is not given, and its length is checked.
-        schedule: a :class:`~accelerate_ssl.schedules.Schedule` or a name (``"decay"`` default,
-            ``"switch"``, ``"constant"``, ``"epochs"``).
+        schedule: a :class:`~accelerate_ssl.schedules.Schedule` or a spec (``"decay"`` default, ``"switch"``,
+            ``"constant:<lambda>"``, ``"epochs:<fraction>"``), planned for ``total_steps``.
         n_components: target dim after PCA. ``"auto"`` (default): the student feature dim, capped by the
             target dim; an int: that many; ``None`` or 0: raw targets, no PCA and no z-scoring.
         feature_dim: the student feature dim, when neither ``dataset`` nor ``dataloader`` can give it.
@@ -337,9 +326,9 @@ class ReLA:
         head_init: ``"fit"`` (default) sets the head, at the first ``wrap``, to the ridge-regression
             solution from that batch's student features to its targets (:func:`fit_transport_head`);
             ``"random"``: PyTorch's default ``nn.Linear`` initialisation, as in the papers.
-        total_steps: the planned number of optimiser steps, for a schedule given by name (``Decay`` and
-            ``Switch`` scale their constants to it, ``Epochs`` needs it); also settable later with
-            :meth:`set_total_steps`.
+        total_steps: the planned number of optimiser steps of the whole run, for a schedule given by name
+            (``Decay`` and ``Switch`` scale their constants to it; without it the first ``wrap`` warns); also
+            settable later with :meth:`set_total_steps`.
         head_in_ddp: the head is a submodule of your DDP-wrapped model (solo-learn's mixin registers it so),
             so DDP already averages its gradients and ReLA must not average them a second time.
         sync_every: the controller reads the ReLA loss on the host once every ``sync_every`` optimiser steps;
@@ -381,11 +370,17 @@ class ReLA:
             raise ValueError(f"n_components must be 'auto', None, 0 or a positive int, got {n_components!r}.")
         self.store = _open_targets(targets, dataset, dataloader)
         self.backbone = backbone
-        self._schedule_name = None if isinstance(schedule, Schedule) else (schedule or "decay")
-        self.schedule = _schedule_for(self._schedule_name, total_steps) if self._schedule_name else schedule
+        self._schedule_name = None if isinstance(schedule, Schedule) else str(schedule or "decay")
+        if self._schedule_name is None:
+            self.schedule = schedule
+        elif needs_run_length(self._schedule_name) and total_steps is None:
+            create_schedule(self._schedule_name, total_steps=1)  # the spec itself is checked now
+            self.schedule = Constant(1.0)  # a stand-in until set_total_steps(); wrap refuses to run on it
+        else:
+            self.schedule = create_schedule(self._schedule_name, total_steps=total_steps)
         self.head_in_ddp = bool(head_in_ddp)
         #: whether a by-name schedule knows the run length (warned about at the first wrap otherwise)
-        self._planned = total_steps is not None or not _takes_run_length(self._schedule_name)
+        self._planned = self._schedule_name is None or total_steps is not None or not takes_run_length(self._schedule_name)
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1 (optimiser steps between host reads of the loss), got {sync_every!r}.")
         self.sync_every = sync_every
@@ -489,7 +484,7 @@ class ReLA:
             return
         if not isinstance(total_steps, int) or total_steps <= 0:
             raise ValueError(f"total_steps must be a positive int (optimiser steps of the whole run), got {total_steps!r}.")
-        planned = _schedule_for(self._schedule_name, total_steps)
+        planned = create_schedule(self._schedule_name, total_steps=total_steps)
         if self.schedule.steps:  # a resumed run: its state was planned for this run already, keep it
             planned.load_state_dict(self.schedule.state_dict())
         self.schedule = planned
@@ -643,6 +638,9 @@ class ReLA:
                 blocks of B rows (default: the backbone calls captured since the last wrap).
         """
         if not self._planned:
+            if needs_run_length(self._schedule_name):
+                raise ValueError(f"ReLA: the {self._schedule_name!r} schedule needs the run length: pass "
+                                 "ReLA(..., total_steps=<optimiser steps of the whole run>) or call rela.set_total_steps(n).")
             self._planned = True  # warn once
             warnings.warn(
                 f"ReLA: the {self._schedule_name!r} schedule was not told the run length, so it keeps the papers' "
@@ -823,6 +821,8 @@ class ReLA:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not self._planned and needs_run_length(self._schedule_name):  # the stand-in: the checkpoint has the plan
+            self.schedule, self._planned = create_schedule(self._schedule_name, total_steps=1), True
         sched = dict(state["schedule"])
         kind = sched.pop("type")
         if kind != type(self.schedule).__name__:

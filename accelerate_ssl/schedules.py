@@ -20,7 +20,8 @@ name               rule                                                     sour
 ``Epochs(f, T)``   lambda 1 for the first fraction f of T steps, then 0     authors' ``--rela_conlam``
 =================  =======================================================  =====================
 
-Use :func:`create_schedule` to build one by name (``"decay"``, ``"switch"``, ``"constant"``, ``"epochs"``).
+Use :func:`create_schedule` to build one from a spec (``"decay"``, ``"switch"``, ``"constant:<lambda>"``,
+``"epochs:<fraction>"``), planned for ``total_steps``; ReLA, the CLI and the solo-learn mixin all take that spec.
 """
 
 from __future__ import annotations
@@ -288,6 +289,9 @@ class Epochs(Schedule):
 
 
 SCHEDULES = {"decay": Decay, "switch": Switch, "constant": Constant, "epochs": Epochs}
+#: the one grammar of a schedule spec, for Python, every CLI verb and the solo-learn ``cfg.rela.schedule``
+SPEC_GRAMMAR = "'decay', 'switch', 'constant:<lambda>' or 'epochs:<fraction>'"
+_VALUE = {"constant": "lam", "epochs": "fraction"}  # what ':<value>' sets
 
 
 def list_schedules() -> list[str]:
@@ -295,16 +299,39 @@ def list_schedules() -> list[str]:
     return sorted(SCHEDULES)
 
 
-def create_schedule(name: str | Schedule | None = None, **kwargs) -> Schedule:
-    """Build a controller by name (``"decay"`` default, ``"switch"``, ``"constant"``, ``"epochs"``);
-    a :class:`Schedule` instance is returned as is."""
-    if name is None:
-        name = "decay"
-    if isinstance(name, Schedule):
-        if kwargs:
+def takes_run_length(spec: str | None) -> bool:
+    """Whether the schedule named by ``spec`` is planned with ``total_steps`` (``Decay``, ``Switch``, ``Epochs``)."""
+    base = str(spec or "decay").lower().partition(":")[0]
+    return base in ("decay", "switch", "epochs")
+
+
+def needs_run_length(spec: str | None) -> bool:
+    """Whether it cannot run at all without ``total_steps`` (``Epochs``)."""
+    return str(spec or "decay").lower().partition(":")[0] == "epochs"
+
+
+def create_schedule(spec: str | Schedule | None = None, *, total_steps: Optional[int] = None, **kwargs) -> Schedule:
+    """Build a controller from a spec: ``"decay"`` (default), ``"switch"``, ``"constant:<lambda>"`` (0.5 without a
+    value) or ``"epochs:<fraction>"``; ``total_steps`` plans those that take the run length (ignored by
+    ``Constant``); other keyword arguments go to the class. A :class:`Schedule` instance is returned as is."""
+    if isinstance(spec, Schedule):
+        if kwargs or total_steps is not None:
             raise ValueError("create_schedule got a Schedule instance and keyword arguments; pass one or the other.")
-        return name
-    key = str(name).lower()
-    if key not in SCHEDULES:
-        raise ValueError(f"Unknown schedule {name!r}; choose one of {list_schedules()} or pass a Schedule instance.")
-    return SCHEDULES[key](**kwargs)
+        return spec
+    text = "decay" if spec is None else str(spec)
+    base, sep, value = text.lower().partition(":")
+    if base not in SCHEDULES:
+        raise ValueError(f"Unknown schedule {text!r}; use {SPEC_GRAMMAR}, or pass a Schedule instance.")
+    if sep:
+        if base not in _VALUE:
+            raise ValueError(f"Schedule {base!r} takes no ':<value>' (got {text!r}); use {SPEC_GRAMMAR}.")
+        try:
+            kwargs[_VALUE[base]] = float(value)
+        except ValueError:
+            raise ValueError(f"Schedule {text!r}: {value!r} is not a number; use {SPEC_GRAMMAR}.") from None
+    if base == "epochs" and "fraction" not in kwargs:
+        raise ValueError(f"The epochs schedule needs the fraction of the run with lambda = 1: 'epochs:<fraction>' "
+                         f"(e.g. 'epochs:0.5'), got {text!r}.")
+    if total_steps is not None and takes_run_length(base):
+        kwargs["total_steps"] = int(total_steps)
+    return SCHEDULES[base](**kwargs)

@@ -55,6 +55,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from accelerate_ssl.schedules import create_schedule  # noqa: E402
+
 #: bump when the training/eval code changes in a way that invalidates cached cells.
 CODE_VERSION = 1
 STEP_FRACTIONS = (0.1, 0.2, 0.5, 1.0)
@@ -318,19 +320,6 @@ def momentum_at(step: int, total: int, base: float = 0.99) -> float:
     return 1 - (1 - base) * (math.cos(math.pi * step / max(1, total)) + 1) / 2
 
 
-def make_schedule(spec: str, total_steps: int):
-    from accelerate_ssl.schedules import Constant, Decay, Switch
-
-    name, _, arg = spec.partition(":")
-    if name == "decay":
-        return Decay(total_steps=total_steps)
-    if name == "switch":
-        return Switch(total_steps=total_steps)
-    if name == "constant":
-        return Constant(float(arg or 0.5))
-    raise ValueError(f"schedule must be 'decay', 'switch' or 'constant:<lambda>', got {spec!r}.")
-
-
 def batches(n: int, batch_size: int, fraction: float, subset: str, seed: int, device):
     """Index batches forever: epoch e draws ``DynamicSubsetSampler(n, fraction, seed)`` with ``set_epoch(e)``
     (``subset='static'``: always epoch 0, one fixed subset; paper 001 Fig. 4a); incomplete batches dropped."""
@@ -378,7 +367,7 @@ def train_ssl(args, images: torch.Tensor, steps: int, seed: int, *, method: str 
     if targets is not None:
         from accelerate_ssl.rela import ReLA
 
-        rela = ReLA(targets, backbone, schedule=make_schedule(schedule, steps), feature_dim=dim,
+        rela = ReLA(targets, backbone, schedule=create_schedule(schedule, total_steps=steps), feature_dim=dim,
                     n_components="auto" if components is None else min(components, targets.shape[1]),
                     head_init=args.head_init)
         rela.to(device)

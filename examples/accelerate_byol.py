@@ -33,7 +33,6 @@ from accelerate_ssl.data import FashionMNIST
 from accelerate_ssl.integrations.accelerate import subset_sampler
 from accelerate_ssl.integrations.lightly import open_or_precompute
 from accelerate_ssl.rela import ReLA
-from accelerate_ssl.schedules import create_schedule
 
 
 class BYOL(nn.Module):
@@ -65,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--fraction", type=float, default=1.0, help="fresh random share of the data per epoch (1 = all)")
     p.add_argument("--prior", default="random:convnet", help="prior spec for the targets")
     p.add_argument("--targets", default="rela-targets", help="folder caching the precomputed targets")
-    p.add_argument("--schedule", default="decay", choices=["decay", "switch", "constant"])
+    p.add_argument("--schedule", default="decay", help="decay | switch | constant:<lambda> | epochs:<fraction>")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
@@ -105,9 +104,8 @@ def main(argv=None):
 
     backbone = ConvNet(widths=(32, 64, 128))
     model = BYOL(backbone, backbone.feature_dim)
-    # decay/switch constants scaled to the planned number of steps (the papers' constants need ~500+ steps)
-    schedule = create_schedule(args.schedule, **({"total_steps": args.steps} if args.schedule in ("decay", "switch") else {}))
-    rela = ReLA(store, model.backbone, dataset=clean, schedule=schedule)
+    # the schedule planned for the run (the papers' constants need ~500+ steps)
+    rela = ReLA(store, model.backbone, dataset=clean, schedule=args.schedule, total_steps=args.steps)
     optimizer = torch.optim.AdamW(list(model.parameters()) + list(rela.parameters()), lr=args.lr, weight_decay=0.01)
     model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
     dataloader = rela.track(dataloader)  # a wrapper that publishes each yielded batch's indices

@@ -25,7 +25,6 @@ from accelerate_ssl import ReLA, TargetStore, create_prior, precompute_targets
 from accelerate_ssl.backbones import ConvNet
 from accelerate_ssl.data import FashionMNIST
 from accelerate_ssl.evaluate import evaluate_backbone
-from accelerate_ssl.schedules import create_schedule
 
 
 class TwoViews:
@@ -72,7 +71,7 @@ def main(argv=None) -> dict:
     p.add_argument("--probe-limit", type=int, default=2000, help="images for the linear probe (train and test)")
     p.add_argument("--prior", default="random:convnet", help="prior spec for create_prior")
     p.add_argument("--store", type=Path, default=None, help="TargetStore folder (default ./rela-targets/<prior>-<limit>)")
-    p.add_argument("--schedule", default="decay", choices=["decay", "switch", "constant", "epochs"])
+    p.add_argument("--schedule", default="decay", help="decay | switch | constant:<lambda> | epochs:<fraction>")
     p.add_argument("--no-rela", action="store_true", help="plain BYOL, for comparison")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--workers", type=int, default=0)
@@ -97,9 +96,8 @@ def main(argv=None) -> dict:
     if not args.no_rela:
         store_path = args.store or Path("rela-targets") / f"{args.prior.replace(':', '-').replace('/', '_')}-{args.limit}"
         store = open_or_precompute(store_path, args.prior, clean)
-        schedule = create_schedule(args.schedule, **({"total_steps": args.steps} if args.schedule in ("decay", "switch") else
-                                                      {"fraction": 0.5, "total_steps": args.steps} if args.schedule == "epochs" else {}))
-        rela = ReLA(store, model.backbone, dataset=clean, dataloader=loader, schedule=schedule)  # ReLA (1/2)
+        rela = ReLA(store, model.backbone, dataset=clean, dataloader=loader, schedule=args.schedule,  # ReLA (1/2)
+                    total_steps=args.steps)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     criterion = NegativeCosineSimilarity()
 

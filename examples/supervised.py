@@ -22,7 +22,6 @@ from torch.utils.data import DataLoader
 from accelerate_ssl import ReLA, TargetStore, create_prior, precompute_targets
 from accelerate_ssl.backbones import ConvNet
 from accelerate_ssl.data import FashionMNIST
-from accelerate_ssl.schedules import create_schedule
 
 
 def main(argv=None) -> float:
@@ -33,7 +32,7 @@ def main(argv=None) -> float:
     p.add_argument("--test-limit", type=int, default=2000)
     p.add_argument("--prior", default="random:convnet")
     p.add_argument("--store", type=Path, default=None, help="TargetStore folder (default ./rela-targets/<prior>-<limit>)")
-    p.add_argument("--schedule", default="decay", choices=["decay", "switch", "constant"])
+    p.add_argument("--schedule", default="decay", help="decay | switch | constant:<lambda> | epochs:<fraction>")
     p.add_argument("--no-rela", action="store_true")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -57,8 +56,7 @@ def main(argv=None) -> float:
         else:
             print(f"precomputing targets with prior {args.prior!r} into {path} ...", flush=True)
             store = precompute_targets(create_prior(args.prior), clean, path, progress=False)
-        kw = {"total_steps": args.steps} if args.schedule in ("decay", "switch") else {}
-        rela = ReLA(store, backbone, dataset=clean, dataloader=loader, schedule=create_schedule(args.schedule, **kw))
+        rela = ReLA(store, backbone, dataset=clean, dataloader=loader, schedule=args.schedule, total_steps=args.steps)
         params += list(rela.parameters())  # here the head is trained by our optimiser
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
 

@@ -104,8 +104,8 @@ def test_bad_settings_have_clear_errors():
             budget.check_args(parser.parse_args(["--device", "cuda"]))
     with pytest.raises(ValueError, match="unknown"):
         budget.check_args(parser.parse_args(["--methods", "swav2"]))
-    with pytest.raises(ValueError, match="schedule must be"):
-        budget.make_schedule("cosine", 10)
+    with pytest.raises(ValueError, match="Unknown schedule 'cosine'; use 'decay', 'switch', 'constant:<lambda>'"):
+        budget.create_schedule("cosine", total_steps=10)
 
 
 def test_resnet18_student_runs_one_step_with_convnet_prior_targets():

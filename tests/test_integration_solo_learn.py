@@ -234,7 +234,7 @@ def test_data_fraction_mismatch_is_refused_at_train_start(tmp_path):
         trainer.fit(model, DataLoader(IndexedTwoViews(n=24), batch_size=8))
 
 
-@pytest.mark.parametrize("name", ["decay", "switch"])
+@pytest.mark.parametrize("name", ["decay", "switch", "epochs:0.5"])
 def test_the_trainers_run_length_plans_the_schedule(tmp_path, name):
     import lightning.pytorch as pl
 
@@ -242,12 +242,12 @@ def test_the_trainers_run_length_plans_the_schedule(tmp_path, name):
 
     _, _, BYOLReLA = make_methods(pl)
     model = BYOLReLA({"lr": 0.05}, rela_targets=_targets(), rela_schedule=name)
-    default = create_schedule(name)
+    default = create_schedule(name, total_steps=1 if name.startswith("epochs") else None)
     trainer = _trainer(pl, tmp_path, max_steps=-1, max_epochs=5, enable_checkpointing=False)
     trainer.fit(model, _loader())  # 48 samples / 8 = 6 steps per epoch -> 30 steps
     assert trainer.estimated_stepping_batches == 30
     planned = create_schedule(name, total_steps=30)
-    key = "loss_momentum" if name == "decay" else "slow_momentum"
+    key = {"decay": "loss_momentum", "switch": "slow_momentum", "epochs:0.5": "switch_step"}[name]
     assert getattr(model.rela.schedule, key) == getattr(planned, key) != getattr(default, key)
     assert model.rela.steps == 30
 

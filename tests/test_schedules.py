@@ -108,3 +108,35 @@ def test_bad_inputs():
     with pytest.raises(KeyError, match="different controller"):
         Decay().load_state_dict(Switch().state_dict())
     assert isinstance(create_schedule("switch", total_steps=100), Switch)
+
+
+def test_one_spec_grammar():
+    from accelerate_ssl.schedules import Constant, Decay, Epochs, create_schedule
+
+    assert isinstance(create_schedule(None), Decay) and create_schedule("Decay", total_steps=100).loss_momentum < 0.999
+    assert create_schedule("constant:0.3").value == pytest.approx(0.3) and create_schedule("constant").value == 0.5
+    assert isinstance(create_schedule("constant:0.3", total_steps=10), Constant)  # the run length is not its business
+    e = create_schedule("epochs:0.25", total_steps=40)
+    assert isinstance(e, Epochs) and e.switch_step == 10
+    for bad, words in [("cosine", "Unknown schedule 'cosine'; use 'decay', 'switch', 'constant:<lambda>'"),
+                       ("switch:3", "takes no ':<value>'"), ("constant:high", "'high' is not a number"),
+                       ("epochs", "needs the fraction.*'epochs:<fraction>'")]:
+        with pytest.raises(ValueError, match=words):
+            create_schedule(bad, total_steps=10)
+
+
+def test_rela_takes_the_spec_and_epochs_waits_for_its_run_length():
+    import torch
+    from torch import nn
+
+    from accelerate_ssl import ReLA
+
+    rows = torch.randn(16, 4)
+    rela = ReLA(rows, nn.Linear(3, 4), feature_dim=4, schedule="epochs:0.5")
+    with pytest.raises(ValueError, match="'epochs:0.5' schedule needs the run length.*total_steps="):
+        rela.wrap(torch.zeros(()), features=torch.randn(2, 4), index=torch.tensor([0, 1]))
+    rela.set_total_steps(20)
+    assert type(rela.schedule).__name__ == "Epochs" and rela.schedule.switch_step == 10
+    assert ReLA(rows, nn.Linear(3, 4), feature_dim=4, schedule="epochs:0.5", total_steps=8).schedule.switch_step == 4
+    with pytest.raises(ValueError, match="Unknown schedule"):
+        ReLA(rows, nn.Linear(3, 4), feature_dim=4, schedule="epoch:0.5")

@@ -118,16 +118,19 @@ class _Collate:
 
 
 class _ChunkBatches(torch.utils.data.Sampler):
-    """Batches of consecutive rows that never cross a chunk boundary, over the given chunks."""
+    """Batches of consecutive rows that never cross a chunk boundary, over the given chunks (made as they are
+    iterated: holding every row index as a Python int would cost ~80 MB per million rows)."""
 
     def __init__(self, chunks: list[tuple[int, int]], batch_size: int):
-        self.batches = [list(range(s, min(s + batch_size, b))) for a, b in chunks for s in range(a, b, batch_size)]
+        self.chunks, self.batch_size = list(chunks), batch_size
 
     def __iter__(self):
-        return iter(self.batches)
+        for a, b in self.chunks:
+            for s in range(a, b, self.batch_size):
+                yield list(range(s, min(s + self.batch_size, b)))
 
     def __len__(self):
-        return len(self.batches)
+        return sum(-(-(b - a) // self.batch_size) for a, b in self.chunks)
 
 
 def _resolve_preprocess(prior, dataset):
