@@ -72,12 +72,12 @@ from typing import Any, Optional
 import torch
 from torch.utils.data import Dataset
 
-from accelerate_ssl.rela import ReLA
+from accelerate_ssl.rela import INDEX_CHECK_STEPS, ReLA
 from accelerate_ssl.targets.store import TargetStoreMismatchError
 
 __all__ = ["ReLAMixin", "precompute_dataset"]
 
-_OPTIONS = ("targets", "schedule", "n_components", "head_lr", "head_weight_decay")
+_OPTIONS = ("targets", "schedule", "n_components", "head_lr", "head_weight_decay", "sync_every", "targets_on_device")
 _SOLO_FIX = ("compute the targets over the data set solo-learn trains on: `accelerate-ssl precompute --prior SPEC "
              "--dataset solo:<data.train_path> [--fraction <data.fraction>] --out DIR` (solo-no-labels:<path> with "
              "data.no_labels), or precompute_targets(prior, precompute_dataset(train_dataset), DIR) in Python")
@@ -143,11 +143,14 @@ class ReLAMixin:
     """Put before a solo-learn method in the bases: ``class BYOLReLA(ReLAMixin, BYOL)``. See the module docstring.
 
     Keyword args (each may instead come from ``cfg.rela``): ``rela_targets`` (required),
-    ``rela_schedule``, ``rela_n_components``, ``rela_head_lr``, ``rela_head_weight_decay``.
+    ``rela_schedule``, ``rela_n_components``, ``rela_head_lr``, ``rela_head_weight_decay``, and for GPU runs
+    ``rela_sync_every`` / ``rela_targets_on_device`` (see :class:`~accelerate_ssl.rela.ReLA`: Lightning puts
+    ``batch[0]`` on the GPU, so ``targets_on_device=True`` keeps the lookup from waiting for it).
     """
 
     def __init__(self, *args, rela_targets=None, rela_schedule=None, rela_n_components="auto",
-                 rela_head_lr: Optional[float] = None, rela_head_weight_decay: Optional[float] = None, **kwargs):
+                 rela_head_lr: Optional[float] = None, rela_head_weight_decay: Optional[float] = None,
+                 rela_sync_every: Optional[int] = None, rela_targets_on_device: Optional[bool] = None, **kwargs):
         super().__init__(*args, **kwargs)
         opts = _cfg_section(args)
         targets = rela_targets if rela_targets is not None else opts.get("targets")
@@ -167,7 +170,10 @@ class ReLAMixin:
         self.rela = ReLA(targets, backbone, feature_dim=int(feature_dim),
                          schedule=rela_schedule if rela_schedule is not None else opts.get("schedule"),
                          n_components=opts.get("n_components", rela_n_components), head_optimizer="user",
-                         head_in_ddp=True)
+                         head_in_ddp=True,
+                         sync_every=int(rela_sync_every if rela_sync_every is not None else opts.get("sync_every", 1)),
+                         targets_on_device=bool(rela_targets_on_device if rela_targets_on_device is not None
+                                                else opts.get("targets_on_device", False)))
         self.rela_head = self.rela.head  # a registered submodule: device moves, DDP, state_dict
         self._rela_feats: Optional[list] = None
         self._rela_classifier_losses: Optional[dict[str, list]] = None
@@ -219,10 +225,14 @@ class ReLAMixin:
 
     # ------------------------------------------------------------------ the loss
     def _rela_check_indexes(self, indexes) -> torch.Tensor:
+        """Refuse dummy or out-of-range ``batch[0]`` during the first steps (they read it on the host; later
+        steps rely on ReLA's own range check of every lookup)."""
         if not isinstance(indexes, torch.Tensor) or indexes.is_floating_point() or indexes.ndim != 1:
             raise ValueError("ReLAMixin: batch[0] must be the 1-D integer tensor of sample indexes "
                              f"([indexes, [X1, X2], targets]), got {type(indexes).__name__} "
                              f"{getattr(indexes, 'dtype', '')} {tuple(getattr(indexes, 'shape', ()))}.")
+        if self.rela.steps >= INDEX_CHECK_STEPS:
+            return indexes
         n = len(self.rela.store)
         if len(indexes) > 1 and bool((indexes == indexes[0]).all()):
             raise ValueError(
