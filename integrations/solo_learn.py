@@ -178,6 +178,7 @@ class ReLAMixin:
         self._rela_feats: Optional[list] = None
         self._rela_classifier_losses: Optional[dict[str, list]] = None
         self._rela_in_shared_step = False
+        self._rela_warned_classifier = False
 
     # ------------------------------------------------------------------ optimiser
     @property
@@ -261,6 +262,12 @@ class ReLAMixin:
         if not feats:
             raise RuntimeError(f"ReLAMixin: {type(self).__name__}.training_step made no forward() call in training mode "
                                "with grad enabled, so there are no features for ReLA.")
+        if (not classifier_losses["online"] and isinstance(getattr(self, "classifier", None), torch.nn.Module)
+                and not self._rela_warned_classifier):
+            self._rela_warned_classifier = True
+            warnings.warn(f"ReLAMixin: {type(self).__name__} has an online classifier but no loss of it came through "
+                          "_base_shared_step (solo-learn's method contract), so the classifier's loss is weighed by "
+                          "(1 - lambda) together with the SSL loss.", stacklevel=2)
         # solo-learn averages each classifier's loss over the large crops and adds it to the method's SSL loss
         classifier = sum((sum(v) / len(v) for v in classifier_losses.values() if v), torch.zeros((), device=loss.device))
         wrapped = self.rela.wrap(loss - classifier, index=indexes, features=feats) + classifier

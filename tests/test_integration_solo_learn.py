@@ -402,3 +402,25 @@ def test_two_process_ddp_without_unused_parameters_runs_past_the_end_of_every_sc
         assert r["steps_after_finish"] >= 4, (name, r)  # kept training with lambda = 0 and the head unused by ReLA
         assert r["head_equal_on_ranks"], name
     assert result["head_grad_all_reduce_by_rela"] == 0  # DDP averages the registered head; ReLA does not again
+
+
+def test_a_method_whose_classifier_loss_cannot_be_found_is_warned_about():
+    import lightning.pytorch as pl
+
+    from accelerate_ssl.integrations.solo_learn import ReLAMixin
+
+    _, BYOLLike, _ = make_methods(pl)
+
+    class Renamed(BYOLLike):  # a method that computes its classifier loss outside _base_shared_step
+        def _base_shared_step(self, X, targets):
+            return self(X) | {"loss": torch.zeros(())}
+
+    class RenamedReLA(ReLAMixin, Renamed):
+        pass
+
+    model = RenamedReLA({"lr": 0.05}, rela_targets=_targets())
+    model.log_dict = model.log = lambda *a, **k: None
+    model._base_shared_step = lambda X, targets: Renamed._base_shared_step(model, X, targets)  # bypass the mixin's
+    batch = next(iter(DataLoader(IndexedTwoViews(), batch_size=8)))
+    with pytest.warns(UserWarning, match="no loss of it came through _base_shared_step"):
+        model.training_step(batch, 0)
