@@ -1,9 +1,14 @@
-"""Train the demo's default prior: BYOL on *unlabelled* Fashion-MNIST train images, CPU only.
+"""Train a prior for Fashion-MNIST on CPU: the demo's label-free BYOL prior, and the other rungs of the prior ladder.
 
 The prior that ``accelerate-ssl demo`` uses by default ships inside the package
 (``accelerate_ssl/assets/``). It was made by this script and never saw a label: training reads only
 the 60k train images; labels are used only afterwards, to report the prior's own linear-probe
 accuracy (train split -> test split).
+
+``--objective supervised`` trains the same ConvNet with a linear classifier on the Fashion-MNIST training
+*labels* (the stand-in for "a strong public model trained with labels"); ``--data digits`` trains on
+scikit-learn's 1797 digits resized to 28 px instead (a prior from other data). The probe is always
+Fashion-MNIST's.
 
 Every hyper-parameter is independent of the total number of steps (constant learning rate and
 EMA momentum), so the checkpoint this script writes at step k is exactly the model a run with
@@ -30,10 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from accelerate_ssl.backbones import ConvNet  # noqa: E402
-from accelerate_ssl.data import FashionMNIST  # noqa: E402
+from accelerate_ssl.data import Digits, FashionMNIST  # noqa: E402
 from accelerate_ssl.results import write_results  # noqa: E402
 from accelerate_ssl.demo_recipe import (BYOL, BYOL_VIEWS, FASHION_MNIST_MEAN, FASHION_MNIST_STD,  # noqa: E402
-                                        images_to_tensor, random_views)
+                                        random_views)
 
 
 def parse_args(argv=None):
@@ -43,6 +48,10 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant)")
     p.add_argument("--momentum", type=float, default=0.99, help="EMA momentum of the target network (constant)")
     p.add_argument("--widths", type=int, nargs="+", default=[32, 64, 128], help="ConvNet block widths")
+    p.add_argument("--objective", choices=("byol", "supervised"), default="byol",
+                   help="byol: no label seen; supervised: cross-entropy on the training labels")
+    p.add_argument("--data", choices=("fashion-mnist", "digits"), default="fashion-mnist",
+                   help="training images (digits: scikit-learn's 1797, resized to 28 px: a prior from other data)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--checkpoint-every", type=int, default=250)
@@ -89,9 +98,15 @@ def main(argv=None) -> int:
     cache.mkdir(parents=True, exist_ok=True)
 
     train = FashionMNIST("train")
-    images = images_to_tensor(train.data)  # labels are NOT read for training
+    source = train if args.data == "fashion-mnist" else Digits("all", size=28)
+    mean, std = (FASHION_MNIST_MEAN, FASHION_MNIST_STD) if args.data == "fashion-mnist" else (source.mean[0], source.std[0])
+    images = source.data.float().div(255.0).sub(mean).div(std).unsqueeze(1)
+    labels = source.targets if args.objective == "supervised" else None  # BYOL reads no label
     backbone = ConvNet(widths=tuple(args.widths))
-    model = BYOL(backbone, backbone.feature_dim)
+    if args.objective == "byol":
+        model = BYOL(backbone, backbone.feature_dim)
+    else:
+        model = torch.nn.Sequential(backbone, torch.nn.Linear(backbone.feature_dim, int(source.targets.max()) + 1))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
     gen = torch.Generator().manual_seed(args.seed)
@@ -99,7 +114,9 @@ def main(argv=None) -> int:
     ckpt = cache / "last.pt"
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
-        if state["args"]["widths"] != args.widths or state["args"]["seed"] != args.seed:
+        made = {k: state["args"].get(k, default) for k, default in (("widths", None), ("seed", None),
+                                                                    ("objective", "byol"), ("data", "fashion-mnist"))}
+        if made != {k: getattr(args, k) for k in made}:
             raise ValueError(f"{ckpt} was made with other settings ({state['args']}); delete it or pass --cache elsewhere.")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
@@ -115,11 +132,15 @@ def main(argv=None) -> int:
         model.train()
         idx = torch.randint(len(images), (args.batch_size,), generator=gen)
         x = images[idx]
-        loss = model.loss(random_views(x, BYOL_VIEWS, gen), random_views(x, BYOL_VIEWS, gen))
+        if args.objective == "byol":
+            loss = model.loss(random_views(x, BYOL_VIEWS, gen), random_views(x, BYOL_VIEWS, gen))
+        else:
+            loss = torch.nn.functional.cross_entropy(model(random_views(x, BYOL_VIEWS, gen)), labels[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        model.update_momentum(args.momentum)
+        if args.objective == "byol":
+            model.update_momentum(args.momentum)
         step += 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}")
@@ -133,21 +154,24 @@ def main(argv=None) -> int:
 
     test = FashionMNIST("test")
     probe_n = 20000
-    acc = probe_accuracy(backbone, images[:probe_n], train.targets[:probe_n], images_to_tensor(test.data), test.targets, seed=args.seed)
+    fm_train = train.data[:probe_n].float().div(255.0).sub(mean).div(std).unsqueeze(1)  # the prior's own normalisation
+    fm_test = test.data.float().div(255.0).sub(mean).div(std).unsqueeze(1)
+    acc = probe_accuracy(backbone, fm_train, train.targets[:probe_n], fm_test, test.targets, seed=args.seed)
     print(f"prior linear probe (first {probe_n} train -> 10k test): {acc:.2f} %")
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     from accelerate_ssl.targets.priors import save_prior_checkpoint
 
-    preprocess = {"channels": 1, "mean": [FASHION_MNIST_MEAN], "std": [FASHION_MNIST_STD], "stats": "dataset"}
+    preprocess = {"channels": 1, "mean": [float(mean)], "std": [float(std)], "stats": "dataset"}
     save_prior_checkpoint(backbone, out, arch="convnet", arch_kwargs=backbone.config, preprocess_config=preprocess)
     record = {
         "command": " ".join([sys.executable, *sys.argv]),
         "machine": {"cpu_count": os.cpu_count(), "threads": args.threads, "torch": torch.__version__, "platform": platform.platform()},
         "args": vars(args), "train_seconds": train_time, "steps": step,
         "linear_probe_top1": acc, "probe_protocol": f"first {probe_n} train images -> 10k test, standardised features, Adam 1e-3, 30 epochs",
-        "weights": str(out), "labels_used_for_training": False,
+        "weights": str(out), "labels_used_for_training": args.objective == "supervised",
+        "training_data": args.data,
     }
     res = Path(args.results)
     res.parent.mkdir(parents=True, exist_ok=True)
