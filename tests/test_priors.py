@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 
 from accelerate_ssl.backbones import ConvNet, ResNetSmall
-from accelerate_ssl.targets.priors import (IMAGENET_MEAN, Preprocess, create_prior, list_priors,
+from accelerate_ssl.targets.priors import (IMAGENET_MEAN, SHIPPED_PRIORS, Preprocess, create_prior, list_priors,
                                            save_prior_checkpoint)
 
 
@@ -157,3 +157,12 @@ def test_preprocess_grayscale_batch_and_overrides():
     assert prior.preprocess(img).shape == (3, 32, 32) and prior.preprocess_config["stats"] == "custom"
     with pytest.raises(ValueError, match="both mean= and std="):
         create_prior("random:convnet", mean=[0.1])
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED_PRIORS))
+def test_every_shipped_prior_loads_by_name_and_embeds_28px_images(name):
+    prior = create_prior(f"shipped:{name}")
+    out = prior(prior.preprocess.batch(torch.rand(2, 1, 28, 28)))
+    assert out.shape == (2, prior.output_dim) and torch.isfinite(out).all()
+    about = SHIPPED_PRIORS[name][1]
+    assert ("WITH the Fashion-MNIST training labels" in about) == ("supervised" in name)  # labelled as such
