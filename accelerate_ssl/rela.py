@@ -557,16 +557,13 @@ class ReLA:
 
     def _device_table(self, device) -> torch.Tensor:
         """Every target row, reduced, on ``device`` (built once per device; one finiteness check then)."""
-        device = torch.device(device)
-        if self._table is None or self._table.device != device:
+        if self._table is None:
             n = len(self.store)
-            if self._table is not None:
-                table = self._table.to(device)
-            else:
-                rows = [torch.as_tensor(self.store[np.arange(a, min(a + 65536, n))], dtype=torch.float32)
-                        for a in range(0, n, 65536)]  # the store refuses NaN/Inf rows here, naming them
-                table = torch.cat([r if self.pca is None else self.pca.transform(r) for r in rows])
-            self._table = table.to(device)
+            rows = [torch.as_tensor(self.store[np.arange(a, min(a + 65536, n))], dtype=torch.float32)
+                    for a in range(0, n, 65536)]  # the store refuses NaN/Inf rows here, naming them
+            self._table = torch.cat([r if self.pca is None else self.pca.transform(r) for r in rows])
+        if self._table.device != torch.device(device):
+            self._table = self._table.to(device)
         return self._table
 
     def _check_not_placeholder(self, index) -> None:

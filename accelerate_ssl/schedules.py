@@ -299,15 +299,19 @@ def list_schedules() -> list[str]:
     return sorted(SCHEDULES)
 
 
+def _base(spec: str | None) -> str:
+    """The schedule name of a spec: ``"Epochs:0.5"`` -> ``"epochs"``; ``None`` -> the default ``"decay"``."""
+    return str(spec or "decay").lower().partition(":")[0]
+
+
 def takes_run_length(spec: str | None) -> bool:
     """Whether the schedule named by ``spec`` is planned with ``total_steps`` (``Decay``, ``Switch``, ``Epochs``)."""
-    base = str(spec or "decay").lower().partition(":")[0]
-    return base in ("decay", "switch", "epochs")
+    return _base(spec) in ("decay", "switch", "epochs")
 
 
 def needs_run_length(spec: str | None) -> bool:
     """Whether it cannot run at all without ``total_steps`` (``Epochs``)."""
-    return str(spec or "decay").lower().partition(":")[0] == "epochs"
+    return _base(spec) == "epochs"
 
 
 def create_schedule(spec: str | Schedule | None = None, *, total_steps: Optional[int] = None, **kwargs) -> Schedule:

@@ -106,7 +106,6 @@ class SavedBytes:
 def run_step(kind: str, student: nn.Module, prior: nn.Module | None, batch: int, size: int, device: str = "meta",
              nets: dict | None = None) -> None:
     """One training step of ``kind`` (forward + backward; no optimiser arithmetic: it is O(parameters))."""
-    d = student.feature_dim
     nets = nets if nets is not None else make_heads(student, prior, device)
     views = [torch.randn(batch, 3, size, size, device=device) for _ in range(2)]
     loss = torch.zeros((), device=device)
@@ -133,7 +132,6 @@ def run_step(kind: str, student: nn.Module, prior: nn.Module | None, batch: int,
     else:
         raise ValueError(kind)
     loss.backward()
-    del d
 
 
 def make_heads(student: nn.Module, prior: nn.Module | None, device: str) -> dict:

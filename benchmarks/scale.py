@@ -144,6 +144,7 @@ def phase_lookup(store_path: Path, batches: int = 200) -> dict:
 
     torch.set_num_threads(2)
     store = TargetStore.open(store_path)
+    rows = len(store)
     with PeakMemory() as mem:
         t0 = time.perf_counter()
         pca = store.pca(DIM)
@@ -169,12 +170,8 @@ def phase_lookup(store_path: Path, batches: int = 200) -> dict:
         times[state] = float(np.median(batch_times))
         del store
         gc.collect()
-    return {"rows": int(pca_rows(store_path)), "pca_seconds": pca_seconds, "pca_peak_anon_bytes": mem.anon,
+    return {"rows": rows, "pca_seconds": pca_seconds, "pca_peak_anon_bytes": mem.anon,
             "pca_peak_rss_bytes": mem.hwm, "lookup_seconds_median": times, "batches": batches}
-
-
-def pca_rows(store_path: Path) -> int:
-    return json.loads((store_path / "metadata.json").read_text())["num_rows"]
 
 
 def phase_train_step(steps: int = 6) -> dict:
@@ -221,12 +218,15 @@ def _killed_then_resumed(out: Path, rows: int, reference_sha: str) -> dict:
     chunk_dir = out / "chunks"
     while proc.poll() is None and len(list(chunk_dir.glob("chunk-*.npy")) if chunk_dir.is_dir() else []) < chunks_total // 2:
         time.sleep(0.2)
+    if proc.poll() is not None:  # too small to catch mid-way: nothing was interrupted, say so
+        raise RuntimeError(f"the {rows}-row precompute finished before half of its chunks could be seen; "
+                           "pass a larger --sizes for the kill-and-resume measurement.")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     kept = len(list(chunk_dir.glob("chunk-*.npy")))
     resumed = _run_phase("precompute", str(rows), str(out))
     return {"rows": rows, "chunks_total": chunks_total, "chunks_kept_after_kill": kept,
-            "rows_recomputed": rows - kept * CHUNK, "resume_seconds": resumed["seconds"],
+            "rows_recomputed": rows - min(kept * CHUNK, rows), "resume_seconds": resumed["seconds"],
             "same_sha256_as_uninterrupted": resumed["sha256"] == reference_sha}
 
 

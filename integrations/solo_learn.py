@@ -271,7 +271,7 @@ class ReLAMixin:
         # solo-learn averages each classifier's loss over the large crops and adds it to the method's SSL loss
         classifier = sum((sum(v) / len(v) for v in classifier_losses.values() if v), torch.zeros((), device=loss.device))
         wrapped = self.rela.wrap(loss - classifier, index=indexes, features=feats) + classifier
-        if self.rela.stats["loss_rela"] is None:  # lambda is 0 for good: keep the head in DDP's graph
+        if self.rela.schedule.finished:  # wrap computed no ReLA term: keep the head in DDP's graph
             wrapped = wrapped + 0.0 * sum(p.sum() for p in self.rela_head.parameters())
         stats = self.rela.stats
         log = {"rela/lambda": stats["lambda"]}
