@@ -18,6 +18,7 @@ _LAZY: dict[str, str] = {
     "list_priors": "accelerate_ssl.targets.priors",
     "precompute_targets": "accelerate_ssl.targets.precompute",
     "TargetStore": "accelerate_ssl.targets.store",
+    "StoredViews": "accelerate_ssl.data.views", "ReplayViews": "accelerate_ssl.data.views",
     "synthesize": "accelerate_ssl.distill.synthesize", "warm_start": "accelerate_ssl.distill.warmstart",
     "ReLA": "accelerate_ssl.rela",
     "distill_compact": "accelerate_ssl.compact", "CompactDataset": "accelerate_ssl.compact", "pretrain_on_compact": "accelerate_ssl.compact",

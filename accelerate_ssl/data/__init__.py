@@ -5,6 +5,7 @@ from .datasets import ArrayImageDataset, Digits, FashionMNIST, ImageFiles, image
 from .fingerprint import dataset_fingerprint, describe_fingerprint_mismatch
 from .indexing import IndexTracker, track_indices
 from .subset import DynamicSubsetSampler
+from .views import ReplayViews, StoredViews, apply_view
 
 __all__ = [
     "ArrayImageDataset",
@@ -19,4 +20,7 @@ __all__ = [
     "IndexTracker",
     "track_indices",
     "DynamicSubsetSampler",
+    "ReplayViews",
+    "StoredViews",
+    "apply_view",
 ]

@@ -65,6 +65,10 @@ def _file_names(dataset) -> list[str] | None:
 
 def dataset_fingerprint(dataset, num_samples: int = DEFAULT_NUM_SAMPLES) -> dict:
     """Fingerprint ``dataset`` (see module docstring). Cheap: reads at most ``num_samples`` items."""
+    from .views import ReplayViews
+
+    if isinstance(dataset, ReplayViews):  # the images underneath + the recorded views (random crops by design)
+        return dataset.fingerprint()
     h = hashlib.sha256()
     base_h = hashlib.sha256()  # the content underneath any Subset, so a mismatch can say which of the two differs
     base = dataset
@@ -120,6 +124,9 @@ def describe_fingerprint_mismatch(expected: dict, actual: dict) -> str | None:
     if expected.get("kind") != actual.get("kind"):
         return f"the store was fingerprinted from {expected.get('kind')!r} data but this dataset gives {actual.get('kind')!r}"
     if expected.get("sha256") != actual.get("sha256"):
+        if expected.get("kind") == "views" and expected.get("base_sha256") == actual.get("base_sha256"):
+            return ("same images but other stored views (another StoredViews k, seed or crop distribution): build "
+                    "ReplayViews from the store itself, ReplayViews(dataset, store)")
         subset_problem = _describe_subset_mismatch(expected, actual)
         if subset_problem:
             return subset_problem

@@ -168,7 +168,7 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
     from tqdm.auto import tqdm
 
     from .. import __version__
-    from ..data import dataset_fingerprint
+    from ..data import ReplayViews, dataset_fingerprint
 
     if precision not in _PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(_PRECISIONS)}, got {precision!r}.")
@@ -196,6 +196,8 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
     settings = {
         "prior": prior_info,
         "dataset": {"name": getattr(dataset, "name", type(dataset).__name__), "fingerprint": fingerprint},
+        # stored views (accelerate_ssl.data.views): row j = view j % k of image j // k; None: the images themselves
+        "views": dataset.views.to_dict() if isinstance(dataset, ReplayViews) else None,
         "num_rows": n, "dim": dim, "dtype": "float32", "precision": precision,
         "batch_size": batch_size, "chunk_size": chunk_size,
     }
