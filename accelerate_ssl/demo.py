@@ -299,6 +299,9 @@ def format_table(result: dict) -> str:
 
 
 def write_png(result: dict, path: Path) -> None:
+    from .optional import require
+
+    require("matplotlib", "the demo's plot")
     import matplotlib
 
     matplotlib.use("Agg")

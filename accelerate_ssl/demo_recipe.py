@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .optional import require
+
 FASHION_MNIST_MEAN = 0.2860
 FASHION_MNIST_STD = 0.3530
 
@@ -83,6 +85,7 @@ class BYOL(nn.Module):
 
     def __init__(self, backbone: nn.Module, feature_dim: int, hidden_dim: int = 512, out_dim: int = 128):
         super().__init__()
+        require("lightly", "the BYOL recipe")
         from lightly.loss import NegativeCosineSimilarity
         from lightly.models.modules import BYOLPredictionHead, BYOLProjectionHead
         from lightly.models.utils import deactivate_requires_grad
@@ -104,6 +107,7 @@ class BYOL(nn.Module):
         return self.projection_head_momentum(self.backbone_momentum(x)).detach()
 
     def update_momentum(self, m: float) -> None:
+        require("lightly", "the BYOL recipe")
         from lightly.models.utils import update_momentum
 
         update_momentum(self.backbone, self.backbone_momentum, m)

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..optional import require
+
 
 class Teacher(nn.Module):
     """A frozen feature extractor ``images -> [n, d_y]`` (eval mode, no gradients)."""
@@ -105,6 +107,7 @@ def train_teacher(images: torch.Tensor, method: str = "barlow_twins", steps: int
         backbone = ConvNet(images.shape[1], widths=widths, norm=norm)
         dim = backbone.feature_dim
         if method == "barlow_twins":
+            require("lightly", "the compact data set's teacher")
             from lightly.loss import BarlowTwinsLoss
             from lightly.models.modules import BarlowTwinsProjectionHead
 
@@ -114,6 +117,7 @@ def train_teacher(images: torch.Tensor, method: str = "barlow_twins", steps: int
         else:
             import copy
 
+            require("lightly", "the compact data set's teacher")
             from lightly.loss import NegativeCosineSimilarity
             from lightly.models.modules import BYOLPredictionHead, BYOLProjectionHead
             from lightly.models.utils import deactivate_requires_grad, update_momentum

@@ -19,6 +19,8 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from ..optional import require
+
 FASHION_MNIST_ENV = "ACCELERATE_SSL_FASHION_MNIST"
 FASHION_MNIST_DEFAULT_DIR = "/usr/share/datasets/fashion-mnist"
 _FASHION_MNIST_FILES = {
@@ -156,6 +158,7 @@ class Digits(ArrayImageDataset):
     """
 
     def __init__(self, split: str = "all", size: int = 28, transform: Optional[Callable] = None, seed: int = 0):
+        require("sklearn", "the digits data set")
         from sklearn.datasets import load_digits
 
         bunch = load_digits()

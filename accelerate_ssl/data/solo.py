@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from ..optional import require
 from .datasets import ImageFiles
 
 __all__ = ["solo_image_dataset"]
@@ -52,6 +53,7 @@ def solo_image_dataset(root: str | os.PathLike, *, no_labels: bool = False, frac
         return ImageFiles(root, order="listdir")
     dataset = ImageFolder(str(root))
     if use_fraction:
+        require("sklearn", "solo-learn's data.fraction split")
         from sklearn.model_selection import train_test_split
 
         files = [f for f, _ in dataset.samples]

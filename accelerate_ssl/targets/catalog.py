@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from ..optional import require
 from . import zoo
 from .priors import SHIPPED_PRIORS, _strip_classifier, create_prior, list_priors, shipped_prior_file
 
@@ -40,6 +41,7 @@ def describe_prior(spec: str) -> dict:
     family, name = spec.split(":", 1)
     out: dict = {"spec": spec, "family": family}
     if family == "timm":
+        require("timm", "timm:<model> priors")
         import timm
 
         if name.startswith("hf-hub:"):
@@ -56,6 +58,7 @@ def describe_prior(spec: str) -> dict:
                    params=_params(model), input_size=int(model.pretrained_cfg["input_size"][-1]),
                    license=model.pretrained_cfg.get("license"))
     elif family == "open_clip":
+        require("open_clip", "open_clip:<model> priors")
         import open_clip
 
         if name.startswith("hf-hub:"):

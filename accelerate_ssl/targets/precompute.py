@@ -140,6 +140,34 @@ def _resolve_preprocess(prior, dataset):
     return pre
 
 
+class _OneProcess:
+    """The part of accelerate's ``PartialState`` precompute uses, for a plain single-process run."""
+
+    process_index, num_processes, is_main_process = 0, 1, True
+
+    def __init__(self):
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def wait_for_everyone(self) -> None:
+        pass
+
+
+def _process_state():
+    """accelerate's ``PartialState`` when accelerate is installed (so ``accelerate launch`` shards the work),
+    else a single process; several processes without accelerate are refused with the fix."""
+    try:
+        from accelerate import PartialState
+    except ImportError:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from ..optional import require
+
+            require("accelerate", "precompute in several processes")
+        return _OneProcess()
+    # cpu=True when there is no GPU: `accelerate launch --multi_gpu` then still runs gloo CPU processes
+    # (accelerate would otherwise see no GPU and treat every process as a lone one).
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
 def _python_command(prior, dataset, path) -> str:
     return (f"precompute_targets(create_prior({prior.spec!r}), <{getattr(dataset, 'name', type(dataset).__name__)}>, "
             f"{str(path)!r})")
@@ -164,7 +192,6 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
     Returns:
         The opened :class:`TargetStore` (on every process).
     """
-    from accelerate import PartialState
     from tqdm.auto import tqdm
 
     from .. import __version__
@@ -184,9 +211,7 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
         raise ValueError("The dataset is empty; pass a dataset with at least one sample.")
     _check_first_item(dataset)
     path = Path(path)
-    # cpu=True when there is no GPU: `accelerate launch --multi_gpu` then still runs gloo CPU processes
-    # (accelerate would otherwise see no GPU and treat every process as a lone one).
-    state = PartialState(cpu=not torch.cuda.is_available())
+    state = _process_state()
     device = state.device
     pre = _resolve_preprocess(prior, dataset)
     prior_info = {**prior.describe(), "preprocess": pre.config}

@@ -45,6 +45,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..optional import require
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 _CHECKPOINT_META_KEY = "accelerate_ssl_prior"
@@ -444,6 +446,7 @@ def _build_arch(arch: str, arch_kwargs: dict) -> nn.Module:
 
         return torchvision.models.get_model(arch.split(":", 1)[1], weights=None, **arch_kwargs)
     if arch.startswith("timm:"):
+        require("timm", "timm:<model> priors")
         import timm
 
         return timm.create_model(arch.split(":", 1)[1], pretrained=False, **arch_kwargs)

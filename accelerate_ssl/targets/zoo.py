@@ -42,6 +42,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..optional import require
 from .priors import (IMAGENET_MEAN, Preprocess, Prior, _info, _load_weights, _preprocess, _probe_dim, _reject_unknown,
                      _sha256, _strip_classifier, _torchvision_model, load_state_dict_file, register_prior)
 
@@ -185,6 +186,7 @@ def _close(name: str, candidates: Sequence[str]) -> str:
 # ----------------------------------------------------------------------------------------------
 def _timm_name(arch: str, spec: str) -> str:
     """``<model>[.<tag>]`` -> the full ``<model>.<tag>`` timm knows (default tag when none is given)."""
+    require("timm", "timm:<model> priors")
     import timm
 
     base, _, tag = arch.partition(".")
@@ -200,6 +202,7 @@ def _timm_name(arch: str, spec: str) -> str:
     if not tags:
         raise ValueError(f"timm has no pretrained weights for {base!r} ({spec!r}); pass weights=<file> or use a "
                          "model with weights (timm.list_pretrained()).")
+    require("timm", "timm:<model> priors")
     from timm.models import get_pretrained_cfg
 
     default = get_pretrained_cfg(base)
@@ -208,6 +211,7 @@ def _timm_name(arch: str, spec: str) -> str:
 
 def timm_weights_source(name: str) -> tuple[str, str, Sequence[str]]:
     """(``"hf"`` repo id + file names) or (``"url"``, url, ()) for timm model ``name`` (``<model>.<tag>``)."""
+    require("timm", "timm:<model> priors")
     from timm.models import get_pretrained_cfg
 
     cfg = get_pretrained_cfg(name)
@@ -220,6 +224,7 @@ def timm_weights_source(name: str) -> tuple[str, str, Sequence[str]]:
 
 
 def _timm_preprocess(model, overrides: dict) -> Preprocess:
+    require("timm", "timm:<model> priors")
     from timm.data import resolve_data_config
 
     data_cfg = resolve_data_config({}, model=model)
@@ -237,6 +242,7 @@ def _create_timm(name: str, size: Optional[int], spec: str, file: Optional[str] 
     """``timm.create_model(name, pretrained=True, num_classes=0)`` through timm's own loader (its checkpoint
     filters, classifier removal). ``size``: build the model for that input size where timm allows it
     (ViTs: position embeddings resampled by timm as it loads), so ``create_prior(spec, size=224)`` runs."""
+    require("timm", "timm:<model> priors")
     import timm
 
     kwargs = {"pretrained": True, "num_classes": 0}
@@ -308,6 +314,7 @@ def _quiet_open_clip(fn, *args, **kwargs):
 
 def open_clip_tag_source(arch: str, tag: str) -> tuple[str, str, Sequence[str], dict]:
     """(``"hf"``, repo, file names, tag config) or (``"url"``, url, (), tag config) for an open_clip arch/tag."""
+    require("open_clip", "open_clip:<model> priors")
     import open_clip
 
     cfg = open_clip.get_pretrained_cfg(arch, tag)
@@ -322,6 +329,7 @@ def open_clip_tag_source(arch: str, tag: str) -> tuple[str, str, Sequence[str], 
 
 
 def _open_clip_name(arch: str, spec: str, need_tag: bool) -> tuple[str, Optional[str]]:
+    require("open_clip", "open_clip:<model> priors")
     import open_clip
 
     name, _, tag = arch.partition("/")
@@ -340,6 +348,7 @@ def _open_clip_name(arch: str, spec: str, need_tag: bool) -> tuple[str, Optional
 
 @register_prior("open_clip")
 def _open_clip_prior(arch: str, weights: Optional[str] = None, offline: Optional[bool] = None, **overrides) -> Prior:
+    require("open_clip", "open_clip:<model> priors")
     import open_clip
 
     spec = f"open_clip:{arch}"
