@@ -277,15 +277,21 @@ def _unit_file(args, unit: tuple) -> Path:
     return Path(args.runs) / ("_".join(str(u) for u in unit) + ".json")
 
 
-def _settings_key(args) -> dict:
-    """What a cached unit depends on: a unit made with other settings is not re-used."""
-    return {k: getattr(args, k) for k in ("train_size", "test_size", "probe_epochs", "full_steps", "plain_probes",
-                                          "online_probes", "views_prior", "views_budget")}
+_COMMON = ("train_size", "test_size", "probe_epochs")
+#: the settings each kind of run depends on (its unit names the rest: prior, seed, budget, k)
+_DEPENDS = {"plain": _COMMON + ("full_steps", "plain_probes"), "rela": _COMMON, "online": _COMMON + ("online_probes",),
+            "views": _COMMON + ("views_prior", "views_budget")}
+
+
+def _settings_key(args, kind: str | None = None) -> dict:
+    """What a run depends on (``kind`` None: everything); a cached run made with other settings is not re-used."""
+    names = sorted({n for v in _DEPENDS.values() for n in v}) if kind is None else _DEPENDS[kind]
+    return json.loads(json.dumps({k: getattr(args, k) for k in names}))
 
 
 def _run_and_save(args, unit: tuple) -> dict:
     result = run_unit(args, unit)
-    result["settings"] = _settings_key(args)
+    result["settings"] = _settings_key(args, unit[0])
     atomic_write_json(_unit_file(args, unit), result, indent=1)
     return result
 
@@ -549,7 +555,8 @@ def main(argv=None) -> int:
         f = _unit_file(args, u)
         if f.is_file():
             r = json.loads(f.read_text())
-            if r.get("settings") == json.loads(json.dumps(_settings_key(args))):
+            saved = r.get("settings", {})
+            if {k: saved.get(k) for k in _DEPENDS[u[0]]} == _settings_key(args, u[0]):
                 done[u] = r
                 continue
         todo.append(u)
