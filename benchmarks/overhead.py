@@ -122,7 +122,7 @@ def main(argv=None) -> dict:
         if with_rela:
             loss = rela.wrap(loss, index=index)
         else:
-            rela._captured.clear()  # the hook still runs (it is installed), its captures are dropped
+            rela.capture.captured.clear()  # the hook still runs (it is installed), its captures are dropped
         if measure:
             ctx.__exit__(None, None, None)
         loss.backward()
@@ -143,7 +143,7 @@ def main(argv=None) -> dict:
     for v in (False, True):
         saved["bytes"] = 0
         step(v, measure=True)
-        optimizers = [opt] + ([rela._own_optimizer] if v and rela._own_optimizer is not None else [])
+        optimizers = [opt] + ([rela.transport.own_optimizer] if v and rela.transport.own_optimizer is not None else [])
         modules = [backbone, proj, pred, bb_m, proj_m] + ([rela.head] if v else [])
         mem[v] = saved["bytes"] + _state_bytes(modules, optimizers)
 

@@ -112,7 +112,7 @@ def test_only_the_ssl_loss_is_weighed_the_online_classifiers_keep_theirs(flavour
     assert 0 < lam < 1
     classifier = _classifier_losses(plain, batch)
     feats = torch.cat([model.backbone(x) for x in batch[1]])
-    target = model.rela._lookup(batch[0], feats.device).repeat(2, 1)
+    target = model.rela.targets(batch[0], feats.device).repeat(2, 1)
     l_rela = (1 - F.cosine_similarity(model.rela_head(feats), target)).mean()
     expected = lam * l_rela.item() + (1 - lam) * (total.item() - classifier.item()) + classifier.item()
     assert wrapped.item() == pytest.approx(expected, rel=1e-5)

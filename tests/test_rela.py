@@ -76,7 +76,7 @@ def test_head_is_trained_either_way(register):
     assert rela.head_mode == ("user" if register else "own")
     assert (rela.head.weight - w0).abs().max() > 1e-4
     assert rela.stats["step"] == 5 and rela.schedule.steps == 5
-    assert (rela._own_optimizer is None) == register
+    assert (rela.transport.own_optimizer is None) == register
 
 
 def test_indices_and_targets_align_over_shuffled_epochs_with_workers():
@@ -92,7 +92,7 @@ def test_indices_and_targets_align_over_shuffled_epochs_with_workers():
         for b, (x, _) in enumerate(loader):
             idx = x[:, 0].long()
             assert torch.equal(rela._current_index, idx)
-            assert torch.equal(rela._lookup(rela._current_index, "cpu"), t[idx])  # raw rows, n_components=None
+            assert torch.equal(rela.targets(rela._current_index, "cpu"), t[idx])  # raw rows, n_components=None
             feats = model.backbone(x)
             loss = rela.wrap(feats.sum() * 0)
             expected = 1 - torch.cosine_similarity(rela.head(feats), t[idx], dim=1).mean()
@@ -133,9 +133,9 @@ def test_momentum_copy_no_grad_and_eval_calls_are_not_captured():
     model.eval()
     model.backbone(x)
     model.train()
-    assert rela._captured == []
+    assert rela.capture.captured == []
     model.backbone(x)
-    assert len(rela._captured) == 1
+    assert len(rela.capture.captured) == 1
 
 
 def test_callable_ssl_loss_skipped_while_lambda_is_one_and_rela_skipped_after_switch():
@@ -161,10 +161,10 @@ def test_callable_ssl_loss_skipped_while_lambda_is_one_and_rela_skipped_after_sw
     assert 0 < ones < 12 and lambdas[ones:] == [0.0] * (12 - ones)
     assert calls["ssl"] == 12 - ones  # never computed while lambda == 1
     assert rela.stats["loss_rela"] is None and rela.stats["lambda"] == 0.0  # ReLA term not computed
-    assert rela._captured == []
+    assert rela.capture.captured == []
     x = torch.randn(2, D_IN)
     model.backbone(x)
-    assert rela._captured == []  # capture stopped for good
+    assert rela.capture.captured == []  # capture stopped for good
 
 
 def test_gradient_accumulation_steps_controller_once_per_optimizer_step():
@@ -255,7 +255,7 @@ def test_dry_forward_restores_modes_and_batchnorm_stats():
 def test_pca_default_uses_student_dim():
     rela = ReLA(targets(d=10), nn.Linear(D_IN, 4), feature_dim=4)
     assert (rela.head.in_features, rela.head.out_features) == (4, 4)
-    y = rela._lookup(torch.arange(N), "cpu")
+    y = rela.targets(torch.arange(N), "cpu")
     assert torch.allclose(y.mean(0), torch.zeros(4), atol=1e-5)  # z-scored then projected (Eq. 41)
     cov = y.T @ y / (N - 1)
     assert torch.allclose(cov, torch.diag(torch.diag(cov)), atol=1e-4)  # decorrelated components
