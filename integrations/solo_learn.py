@@ -22,7 +22,7 @@ plugs ReLA into exactly that contract, placed *before* the method in the MRO:
 Use with a solo-learn checkout (its PyPI release pins torch 1.9; install the repository instead)::
 
     pip install -e path/to/solo-learn            # and: pip install accelerate-ssl
-    accelerate-ssl precompute --prior shipped:fashion-mnist-byol --dataset solo:/data/train --out targets/train
+    accelerate-ssl precompute --prior shipped:fashion-mnist-byol --data solo:/data/train --out targets/train
 
     from solo.methods import BYOL
     from accelerate_ssl.integrations.solo_learn import ReLAMixin
@@ -41,7 +41,7 @@ TargetStore or Tensor, required), ``schedule`` (a spec: ``"decay"``, ``"switch"`
 What the mixin guarantees on solo-learn's contract:
 
 - **Row i is sample i.** solo-learn indexes its own training data set; the targets must be computed
-  over that same data set. ``--dataset solo:<data.train_path>`` (``solo-no-labels:<path>`` for
+  over that same data set. ``--data solo:<data.train_path>`` (``solo-no-labels:<path>`` for
   ``data.no_labels``; ``--fraction`` for ``data.fraction``) rebuilds it exactly
   (:mod:`accelerate_ssl.data.solo`), and :func:`precompute_dataset` takes the very data set solo-learn
   built (its augmentation removed). At train start the store's fingerprint is checked against
@@ -79,7 +79,7 @@ __all__ = ["ReLAMixin", "precompute_dataset"]
 
 _OPTIONS = ("targets", "schedule", "n_components", "head_lr", "head_weight_decay", "sync_every", "targets_on_device")
 _SOLO_FIX = ("compute the targets over the data set solo-learn trains on: `accelerate-ssl precompute --prior SPEC "
-             "--dataset solo:<data.train_path> [--fraction <data.fraction>] --out DIR` (solo-no-labels:<path> with "
+             "--data solo:<data.train_path> [--fraction <data.fraction>] --out DIR` (solo-no-labels:<path> with "
              "data.no_labels), or precompute_targets(prior, precompute_dataset(train_dataset), DIR) in Python")
 
 

@@ -33,7 +33,7 @@ def test_random_views_are_random_and_shaped():
 def test_cli_distill_and_info(tmp_path, capsys):
     out = tmp_path / "c.safetensors"
     rc = main(["compact", "distill", "--data", "digits", "--limit", "80", "--train-teacher", "barlow_twins",
-               "--teacher-steps", "1", "--budget", "3", "--steps", "2", "--real-batch", "16", "--pool-size", "2",
+               "--teacher-steps", "1", "--images", "3", "--steps", "2", "--real-batch", "16", "--pool-size", "2",
                "--pool-max-steps", "2", "--pool-width", "4", "--pool-depth", "2", "--scale", "4", "--U", "6", "--V", "6", "--m", "20",
                "--approx-hidden", "2", "--out", str(out)])
     assert rc == 0 and out.exists()
@@ -47,4 +47,4 @@ def test_cli_distill_and_info(tmp_path, capsys):
     assert info["kind"] == "basis" and info["num_floats"] == compact.num_floats
     with pytest.raises(Exception, match="allow-over-budget|allow_over_budget"):
         main(["compact", "distill", "--data", "digits", "--limit", "100", "--train-teacher", "byol", "--teacher-steps", "1",
-              "--budget", "3", "--m", "500", "--steps", "1", "--out", str(tmp_path / "x.safetensors")])
+              "--images", "3", "--m", "500", "--steps", "1", "--out", str(tmp_path / "x.safetensors")])

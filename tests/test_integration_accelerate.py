@@ -26,7 +26,7 @@ needs_fmnist = pytest.mark.skipif(not HAVE_FMNIST, reason="Fashion-MNIST idx fil
 
 #: the README's commands (README section "HF Accelerate"); the tests below run exactly these.
 LAUNCH = "accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no"
-README_PRECOMPUTE = (f"{LAUNCH} -m accelerate_ssl.cli precompute --prior random:convnet --dataset fashion-mnist "
+README_PRECOMPUTE = (f"{LAUNCH} -m accelerate_ssl.cli precompute --prior random:convnet --data fashion-mnist "
                      "--limit 512 --out rela-targets/fmnist-512")
 README_TRAIN = (f"{LAUNCH} examples/accelerate_byol.py --steps 6 --limit 512 --batch-size 32 --fraction 0.25 "
                 "--log-json logs --save-state ckpt --save-at 3")

@@ -328,13 +328,13 @@ def test_a_store_over_another_file_order_is_refused_and_solo_no_labels_matches(t
     train = dataset_with_index(CustomDatasetWithoutLabels)(flat, transform=_two_views)
     train.images = sorted(train.images)[::-1]  # a file system whose listing is not sorted
 
-    _precompute(["--dataset", f"folder:{flat}", "--out", str(tmp_path / "sorted")])  # a flat folder works, sorted
+    _precompute(["--data", f"folder:{flat}", "--out", str(tmp_path / "sorted")])  # a flat folder works, sorted
     with pytest.raises(TargetStoreMismatchError, match="same length \\(40\\) but different content.*solo:<data.train_path>"):
         _fit_on(tmp_path, train, tmp_path / "sorted")
 
     # the same listing solo-learn makes (os.listdir) -> accepted, and so is the store made from solo's own object
     train_listdir = dataset_with_index(CustomDatasetWithoutLabels)(flat, transform=_two_views)
-    _precompute(["--dataset", f"solo-no-labels:{flat}", "--out", str(tmp_path / "listdir")])
+    _precompute(["--data", f"solo-no-labels:{flat}", "--out", str(tmp_path / "listdir")])
     model = _fit_on(tmp_path, train_listdir, tmp_path / "listdir")
     assert model.rela.steps == 2
 
@@ -364,10 +364,10 @@ def test_data_fraction_is_reproduced_by_the_cli_and_by_precompute_dataset(tmp_pa
     train = _solo_fraction(dataset_with_index(ImageFolder)(str(root), transform=_two_views), 0.5)
     assert len(train) == 24
 
-    _precompute(["--dataset", f"solo:{root}", "--fraction", "0.5", "--out", str(tmp_path / "half")])
+    _precompute(["--data", f"solo:{root}", "--fraction", "0.5", "--out", str(tmp_path / "half")])
     assert _fit_on(tmp_path, train, tmp_path / "half").rela.steps == 2
 
-    _precompute(["--dataset", f"solo:{root}", "--out", str(tmp_path / "all")])
+    _precompute(["--data", f"solo:{root}", "--out", str(tmp_path / "all")])
     with pytest.raises(TargetStoreMismatchError, match="24 samples but the target store has 48 rows.*--fraction"):
         _fit_on(tmp_path, train, tmp_path / "all")
 

@@ -185,26 +185,29 @@ def test_cli_help_bad_dataset_and_run(tmp_path, capsys):
         main(["precompute", "--help"])
     assert exit_.value.code == 0 and "--prior" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_:
-        main(["precompute", "--prior", "random:convnet", "--dataset", "cifar-10", "--out", str(tmp_path / "o")])
+        main(["precompute", "--prior", "random:convnet", "--data", "cifar-10", "--out", str(tmp_path / "o")])
     assert exit_.value.code == 2
     assert "unknown dataset 'cifar-10'; use fashion-mnist, digits, folder:<path>" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
-        main(["precompute", "--prior", "random:convnet", "--dataset", "solo:x", "--fraction", "1.5", "--out", "o"])
+        main(["precompute", "--prior", "random:convnet", "--data", "solo:x", "--fraction", "1.5", "--out", "o"])
     assert exit_.value.code == 2 and "--fraction must be a number in (0, 1)" in capsys.readouterr().err
-    assert main(["precompute", "--prior", "random:convnet", "--dataset", "digits", "--fraction", "0.5", "--out", "o"]) == 2
-    assert "--fraction reproduces solo-learn's data.fraction and needs --dataset solo:" in capsys.readouterr().err
-    assert main(["precompute", "--prior", "timm:resnet18", "--weights", str(tmp_path / "w.pth"), "--dataset", "digits",
+    assert main(["precompute", "--prior", "random:convnet", "--data", "digits", "--fraction", "0.5", "--out", "o"]) == 2
+    assert "--fraction reproduces solo-learn's data.fraction and needs --data solo:" in capsys.readouterr().err
+    assert main(["precompute", "--prior", "timm:resnet18", "--weights", str(tmp_path / "w.pth"), "--data", "digits",
                  "--split", "test", "--out", str(tmp_path / "o")]) == 2
     assert "w.pth" in capsys.readouterr().err
     out = tmp_path / "digits"
-    assert main(["precompute", "--prior", "random:convnet", "--dataset", "digits", "--split", "test", "--out", str(out),
+    assert main(["precompute", "--prior", "random:convnet", "--data", "digits", "--split", "test", "--out", str(out),
                  "--batch-size", "64", "--chunk-size", "100", "--no-progress"]) == 0
     from accelerate_ssl.data import Digits
 
     store = TargetStore.open(out, dataset=Digits("test"))
     assert len(store) == len(Digits("test")) and store.dim == 256
-    assert store.metadata["command"].startswith("accelerate-ssl precompute --prior random:convnet --dataset digits")
+    assert store.metadata["command"].startswith("accelerate-ssl precompute --prior random:convnet --data digits")
     assert json.loads((out / "metadata.json").read_text())["prior"]["preprocess"]["channels"] == 1
+    # the verb's former name for --data still works, and gives the same store (already finished: re-used)
+    assert main(["precompute", "--prior", "random:convnet", "--dataset", "digits", "--split", "test", "--out", str(out),
+                 "--batch-size", "64", "--chunk-size", "100", "--no-progress"]) == 0
 
 
 def test_a_store_written_before_the_descriptive_fingerprint_fields_is_still_this_computation(tmp_path):
@@ -229,7 +232,7 @@ def test_a_store_written_before_the_descriptive_fingerprint_fields_is_still_this
 
 def test_checksum_recorded_and_verify_reads_every_row(tmp_path, capsys):
     out = tmp_path / "store"
-    assert main(["precompute", "--prior", "random:convnet", "--dataset", "digits", "--split", "test", "--out", str(out),
+    assert main(["precompute", "--prior", "random:convnet", "--data", "digits", "--split", "test", "--out", str(out),
                  "--batch-size", "128", "--no-progress"]) == 0
     store = TargetStore.open(out)
     summary = store.verify()

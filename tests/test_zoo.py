@@ -268,9 +268,9 @@ def test_precompute_records_provenance_and_refuses_other_weights(caches, tmp_pat
     assert first_sha[:12] in msg and prior2.describe()["weights_sha256"][:12] in msg and "weights_sha256" in msg
 
     # the CLI speaks the same grammar
-    assert cli_main(["precompute", "--prior", f"timm:{name}", "--dataset", "digits", "--split", "test",
+    assert cli_main(["precompute", "--prior", f"timm:{name}", "--data", "digits", "--split", "test",
                      "--out", str(tmp_path / "cli"), "--no-progress"]) == 0
-    assert cli_main(["precompute", "--prior", "timm:test_vit.r160_in1k", "--dataset", "digits",
+    assert cli_main(["precompute", "--prior", "timm:test_vit.r160_in1k", "--data", "digits",
                      "--out", str(tmp_path / "cli2"), "--no-progress"]) == 2
     err_text = capsys.readouterr().err
     assert "accelerate-ssl priors fetch timm:test_vit.r160_in1k" in err_text and "Traceback" not in err_text

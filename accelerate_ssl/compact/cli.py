@@ -1,6 +1,6 @@
 """``accelerate-ssl compact``: distil an unlabelled image set into a compact store, or inspect one.
 
-    accelerate-ssl compact distill --data fashion-mnist --train-teacher barlow_twins --budget 100 \\
+    accelerate-ssl compact distill --data fashion-mnist --train-teacher barlow_twins --images 100 \\
         --steps 2000 --out fmnist_n100.safetensors --checkpoint fmnist_n100.ckpt
     accelerate-ssl compact distill --data fashion-mnist --teacher checkpoint:prior.safetensors --out c.safetensors
     accelerate-ssl compact info fmnist_n100.safetensors
@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--train-teacher", choices=["barlow_twins", "byol"], help="train a ConvNet teacher self-supervised first")
     d.add_argument("--teacher-steps", type=int, default=1000)
     d.add_argument("--save-teacher", default=None, help="where to write the trained teacher (.safetensors)")
-    d.add_argument("--budget", type=int, default=100, help="storage budget in images (N)")
+    d.add_argument("--images", "--budget", dest="images", type=int, default=100,
+                   help="storage budget: the floats of N images, targets included (default 100)")
     d.add_argument("--no-parameterize", action="store_true", help="plain KRR-ST: store as many pixel images + targets as fit the budget")
     d.add_argument("--augmentations", default="rotate", help="rotate, jigsaw, fivecrop or none")
     for name, typ in (("steps", int), ("lr", float), ("real_batch", int), ("pool_size", int), ("pool_max_steps", int),
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         save_teacher(teacher, args.save_teacher)
     keys = {f.name for f in fields(DistillConfig)}
     settings = {k: v for k, v in vars(args).items() if k in keys}
-    settings.update(budget_images=args.budget, parameterize=not args.no_parameterize, allow_over_budget=args.allow_over_budget)
+    settings.update(budget_images=args.images, parameterize=not args.no_parameterize, allow_over_budget=args.allow_over_budget)
     config = DistillConfig(**settings)
     compact = distill_compact(images, teacher, config, checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
                               teacher_description=teacher.describe())

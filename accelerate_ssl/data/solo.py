@@ -13,7 +13,7 @@ sample, so the targets must be computed over a data set indexed exactly as solo-
   random_state=42)``; the seed is fixed at 42 there, not taken from the run's seed.
 
 :func:`solo_image_dataset` returns that data set with clean images (no augmentation), for
-``precompute_targets`` or ``accelerate-ssl precompute --dataset solo:<folder>``. When solo-learn is
+``precompute_targets`` or ``accelerate-ssl precompute --data solo:<folder>``. When solo-learn is
 installed, :func:`accelerate_ssl.integrations.solo_learn.precompute_dataset` takes the very data set
 solo-learn built instead, which needs no rebuilding at all.
 """

@@ -93,7 +93,7 @@ def _check_first_item(dataset) -> None:
         raise TypeError(f"{type(dataset).__name__} yields (index, views, label) items like solo-learn's training data "
                         "set: precompute needs the clean images in the same order. Pass "
                         "accelerate_ssl.integrations.solo_learn.precompute_dataset(train_dataset), or use "
-                        "`accelerate-ssl precompute --dataset solo:<data.train_path>`.")
+                        "`accelerate-ssl precompute --data solo:<data.train_path>`.")
     if isinstance(first, (list, tuple)):
         raise TypeError(f"{type(dataset).__name__} yields a list of {len(first)} images per item (augmented views?); "
                         "precompute needs one clean image per sample: pass the same data set without its multi-view "
@@ -412,7 +412,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default=None, help="local weights file for the prior (wins over the zoo caches)")
     parser.add_argument("--offline", action="store_true",
                         help="never download zoo weights, use the local cache only (also: HF_HUB_OFFLINE=1)")
-    parser.add_argument("--dataset", required=True, type=_dataset_arg, help=_DATASET_HELP)
+    parser.add_argument("--data", "--dataset", dest="data", required=True, type=_dataset_arg, help=_DATASET_HELP)
     parser.add_argument("--fraction", type=_fraction_arg, default=None,
                         help="with solo:<path>: solo-learn's data.fraction (its class-stratified split, random_state 42)")
     parser.add_argument("--split", default="train", help="train / test (fashion-mnist, digits), or all (digits)")
@@ -433,7 +433,7 @@ def build_dataset(name: str, split: str = "train", data_root: Optional[str] = No
     from ..data.solo import solo_image_dataset
 
     if fraction is not None and not name.startswith("solo:"):
-        raise ValueError("--fraction reproduces solo-learn's data.fraction and needs --dataset solo:<train folder>.")
+        raise ValueError("--fraction reproduces solo-learn's data.fraction and needs --data solo:<train folder>.")
     if name == "fashion-mnist":
         return FashionMNIST(split, root=data_root, limit=limit)
     if limit is not None:
@@ -455,7 +455,7 @@ def _command_line(args: argparse.Namespace) -> str:
     parts = ["accelerate-ssl", "precompute", "--prior", args.prior]
     if args.weights:
         parts += ["--weights", args.weights]
-    parts += ["--dataset", args.dataset, "--split", args.split]
+    parts += ["--data", args.data, "--split", args.split]
     if args.data_root:
         parts += ["--data-root", args.data_root]
     if args.limit is not None:
@@ -472,7 +472,7 @@ def run(args: argparse.Namespace) -> int:
     from .priors import create_prior
 
     try:
-        dataset = build_dataset(args.dataset, args.split, args.data_root, args.limit, args.fraction)
+        dataset = build_dataset(args.data, args.split, args.data_root, args.limit, args.fraction)
         overrides: dict[str, Any] = {}
         family, _, arch = args.prior.partition(":")
         if family == "random" and arch in backbones.BACKBONES:

@@ -92,7 +92,7 @@ class TargetStore:
         meta_path = path / METADATA
         if not path.is_dir():
             raise FileNotFoundError(f"No target store at {str(path)!r}; create one with `accelerate-ssl precompute "
-                                    f"--prior SPEC --dataset NAME --out {path}` or precompute_targets(...).")
+                                    f"--prior SPEC --data NAME --out {path}` or precompute_targets(...).")
         if not meta_path.is_file():
             manifest = path / MANIFEST
             chunks = sorted((path / CHUNKS).glob("chunk-*.npy")) if (path / CHUNKS).is_dir() else []
