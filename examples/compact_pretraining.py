@@ -37,8 +37,9 @@ def main() -> None:
                         "or any prior spec, e.g. checkpoint:<path>")
     p.add_argument("--teacher-steps", type=int, default=200, help="with --teacher train")
     p.add_argument("--steps", type=int, default=100, help="outer distillation steps")
-    p.add_argument("--budget", type=int, default=100)
+    p.add_argument("--images", type=int, default=100, help="storage budget: the floats of N images")
     p.add_argument("--epochs", type=int, default=30, help="student pretraining epochs")
+    p.add_argument("--pool-max-steps", type=int, default=100, help="training steps of each model in KRR-ST's pool")
     p.add_argument("--out", default="compact_fmnist.safetensors")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -53,8 +54,8 @@ def main() -> None:
         teacher = load_teacher("shipped:fashion-mnist-byol" if args.teacher == "shipped" else args.teacher)
     teacher.standardize(x)  # unit-scale regression targets
 
-    compact = distill_compact(x, teacher, budget_images=args.budget, steps=args.steps, real_batch=256, pool_size=4,
-                              pool_max_steps=100, pool_width=16, U=64, V=64, approx_hidden=64,
+    compact = distill_compact(x, teacher, budget_images=args.images, steps=args.steps, real_batch=256, pool_size=4,
+                              pool_max_steps=args.pool_max_steps, pool_width=16, U=64, V=64, approx_hidden=64,
                               checkpoint=Path(args.out).with_suffix(".ckpt"))
     print("approximation nets miss", compact.metadata["approx_unexplained"], "of the rotated targets' variance")
     print(compact, compact.metadata["plan"]["counts"])

@@ -45,6 +45,8 @@ def test_cli_distill_and_info(tmp_path, capsys):
     assert main(["compact", "info", str(out)]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["kind"] == "basis" and info["num_floats"] == compact.num_floats
-    with pytest.raises(Exception, match="allow-over-budget|allow_over_budget"):
+    from accelerate_ssl.compact.budget import StorageBudgetError
+
+    with pytest.raises(StorageBudgetError, match="allow-over-budget|allow_over_budget"):
         main(["compact", "distill", "--data", "digits", "--limit", "100", "--train-teacher", "byol", "--teacher-steps", "1",
               "--images", "3", "--m", "500", "--steps", "1", "--out", str(tmp_path / "x.safetensors")])

@@ -38,5 +38,35 @@ def test_supervised_example(tmp_path, fashion_mnist_available):
                                   "--log-every", "2", "--store", str(tmp_path / "store"), "--schedule", "switch"], tmp_path)
     lams = _lambdas(out)  # Switch scaled to 6 steps: ReLA stage (lambda 1), then cross-entropy only (0)
     assert len(lams) == 3 and lams[0] == 1.0 and lams[-1] == 0.0
-    m = re.search(r"test top-1 ([\d.]+)%", out)
-    assert m and 0.0 <= float(m.group(1)) <= 100.0
+    assert re.search(r"test top-1 ([\d.]+)%", out)
+
+
+def test_supervised_example_learns_the_classes(tmp_path, fashion_mnist_available):
+    # decay keeps some cross-entropy from the first step (lambda <= 0.8), so the classifier trains: 40 steps of
+    # batch 32 reach ~37 % on 500 test images (chance: 10 %; the switch run above trains only the ReLA term first)
+    out = _run("supervised.py", ["--steps", "40", "--limit", "512", "--test-limit", "500", "--batch-size", "32",
+                                  "--log-every", "10", "--store", str(tmp_path / "store"), "--schedule", "decay"], tmp_path)
+    assert float(re.search(r"test top-1 ([\d.]+)%", out).group(1)) > 25.0
+
+
+def test_distilled_warmstart_example(tmp_path, fashion_mnist_available):
+    out = _run("distilled_warmstart.py", ["--ipc", "1", "--iterations", "2", "--main-steps", "2",
+                                           "--out", str(tmp_path / "distilled")], tmp_path)
+    assert re.search(r"^10 images in ", out, re.M), out  # one image per class of Fashion-MNIST
+    manifest = __import__("json").loads((tmp_path / "distilled" / "manifest.json").read_text())
+    assert manifest["method"] == "dwa" and manifest["ipc"] == 1
+    m = re.search(r"after 2 steps of the main loop: warm-started ([\d.]+) vs from scratch ([\d.]+)", out)
+    assert m, out
+    assert all(0.0 <= float(v) <= 1.0 for v in m.groups())
+
+
+def test_compact_pretraining_example(tmp_path, fashion_mnist_available):
+    store = tmp_path / "c.safetensors"
+    out = _run("compact_pretraining.py", ["--n-real", "300", "--steps", "1", "--epochs", "1", "--pool-max-steps", "2",
+                                           "--out", str(store)], tmp_path)
+    assert store.is_file()
+    m = re.search(r"CompactDataset\(kind='basis', m=(\d+), floats=(\d+)\)", out)
+    assert m and int(m.group(2)) <= 100 * 28 * 28  # within the storage budget of 100 images
+    assert f"decoded pairs: ({4 * int(m.group(1))}, 1, 28, 28) ({4 * int(m.group(1))}, 128)" in out  # X_s + 3 rotations
+    acc = float(re.search(r"linear probe on the compact-pretrained student: ([\d.]+)%", out).group(1))
+    assert 20.0 < acc <= 100.0  # far above chance (10 %) on 10 classes

@@ -59,7 +59,9 @@ def test_torchvision_prior_loads_local_weights(tmp_path):
     net.eval()
     with torch.inference_mode():
         assert torch.allclose(prior(x[None]), net(x[None]), atol=1e-5)
-    assert prior.describe()["weights_sha256"]
+    import hashlib
+
+    assert prior.describe()["weights_sha256"] == hashlib.sha256((tmp_path / "r18.pth").read_bytes()).hexdigest()
 
 
 def test_timm_prior(tmp_path):
