@@ -12,7 +12,27 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_json"]
+import contextlib
+from typing import Iterator
+
+__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_write_json"]
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
+    """For writers that need a file name (``torch.save``, ``safetensors``, ``savefig``, ``np.save``): yields a
+    temporary path beside ``path`` (ending in ``suffix``, for writers that pick the format from it); when the
+    block ends it is fsynced and renamed over ``path``; on an error it is removed and ``path`` is untouched."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp{suffix}")
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -54,6 +54,7 @@ from typing import Optional
 import torch
 
 from .results import write_results
+from .results import save_figure
 
 DEFAULT_PRIOR = "shipped:fashion-mnist-byol"  # the BYOL ConvNet that ships with the package (no label seen)
 
@@ -329,10 +330,7 @@ def write_png(result: dict, path: Path) -> None:
     axl.set_xlabel("training steps")
     axl.set_ylim(-0.05, 1.05)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path, dpi=110)
 
 
 

@@ -45,3 +45,16 @@ def write_results(path: str | os.PathLike, obj: Any, root: Optional[str | os.Pat
     """Write ``portable(obj, root)`` as JSON to ``path`` atomically (``indent=2`` unless given)."""
     dumps_kwargs.setdefault("indent", 2)
     atomic_write_json(Path(path), portable(obj, root), **dumps_kwargs)
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int = 110) -> None:
+    """Write a matplotlib figure as a PNG to ``path`` atomically, and close it (every plot of the package and its
+    benchmarks goes through here)."""
+    import matplotlib.pyplot as plt
+
+    from .atomic import atomic_path
+
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=dpi)
+    plt.close(fig)
+

@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from accelerate_ssl.schedules import create_schedule  # noqa: E402
+from accelerate_ssl.results import save_figure  # noqa: E402
 
 #: bump when the training/eval code changes in a way that invalidates cached cells.
 CODE_VERSION = 1
@@ -766,10 +767,7 @@ def write_png(agg: dict, path: Path, batch_size: int, title: str, main: str = "d
     axes[0].legend(fontsize=7, loc="lower right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path, dpi=110)
 
 
 def run_workers(args, n_missing: int) -> int:

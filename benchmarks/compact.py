@@ -75,6 +75,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from accelerate_ssl.results import save_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -444,9 +445,7 @@ def plot(out: dict, path: Path) -> None:
     ax2.set_ylim(0, 1.3 * max(d[k][0]["loop_seconds"] for k in dist))
     ax2.set_title(f"{out['args']['steps']} outer steps, shared CPU", fontsize=9)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

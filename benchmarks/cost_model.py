@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+from accelerate_ssl.results import save_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -275,10 +276,7 @@ def plot(result: dict, png: Path) -> None:
         axes[1].set(xlabel="counted FLOP ratio (step / plain)", ylabel="measured time ratio on this CPU",
                     title=f"validation, r = {result['validation']['pearson_r_time_vs_flop_ratio']:.3f}")
     fig.tight_layout()
-    tmp = png.with_name(png.stem + f".{os.getpid()}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, png)
+    save_figure(fig, png, dpi=110)
 
 
 def main(argv=None) -> int:

@@ -61,6 +61,8 @@ from accelerate_ssl.backbones import ConvNet, ResNetSmall  # noqa: E402
 from accelerate_ssl.data import FashionMNIST  # noqa: E402
 from accelerate_ssl.distill import DistilledSet, mro_cost_ratio, synthesize, train_student  # noqa: E402
 from accelerate_ssl.results import write_results  # noqa: E402
+from accelerate_ssl.atomic import atomic_path  # noqa: E402
+from accelerate_ssl.results import save_figure  # noqa: E402
 
 # bump when a change to the synthesis code changes the images, so cached sets are not reused
 SYNTH_VERSION = 3  # 2: augmentation as separable matrices, MRO roll scaled to the low resolution; 3: batch_group in the manifest
@@ -194,9 +196,8 @@ def cached_teacher(name, factory, x, y, epochs, seed, cache: Path):
     t0 = time.perf_counter()
     train_teacher(model, x, y, epochs, seed)
     print(f"trained {name} in {time.perf_counter() - t0:.0f} s")
-    tmp = Path(str(path) + ".tmp")
-    torch.save(model.state_dict(), tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        torch.save(model.state_dict(), tmp)
     return model, False
 
 
@@ -461,9 +462,7 @@ def plot(report, sets, path: Path):
     ax.set_xticks([14 + 28 * c for c in range(10)], [str(c) for c in range(10)])
     ax.set_title("first image of every class")
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=90)
-    os.replace(tmp, path)
+    save_figure(fig, path, dpi=90)
 
 
 if __name__ == "__main__":

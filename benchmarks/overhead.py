@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate_ssl.results import save_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -189,10 +190,7 @@ def plot_report(result: dict, png: Path) -> None:
                  "(goal <= 1.05)", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = png.with_name(png.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, png)
+    save_figure(fig, png, dpi=110)
 
 
 if __name__ == "__main__":

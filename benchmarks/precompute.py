@@ -39,6 +39,7 @@ from accelerate_ssl.data import FashionMNIST  # noqa: E402
 from accelerate_ssl.results import write_results  # noqa: E402
 from accelerate_ssl.targets.precompute import precompute_targets  # noqa: E402
 from accelerate_ssl.targets.priors import create_prior  # noqa: E402
+from accelerate_ssl.results import save_figure  # noqa: E402
 
 
 class PeakRSS:
@@ -163,10 +164,7 @@ def plot_report(report: dict, png: Path) -> None:
     ax2.set_ylabel("peak RSS (MB)")
     fig.suptitle(f"{report['prior']} on {report['dataset']}: {report['command']}", fontsize=8)
     fig.tight_layout()
-    tmp = png.with_name(png.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, png)
+    save_figure(fig, png, dpi=110)
 
 
 if __name__ == "__main__":

@@ -432,8 +432,7 @@ def write_png(result: dict, path: Path, budgets: list[int]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from accelerate_ssl.atomic import atomic_write_bytes
-    import io
+    from accelerate_ssl.results import save_figure
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
     for i, b in enumerate(budgets):
@@ -466,10 +465,7 @@ def write_png(result: dict, path: Path, budgets: list[int]) -> None:
     ax2.set_title("Accuracy vs steps (Fashion-MNIST, 20k images)", fontsize=10)
     ax2.legend(fontsize=7)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------- main

@@ -34,6 +34,7 @@ from accelerate_ssl.results import write_results  # noqa: E402
 from accelerate_ssl.targets.catalog import RECOMMENDED, describe_prior  # noqa: E402
 from accelerate_ssl.targets.precompute import precompute_targets  # noqa: E402
 from accelerate_ssl.targets.priors import create_prior  # noqa: E402
+from accelerate_ssl.results import save_figure  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -119,10 +120,7 @@ def write_png(rows: list[dict], path: Path) -> None:
     ax.invert_yaxis()
     ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from accelerate_ssl.results import save_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -252,10 +253,7 @@ def plot(result: dict, png: Path) -> None:
     axes[1].set(ylabel="ms per batch of 256", yscale="log", title="target lookup + PCA per batch")
     axes[1].legend(fontsize=8)
     fig.tight_layout()
-    tmp = png.with_name(png.stem + f".{os.getpid()}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, png)
+    save_figure(fig, png, dpi=110)
 
 
 def main(argv=None) -> int:

@@ -34,6 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from accelerate_ssl.atomic import atomic_path  # noqa: E402
 from accelerate_ssl.backbones import ConvNet  # noqa: E402
 from accelerate_ssl.data import Digits, FashionMNIST  # noqa: E402
 from accelerate_ssl.results import write_results  # noqa: E402
@@ -62,9 +63,8 @@ def parse_args(argv=None):
 
 
 def _atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
 
 
 @torch.no_grad()

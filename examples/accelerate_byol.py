@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
 from pathlib import Path
 
 import torch
@@ -28,6 +26,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
+from accelerate_ssl.atomic import atomic_write_json
 from accelerate_ssl.backbones import ConvNet
 from accelerate_ssl.data import FashionMNIST
 from accelerate_ssl.integrations.accelerate import subset_sampler
@@ -151,9 +150,7 @@ def main(argv=None):
     if args.log_json:
         out = Path(args.log_json) / f"rank-{accelerator.process_index}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(log))
-        os.replace(tmp, out)
+        atomic_write_json(out, log)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return log

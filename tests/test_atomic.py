@@ -67,3 +67,39 @@ def test_portable_paths_and_write_results(tmp_path):
                                        "rate": "3/4 it/s", "nested": ["a b", 1.5]}
     write_results(tmp_path / "r.json", obj, tmp_path)
     assert json.loads((tmp_path / "r.json").read_text())["spec"] == "checkpoint:assets/p.safetensors"
+
+
+def test_every_writer_goes_through_atomic_py():
+    """No module of the library, its integrations, benchmarks or examples renames files into place by itself:
+    every write that must not be seen half-done uses accelerate_ssl.atomic (temporary + fsync + rename)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    offenders = []
+    for folder in ("accelerate_ssl", "integrations", "benchmarks", "examples"):
+        for file in (root / folder).rglob("*.py"):
+            if file.name == "atomic.py":
+                continue
+            for n, line in enumerate(file.read_text().splitlines(), 1):
+                if re.search(r"\bos\.(replace|rename)\(|\.rename\(|\.replace\(tmp", line):
+                    offenders.append(f"{file.relative_to(root)}:{n}: {line.strip()}")
+    assert not offenders, "hand-rolled atomic writes (use accelerate_ssl.atomic):\n" + "\n".join(offenders)
+
+
+def test_atomic_path_leaves_the_target_untouched_on_error(tmp_path):
+    from accelerate_ssl.atomic import atomic_path
+
+    target = tmp_path / "t.bin"
+    target.write_bytes(b"old")
+    try:
+        with atomic_path(target) as tmp:
+            tmp.write_bytes(b"half")
+            raise RuntimeError("crash mid-write")
+    except RuntimeError:
+        pass
+    assert target.read_bytes() == b"old" and list(tmp_path.iterdir()) == [target]
+    with atomic_path(target, suffix=".png") as tmp:
+        assert tmp.name.endswith(".png")
+        tmp.write_bytes(b"new")
+    assert target.read_bytes() == b"new" and list(tmp_path.iterdir()) == [target]

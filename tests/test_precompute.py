@@ -88,7 +88,7 @@ def test_interrupted_run_resumes_from_its_chunks(tmp_path, reference, monkeypatc
         _run(path)
     assert written == ["chunk-00000.npy", "chunk-00001.npy"] and not (path / "metadata.json").exists()
     mtimes = {f: (path / "chunks" / f).stat().st_mtime_ns for f in written}
-    (path / "chunks" / "chunk-00003.npy.tmp").write_bytes(b"half-written")  # a crash mid-write leaves this
+    (path / "chunks" / "chunk-00003.npy.4242.tmp").write_bytes(b"half-written")  # a crash mid-write leaves this
     with pytest.raises(ValueError, match="unfinished precompute with other settings.*batch_size"):
         _run(path, batch_size=4)
 

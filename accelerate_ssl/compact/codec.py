@@ -26,6 +26,7 @@ import torch
 from .approx import ApproxNet
 from .augment import create_augmentations
 from .bases import decode_images, decode_targets
+from ..atomic import atomic_path
 
 METADATA_KEY = "accelerate_ssl.compact"
 FORMAT_VERSION = 1
@@ -106,10 +107,9 @@ class CompactDataset:
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
         meta = {METADATA_KEY: json.dumps({**self.metadata, "format_version": FORMAT_VERSION})}
-        save_file(self.tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            save_file(self.tensors, str(tmp), metadata=meta)
         return path
 
     @classmethod

@@ -37,6 +37,7 @@ from .budget import pixel_images_for_budget, pixel_storage_floats, plan_storage
 from .codec import CompactDataset
 from .krr import ModelPool, default_pool_factory, outer_loss
 from .synthetic import BasisSynthetic, PixelSynthetic, _batched
+from ..atomic import atomic_path
 
 
 @dataclass
@@ -198,9 +199,8 @@ class Distiller:
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(self.state_dict(), tmp)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            torch.save(self.state_dict(), tmp)
 
     def state_dict(self) -> dict:
         return {

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..optional import require
+from ..atomic import atomic_path
 
 
 class Teacher(nn.Module):
@@ -163,11 +164,10 @@ def save_teacher(teacher: Teacher, path: str | os.PathLike) -> Path:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
     state = {k: v.detach().contiguous() for k, v in teacher.backbone.state_dict().items()}
     state.update({"__teacher.feature_mean": teacher.feature_mean, "__teacher.feature_std": teacher.feature_std})
-    save_file(state, str(tmp), metadata={"accelerate_ssl.teacher": json.dumps(teacher.describe())})
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(state, str(tmp), metadata={"accelerate_ssl.teacher": json.dumps(teacher.describe())})
     return path
 
 

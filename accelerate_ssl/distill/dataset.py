@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..atomic import atomic_write_json as _atomic_write_json
+from ..atomic import atomic_path
 
 MANIFEST = "manifest.json"
 TENSORS = "images.pt"
@@ -33,9 +34,8 @@ def atomic_write_json(path: Path, obj) -> None:
 
 
 def atomic_torch_save(obj, path: Path) -> None:
-    tmp = Path(str(path) + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
 
 
 def to_unit(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
@@ -56,9 +56,8 @@ def save_png(image01: torch.Tensor, path: Path) -> None:
         img = Image.fromarray(np.transpose(arr, (1, 2, 0)), mode="RGB")
     else:
         raise ValueError(f"PNG export needs 1 or 3 channels, got {arr.shape[0]}.")
-    tmp = Path(str(path) + ".tmp")
-    img.save(tmp, format="PNG")
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        img.save(tmp, format="PNG")
 
 
 class DistilledSet(Dataset):

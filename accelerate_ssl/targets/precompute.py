@@ -5,7 +5,8 @@ tqdm progress, optional fp16/bf16 autocast (rows are stored as float32).
 
 **Chunks and resuming.** Rows are cut into global chunks of ``chunk_size`` rows; chunk ``k`` covers
 rows ``[k * chunk_size, min((k + 1) * chunk_size, N))`` and is written to ``chunks/chunk-0000k.npy``
-through a ``.tmp`` file and ``os.replace``, so a chunk file on disk is always complete. A small
+through a temporary file and ``os.replace`` (:func:`accelerate_ssl.atomic.atomic_path`), so a chunk file on disk is
+always complete. A small
 ``manifest.json`` records the run's settings (prior, preprocessing, dataset fingerprint, precision,
 batch and chunk size); a rerun with the same settings keeps the complete chunks and computes only
 the others (stale ``.tmp`` files are deleted); different settings are refused. At the end the
@@ -36,6 +37,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from ..atomic import atomic_path
 from .store import (CHUNKS, FORMAT, FORMAT_VERSION, MANIFEST, METADATA, TARGETS, TargetStore, atomic_write_text, file_sha256,
                     read_json)
 
@@ -58,13 +60,9 @@ def _chunk_is_complete(file: Path, rows: int, dim: int) -> bool:
 
 
 def _write_chunk(file: Path, rows: np.ndarray) -> None:
-    """Write one finished chunk atomically (``.tmp`` + ``os.replace``)."""
-    tmp = file.with_name(file.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, rows, allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, file)
+    """Write one finished chunk atomically."""
+    with atomic_path(file, suffix=".npy") as tmp:  # (np.save appends .npy to any other name)
+        np.save(tmp, rows, allow_pickle=False)
 
 
 class _Images(torch.utils.data.Dataset):
@@ -256,9 +254,8 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
     todo = []
     for k in range(first, last):
         file = chunk_path(path, k)
-        stale = file.with_name(file.name + ".tmp")
-        if stale.exists():
-            stale.unlink()
+        for stale in file.parent.glob(f"{file.name}.*tmp*"):  # left by a write that was interrupted
+            stale.unlink(missing_ok=True)
         if _chunk_is_complete(file, ranges[k][1] - ranges[k][0], dim):
             continue
         if file.exists():
@@ -334,15 +331,13 @@ def _consolidate(path: Path, ranges, dim: int, metadata: dict) -> None:
     if missing:
         raise RuntimeError(f"Chunks {missing[:10]} of {path} are missing after every process finished; rerun the same "
                            "command to compute them.")
-    final, tmp = path / TARGETS, path / (TARGETS + ".tmp")
-    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(n, dim))
-    for k, (a, b) in enumerate(ranges):
-        out[a:b] = np.load(chunk_path(path, k), mmap_mode="r")
-    out.flush()
-    del out
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    final = path / TARGETS
+    with atomic_path(final) as tmp:
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(n, dim))
+        for k, (a, b) in enumerate(ranges):
+            out[a:b] = np.load(chunk_path(path, k), mmap_mode="r")
+        out.flush()
+        del out
     metadata["file_bytes"] = final.stat().st_size
     metadata["file_sha256"] = file_sha256(final)
     atomic_write_text(path / METADATA, json.dumps(metadata, indent=1))

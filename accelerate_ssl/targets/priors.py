@@ -37,7 +37,6 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -46,6 +45,7 @@ import torch
 from torch import nn
 
 from ..optional import require
+from ..atomic import atomic_path
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -475,9 +475,8 @@ def save_prior_checkpoint(model: nn.Module, path, arch: str, arch_kwargs: Option
     meta = {"arch": arch, "arch_kwargs": arch_kwargs, "preprocess_config": pre.config, "format": 1}
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(state, str(tmp), metadata={_CHECKPOINT_META_KEY: json.dumps(meta)})
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(state, str(tmp), metadata={_CHECKPOINT_META_KEY: json.dumps(meta)})
     return path
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 from ..atomic import atomic_write_text  # noqa: F401  (re-exported for precompute)
+from ..atomic import atomic_path
 
 METADATA = "metadata.json"
 TARGETS = "targets.npy"
@@ -244,9 +244,8 @@ class TargetStore:
         fitted = TargetPCA.fit(self._array, n, standardize=standardize, block_size=block_size, progress=progress)
         try:
             file.parent.mkdir(exist_ok=True)
-            tmp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
-            save_file(fitted.state_dict(), str(tmp), metadata={"n_components": str(n), "standardize": str(standardize)})
-            os.replace(tmp, file)
+            with atomic_path(file) as tmp:
+                save_file(fitted.state_dict(), str(tmp), metadata={"n_components": str(n), "standardize": str(standardize)})
         except OSError:  # a read-only store still works, the fit is just not cached
             pass
         return fitted
