@@ -380,7 +380,21 @@ def analyse(args, units: dict, ladder_info: dict) -> dict:
                  "weak_views_on_clean_targets_top1": ref.get("budgets", {}).get(b, {}).get("top1"),
                  "online_top1_at_equal_seconds": ref.get("online", {}).get("budgets", {}).get(b, {}).get(
                      "online_top1_at_equal_seconds")}
-    return {"stored_views": views, "plain": {"mean_curve": mean_plain, "per_seed": {str(s): plain[s]["curve"] for s in args.seeds},
+    smallest = min(args.budgets)
+    strongest = max(priors, key=lambda n: priors[n]["probe_top1"])
+    at_smallest = priors[strongest]["budgets"][str(smallest)]
+    goals = {"strongest_prior": strongest,
+             "strongest_prior_at_smallest_budget_reaches_plain_full_budget": {
+                 "budget_steps": smallest, "rela_top1": at_smallest["top1"], "plain_full_budget_top1": plain_full,
+                 "pass": at_smallest["top1"] >= plain_full}}
+    online = [(n, b, p["online"]["budgets"][b]) for n, p in priors.items() if "online" in p for b in p["online"]["budgets"]]
+    if online:
+        goals["rela_step_at_most_0.6x_online_step"] = {
+            f"{n}@{b}": {"ratio": o["step_time_ratio"], "pass": o["step_time_ratio"] <= 0.6} for n, b, o in online}
+        goals["rela_at_least_online_at_equal_wall_clock"] = {
+            f"{n}@{b}": {"rela": o["rela_top1"], "online": o["online_top1_at_equal_seconds"],
+                         "pass": o["rela_top1"] >= o["online_top1_at_equal_seconds"]} for n, b, o in online}
+    return {"goals": goals, "stored_views": views, "plain": {"mean_curve": mean_plain, "per_seed": {str(s): plain[s]["curve"] for s in args.seeds},
                       "full_budget_top1": plain_full},
             "priors": priors}
 
