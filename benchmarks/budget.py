@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prior-steps-cross", type=int, default=300, help="BYOL steps of the digits prior (cached)")
     p.add_argument("--same-prior", choices=("train", "demo"), default="demo",
                    help="same-dataset prior: 'train' = BYOL trained by this study on unlabelled Fashion-MNIST "
-                        "(cached); 'demo' = the demo's shipped prior accelerate_ssl/assets/demo_prior_convnet.safetensors")
+                        "(cached); 'demo' = the demo's default prior (shipped in accelerate_ssl/assets)")
     p.add_argument("--main-schedule", choices=("decay", "switch"), default="switch",
                    help="lambda controller of the main ReLA rows (the other one and constant:0.5 are the ablation)")
     p.add_argument("--rela-views", choices=("byol", "weak"), default="weak",
@@ -174,9 +174,11 @@ def parse_shard(spec: Optional[str]) -> tuple[int, int]:
 
 
 def demo_prior_file() -> Path:
+    """The file of the demo's default prior (a shipped one)."""
+    from accelerate_ssl.demo import DEFAULT_PRIOR
     from accelerate_ssl.targets.priors import shipped_prior_file
 
-    return shipped_prior_file("fashion-mnist-byol")
+    return shipped_prior_file(DEFAULT_PRIOR.split(":", 1)[1])
 
 
 # ---------------------------------------------------------------------------------------------- the grid
