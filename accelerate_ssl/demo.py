@@ -421,6 +421,8 @@ def run(args) -> int:
     n = len(args.seeds)
     print(f"wall time: {result['wall_seconds']:.0f} s, CPU time {result['cpu_seconds']:.0f} s (targets {targets_seconds:.0f} s, "
           f"plain {plain['train_seconds'] * n:.0f} s + ReLA {rela['train_seconds'] * n:.0f} s of training, the rest probes)")
+    print(f"prior {spec}, seeds {' '.join(map(str, args.seeds))}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} CPU threads")
     print(f"wrote {png} and {out / 'demo.json'}")
     return 0
 
