@@ -51,7 +51,7 @@ LADDER: dict[str, tuple[str, str | None, str]] = {
     "random": ("random:convnet", None, "random initialisation (ConvNet 64/128/256, never trained)"),
     "byol-1k": ("shipped:fashion-mnist-byol", "benchmarks/results/train_demo_prior.json",
                 "BYOL, 1000 steps on unlabelled Fashion-MNIST (the shipped default)"),
-    "byol-20k": ("shipped:fashion-mnist-byol-20k", "benchmarks/prior_runs/byol_convnet_long/train.json",
+    "byol-20k": ("shipped:fashion-mnist-byol-20k", "benchmarks/prior_runs/byol_convnet_long/train_20k.json",
                  "BYOL, 20,000 steps on unlabelled Fashion-MNIST"),
     "digits": ("shipped:digits-byol", "benchmarks/prior_runs/digits_byol/train.json",
                "BYOL on scikit-learn digits (other data)"),
