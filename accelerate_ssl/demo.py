@@ -28,10 +28,10 @@ images, student ConvNet 16/32/64; plain BYOL: 77.5 % at 0 and 250 steps, 78.2 % 
 - the transport head fitted by least squares at the first batch (``ReLA(head_init="fit")``, the library
   default): 78.85 -> 79.31 % (seed 0) and 79.20 -> 80.21 % (seed 1) at 250 steps against the papers'
   random head (``--head-init random``), which first spends steps distorting the student's features;
-- schedule ``switch`` (paper 000 App. J) with constants scaled to the budget: lambda stays 1 while
-  the ReLA loss still falls, which it does for the whole 250 steps; ``decay`` (paper 001, scaled)
+- schedule ``switch`` (ReLA v1 App. J) with constants scaled to the budget: lambda stays 1 while
+  the ReLA loss still falls, which it does for the whole 250 steps; ``decay`` (ReLA v2, scaled)
   reached 77.7 %, ``epochs:0.6`` (ReLA then fresh BYOL heads) 77.5 %, lambda = 1 throughout 78.2 %;
-- ``--rela-views weak`` (paper 000's weak views while lambda == 1): same as clean images (78.2 %),
+- ``--rela-views weak`` (ReLA v1's weak views while lambda == 1): same as clean images (78.2 %),
   better than the BYOL views at 125 steps (77.6 vs 77.3 %);
 - ``--components 16``: regressing on the top 16 principal components of the z-scored targets
   instead of 64 lifts ReLA from 78.2 to 78.9 % at 250 steps (the student spends its few steps on
@@ -75,11 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="lambda controller: 'decay', 'switch' (default), 'constant:<lambda>' or 'epochs:<fraction>'; "
                              "decay/switch constants are scaled to --budget")
     parser.add_argument("--rela-views", choices=("byol", "weak", "clean"), default="weak",
-                        help="images while lambda == 1 (ReLA term only): the BYOL views, paper 000's weak views "
+                        help="images while lambda == 1 (ReLA term only): the BYOL views, ReLA v1's weak views "
                              "(resized crop scale 0.5-1 + flip, no colour jitter), or the clean images the targets "
                              "were computed on")
     parser.add_argument("--components", type=int, default=16,
-                        help="PCA components of the targets (paper 001 Eq. 41; default 16); 0: the student feature dim")
+                        help="PCA components of the targets (ReLA v2 Eq. 41; default 16); 0: the student feature dim")
     parser.add_argument("--head-init", choices=("fit", "random"), default="fit",
                         help="ReLA's transport head: least-squares fit at the first batch (default) or random (the papers)")
     parser.add_argument("--seed", "--seeds", dest="seeds", type=int, nargs="+", default=[0],
@@ -93,6 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64], help="student ConvNet block widths (default 16 32 64)")
     parser.add_argument("--probe-epochs", type=int, default=30, help="linear-probe epochs (default 30)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (speed-up, accuracies, seeds, paths) after the table instead of the sentences")
 
 
 def parse_schedule(spec: str, budget: int):
@@ -409,6 +411,15 @@ def run(args) -> int:
     write_png(result, png)
     write_results(out / "demo.json", result)
 
+    if args.json:
+        import json
+
+        print(json.dumps({"speedup": result["speedup"], "rela_top1": result["rela_top1"],
+                          "plain_top1_at_budget": result["plain_top1_at_budget"], "budget": args.budget,
+                          "per_seed": [{"seed": r["seed"], "speedup": r["speedup"]} for r in result["per_seed"]],
+                          "prior": spec, "seeds": args.seeds, "torch": torch.__version__,
+                          "json": str(out / "demo.json"), "png": str(png)}))
+        return 0
     print()
     print(table)
     print()

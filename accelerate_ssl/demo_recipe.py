@@ -39,7 +39,7 @@ class ViewConfig:
 
 
 BYOL_VIEWS = ViewConfig()
-#: paper 000's weak views for the ReLA phase: RandomResizedCrop scale (0.5, 1) + flip, no colour.
+#: ReLA v1's weak views for the ReLA phase: RandomResizedCrop scale (0.5, 1) + flip, no colour.
 WEAK_VIEWS = ViewConfig(scale=(0.5, 1.0), jitter=0.0)
 
 

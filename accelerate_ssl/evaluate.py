@@ -2,7 +2,7 @@
 
 1. :func:`extract_features`: the backbone in eval mode under ``no_grad`` over a dataset/loader, once.
 2. :func:`linear_probe`: features standardised with the *train* mean/std, one ``nn.Linear`` trained with
-   Adam on the precomputed features (papers 000/001: Adam, lr 3e-4; our calibration used lr 1e-3 and
+   Adam on the precomputed features (the ReLA papers: Adam, lr 3e-4; our calibration used lr 1e-3 and
    30 epochs), top-1 accuracy on the test features. Each epoch is a few matmuls, so it is fast on CPU.
 3. :func:`knn_accuracy`: weighted kNN on L2-normalised features (cosine similarity), the common SSL
    practice (InstDisc / DINO): the k nearest train samples vote with weight ``exp(sim / T)``,

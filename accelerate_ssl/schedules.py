@@ -14,8 +14,8 @@ Controllers (see the table in the README):
 =================  =======================================================  =====================
 name               rule                                                     source
 =================  =======================================================  =====================
-``Decay``          continuous 0.8 -> 0 from the ReLA loss plateau           paper 001, App. L, Alg. 1
-``Switch``         lambda 1 until the ReLA loss converges, then 0 for good  paper 000, App. J
+``Decay``          continuous 0.8 -> 0 from the ReLA loss plateau           ReLA v2, App. L, Alg. 1
+``Switch``         lambda 1 until the ReLA loss converges, then 0 for good  ReLA v1, App. J
 ``Constant(lam)``  fixed lambda                                             ablation
 ``Epochs(f, T)``   lambda 1 for the first fraction f of T steps, then 0     authors' ``--rela_conlam``
 =================  =======================================================  =====================
@@ -77,7 +77,7 @@ def _check_loss(loss_rela: Optional[float], name: str) -> float:
 
 
 class Decay(Schedule):
-    """Continuous adaptive lambda, paper 001 App. L, Algorithm 1 (the default controller).
+    """Continuous adaptive lambda, ReLA v2 App. L, Algorithm 1 (the default controller).
 
     State ``l_m = 2.0`` (EMA of the ReLA loss), ``rho_m = 0.0``. Per optimiser step with ReLA loss ``l_c``::
 
@@ -152,7 +152,7 @@ class Decay(Schedule):
 
 
 class Switch(Schedule):
-    """Two-stage switch, paper 000 App. J, Algorithm 1: lambda = 1 (ReLA only), then 0 for good (SSL only).
+    """Two-stage switch, ReLA v1 App. J, Algorithm 1: lambda = 1 (ReLA only), then 0 for good (SSL only).
 
     State ``l_s = 2.0``, ``l_f = 1.0``, ``lambda = 1``. Per optimiser step while lambda == 1, with ReLA loss ``l_c``::
 

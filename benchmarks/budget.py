@@ -2,10 +2,10 @@
 
 Side by side on real Fashion-MNIST, every cell a separate seeded run:
 
-- **Step budgets** (paper 000): 10 / 20 / 50 / 100 % of ``--steps`` optimiser steps; the learning-rate
+- **Step budgets** (ReLA v1): 10 / 20 / 50 / 100 % of ``--steps`` optimiser steps; the learning-rate
   (warm-up + cosine), EMA-momentum (cosine 0.99 -> 1) and lambda schedules (``Decay``/``Switch``
   ``total_steps``) are all set to the cell's own budget.
-- **Data budgets** (paper 001, Eq. 43, Fig. 4a): 10 / 20 % of the training subset per epoch through
+- **Data budgets** (ReLA v2, Eq. 43, Fig. 4a): 10 / 20 % of the training subset per epoch through
   :class:`accelerate_ssl.data.DynamicSubsetSampler` for as many epochs as the full budget has
   (so 10 % data = 10 % of the steps); ``dynamic`` = a fresh subset every epoch, ``static`` = one
   fixed subset for all epochs.
@@ -14,9 +14,9 @@ Side by side on real Fashion-MNIST, every cell a separate seeded run:
   ReLA with a same-dataset prior (default ``--same-prior demo``: the demo's shipped BYOL ConvNet, trained
   on the unlabelled Fashion-MNIST train images; ``train``: a weaker one trained here for 600 steps).
   No prior ever sees a label or a test image.
-- **ReLA recipe** (the demo's, each part measured there): ``Switch`` (paper 000 App. J) for the main
-  rows, ``Decay`` (paper 001 App. L) and ``Constant(0.5)`` as an ablation with the same-dataset prior
-  at two budgets; paper 000's weak views while lambda == 1; 16 PCA components of the targets; the
+- **ReLA recipe** (the demo's, each part measured there): ``Switch`` (ReLA v1 App. J) for the main
+  rows, ``Decay`` (ReLA v2 App. L) and ``Constant(0.5)`` as an ablation with the same-dataset prior
+  at two budgets; ReLA v1's weak views while lambda == 1; 16 PCA components of the targets; the
   transport head fitted by least squares at the first batch (``--head-init random``: the papers'
   random head, which made every ReLA row dip *below* the untrained network at 10-20 % of the steps).
 - **Methods**: BYOL (core grid); ``--grid extended`` adds SimCLR, Barlow Twins, VICReg, SimSiam, MoCo,
@@ -104,10 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--main-schedule", choices=("decay", "switch"), default="switch",
                    help="lambda controller of the main ReLA rows (the other one and constant:0.5 are the ablation)")
     p.add_argument("--rela-views", choices=("byol", "weak"), default="weak",
-                   help="views while lambda == 1 (ReLA term only): the BYOL views, or paper 000's weak views "
+                   help="views while lambda == 1 (ReLA term only): the BYOL views, or ReLA v1's weak views "
                         "(resized crop scale 0.5-1 + flip), as the demo recipe does")
     p.add_argument("--components", type=int, default=16,
-                   help="target PCA components (paper 001 Eq. 41; default 16 as in the demo; 0: the student feature dim)")
+                   help="target PCA components (ReLA v2 Eq. 41; default 16 as in the demo; 0: the student feature dim)")
     p.add_argument("--head-init", choices=("fit", "random"), default="fit",
                    help="ReLA transport head: least-squares fit at the first batch (the library's default) or "
                         "random as in the papers")
@@ -325,7 +325,7 @@ def momentum_at(step: int, total: int, base: float = 0.99) -> float:
 
 def batches(n: int, batch_size: int, fraction: float, subset: str, seed: int, device):
     """Index batches forever: epoch e draws ``DynamicSubsetSampler(n, fraction, seed)`` with ``set_epoch(e)``
-    (``subset='static'``: always epoch 0, one fixed subset; paper 001 Fig. 4a); incomplete batches dropped."""
+    (``subset='static'``: always epoch 0, one fixed subset; ReLA v2 Fig. 4a); incomplete batches dropped."""
     from accelerate_ssl.data import DynamicSubsetSampler
 
     sampler = DynamicSubsetSampler(n, fraction, seed=seed, num_replicas=1, rank=0)
@@ -353,7 +353,7 @@ def train_ssl(args, images: torch.Tensor, steps: int, seed: int, *, method: str 
     """One SSL run on ``images`` (normalised ``[N, 1, H, W]`` on the device): returns the backbone and a log.
 
     With ``targets`` (``[N, d]`` prior embeddings of the clean images) the loss is
-    ``rela.wrap(ssl_loss)`` = ``lambda L_rela + (1 - lambda) L_ssl`` (papers 000/001), the SSL loss given as
+    ``rela.wrap(ssl_loss)`` = ``lambda L_rela + (1 - lambda) L_ssl`` (the ReLA papers), the SSL loss given as
     a callable so ReLA skips it while lambda == 1. ``constant_schedules``: constant lr and momentum
     (prior training, independent of the run length).
     """
@@ -573,7 +573,7 @@ def _write_json(obj, path: Path) -> None:
 def switch_timing(args, data: Data, target_rows: torch.Tensor, n: int) -> dict:
     """Wall time per step of a ReLA-only step (lambda == 1: the SSL loss callable is never called, as in
     Switch's first phase) vs a normal BYOL step, interleaved one by one in one process (same model, same
-    batches), medians over ``n`` steps of each. Paper 000 App. J: "no extra compute"."""
+    batches), medians over ``n`` steps of each. ReLA v1 App. J: "no extra compute"."""
     from accelerate_ssl.demo_recipe import BYOL, BYOL_VIEWS, random_views
     from accelerate_ssl.rela import ReLA
     from accelerate_ssl.schedules import Constant
@@ -651,7 +651,7 @@ def _fmt(agg: dict, rid: str, metric: str = "linear_top1") -> str:
 
 def paper_table(agg: dict, metric: str = "linear_top1", method: str = "byol", main: str = "decay",
                 same_label: str = "F-MNIST BYOL") -> str:
-    """Markdown in the layout of paper 001 Table 2: rows = budget, columns = plain, +ReLA priors, plain full."""
+    """Markdown in the layout of ReLA v2 Table 2: rows = budget, columns = plain, +ReLA priors, plain full."""
     name = method.upper() if method == "byol" else method
     head = (f"| budget | {name} | +ReLA random prior | +ReLA cross-dataset prior (digits) | "
             f"+ReLA same-dataset prior ({same_label}) | {name} full budget |")
@@ -919,7 +919,7 @@ def run(args) -> dict:
     }
     _write_json(result, out_dir / f"{args.name}.json")
     print()
-    print("Linear probe top-1 % (Fashion-MNIST test), paper 001 Table 2 layout:")
+    print("Linear probe top-1 % (Fashion-MNIST test), ReLA v2 Table 2 layout:")
     print(tables["paper001_table2_linear"])
     print()
     print("kNN top-1 %:")

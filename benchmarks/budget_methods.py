@@ -6,7 +6,7 @@ backbone features ``f0``/``f1`` were already computed (so a ReLA-only step, lamb
 heads, the momentum network and the loss: ``rela.wrap(lambda: method.loss_from_features(...))``),
 and ``update_momentum(m)`` (a no-op for methods without a momentum encoder).
 
-Methods (paper 001 Table 4 lists ReLA gains for all of them): BYOL (the core grid; the demo
+Methods (ReLA v2 Table 4 lists ReLA gains for all of them): BYOL (the core grid; the demo
 recipe's :class:`accelerate_ssl.demo_recipe.BYOL`), SimCLR, Barlow Twins, VICReg, SimSiam, MoCo (v2-style,
 momentum key encoder + memory bank), DINO (two global views, momentum teacher). Head sizes are
 scaled down from the papers' ImageNet sizes to the small-image backbones of this study.

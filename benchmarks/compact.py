@@ -1,4 +1,4 @@
-"""Compact self-supervised data sets (paper 002) on Fashion-MNIST at a storage budget of N images.
+"""Compact self-supervised data sets (Yu et al. (2025)) on Fashion-MNIST at a storage budget of N images.
 
 Students pretrained by regression on (a) random real images + teacher targets, (b) KRR-ST (no
 parameterisation), (c) bases only (image and representation bases + coefficients, all trained: paper
@@ -20,7 +20,7 @@ Storage (every row counted the same way, targets included; N = 100 -> 78,400 flo
 and m = 255 (full, three H = 64 approximation nets). The paper's rule U = V = 2N, capped by the
 dimension, gives U = 196 (the whole 14x14 space: a full-rank basis that compresses nothing) and
 V = 128 (= d_y), leaving m = 62 < 85: measured (c) 80.97 +- 0.26 vs (b) 81.48 +- 0.66 with it
-(previous results, H = 4). Paper 002 gives its Random/KMeans rows N images and does not count
+(previous results, H = 4). Yu et al. (2025) gives its Random/KMeans rows N images and does not count
 their targets; here they are counted (budget.pixel_images_for_budget).
 
 Choices and what each measured (single runs on 2 shared, loaded CPU cores; seed-0 student unless
@@ -215,7 +215,7 @@ def demo_prior_teacher() -> Teacher:
 def pretrain_cosine(student, compact, epochs: int, batch_size: int, lr: float, weight_decay: float, seed: int,
                     momentum: float = 0.9, clip_grad_norm: float = 10.0) -> dict:
     """``accelerate_ssl.compact.pretrain`` with the loss ``1 - cos(head(student(x)), y)`` instead of MSE
-    (same optimiser, head, batching, clipping and seeding). A deviation from paper 002's MSE evaluation,
+    (same optimiser, head, batching, clipping and seeding). A deviation from Yu et al. (2025)'s MSE evaluation,
     offered because with 100-524 pairs MSE regression pulls the student's features away from their
     random-init quality before it reaches the teacher's; the direction-only loss is gentler."""
     from torch import nn
@@ -396,7 +396,7 @@ def main(argv=None) -> int:
         "summary_top1": summary,
         "paired_differences": paired,
         "goal_c_gt_b_gt_a": bool(c > b > a),  # the issue's goal, (c) = the full method
-        "parameterised_gt_b_gt_a": bool(cp > b > a),  # paper 002 Table's "+parameterisation" row in its place
+        "parameterised_gt_b_gt_a": bool(cp > b > a),  # Yu et al. (2025) Table's "+parameterisation" row in its place
         "distillation": distill_stats,
         "students": rows,
         "teacher": results["teacher"],

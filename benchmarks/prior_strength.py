@@ -173,7 +173,7 @@ def train_online(recipe, train, probe, teacher, pca, steps: int, checkpoints: li
                  desc: str) -> dict:
     """Online distillation of ``teacher`` into the student: every step the teacher embeds the very view the
     student sees; the student's features go through a linear head (least-squares start, as ReLA's) and
-    are pulled to the PCA-reduced teacher embedding by the cosine loss (paper 001 Eq. 9). Seeds, data order,
+    are pulled to the PCA-reduced teacher embedding by the cosine loss (ReLA v2 Eq. 9). Seeds, data order,
     views and initialisation as in :func:`accelerate_ssl.demo.train_byol`."""
     from torch import nn
     from torch.utils.data import DataLoader

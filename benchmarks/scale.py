@@ -15,7 +15,7 @@ peak resident set (``VmHWM``, which also counts pages of the memory-mapped store
    on a 14.2 M-row store of the same width written directly (a precompute at 14.2 M would take ~11x phase 1's
    1.28 M time, which phase 1 shows is linear), with the store's pages evicted first (``posix_fadvise``) and warm;
    set against one BYOL training step of the demo's ConvNet at batch 256 on 28 px, measured in the same run.
-4. **PCA**: the batch PCA fit (paper 001 App. N, Alg. 2) at 1.28 M and 14.2 M rows: seconds and peak memory.
+4. **PCA**: the batch PCA fit (ReLA v2 App. N, Alg. 2) at 1.28 M and 14.2 M rows: seconds and peak memory.
 """
 
 from __future__ import annotations

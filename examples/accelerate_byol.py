@@ -8,7 +8,7 @@
 What is distributed and how (see accelerate_ssl/integrations/accelerate.py):
 - the targets are precomputed once, sharded across the processes (open_or_precompute -> precompute_targets);
 - ``accelerator.prepare`` wraps model, optimiser and loader; ``rela.track(loader)`` gives ReLA the indices of
-  each process's batches; with ``--fraction`` each epoch trains on a fresh subset (paper 001 Eq. 43),
+  each process's batches; with ``--fraction`` each epoch trains on a fresh subset (ReLA v2 Eq. 43),
   identical on every process and split into per-process batches by accelerate;
 - ReLA averages its head's gradients and its loss across processes: every process has the same lambda;
 - ``accelerator.save_state`` / ``load_state`` checkpoint ReLA (registered with ``register_for_checkpointing``).

@@ -1,4 +1,4 @@
-"""Compact pretraining on Fashion-MNIST (paper 002): teacher -> compact store -> student -> linear probe.
+"""Compact pretraining on Fashion-MNIST (Yu et al. (2025)): teacher -> compact store -> student -> linear probe.
 
 1. Load a teacher: by default the library's shipped BYOL ConvNet (trained on unlabelled
    Fashion-MNIST) through ``load_teacher("checkpoint:<path>")``, which takes any prior checkpoint;

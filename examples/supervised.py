@@ -1,4 +1,4 @@
-"""Supervised training with ReLA (paper 001, App. K): ``loss = rela.wrap(cross_entropy)``.
+"""Supervised training with ReLA (ReLA v2, App. K): ``loss = rela.wrap(cross_entropy)``.
 
 A ConvNet classifier on Fashion-MNIST; ReLA pulls the backbone's features toward a prior model's
 precomputed targets while the cross-entropy takes over as lambda decays.

@@ -36,6 +36,6 @@ __all__ = ["subset_sampler"]
 
 
 def subset_sampler(dataset, fraction: float, seed: int = 0) -> DynamicSubsetSampler:
-    """A :class:`DynamicSubsetSampler` (paper 001, Eq. 43) for a DataLoader that ``accelerator.prepare``
+    """A :class:`DynamicSubsetSampler` (ReLA v2, Eq. 43) for a DataLoader that ``accelerator.prepare``
     will shard: ``num_replicas=1, rank=0``, since accelerate splits the batches across processes."""
     return DynamicSubsetSampler(dataset, fraction, seed=seed, num_replicas=1, rank=0)

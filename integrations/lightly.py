@@ -1,4 +1,4 @@
-"""ReLA in a lightly training loop with one added line (papers 000 / 001; see :mod:`accelerate_ssl.rela`).
+"""ReLA in a lightly training loop with one added line (the ReLA papers; see :mod:`accelerate_ssl.rela`).
 
 lightly's examples build a ``DataLoader`` over a torchvision-style dataset (or a ``LightlyDataset``)
 whose transform makes the views, and a model with a ``backbone``. :func:`attach_rela` takes exactly

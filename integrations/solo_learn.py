@@ -1,4 +1,4 @@
-"""ReLA for solo-learn methods: ``class BYOLReLA(ReLAMixin, BYOL)`` (papers 000 / 001; see :mod:`accelerate_ssl.rela`).
+"""ReLA for solo-learn methods: ``class BYOLReLA(ReLAMixin, BYOL)`` (the ReLA papers; see :mod:`accelerate_ssl.rela`).
 
 solo-learn (github.com/vturrisi/solo-learn) methods are Lightning modules subclassing ``BaseMethod``:
 the optimiser is built only from the ``learnable_params`` property (a list of dicts), batches are

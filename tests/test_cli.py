@@ -16,11 +16,11 @@ def _help(capsys, argv) -> str:
 #: every verb (and sub-verb) -> options its help must list: the shared grammar (--data, --prior, --out, --seed, --json)
 VERBS = {
     ("priors",): ["--json"],
-    ("precompute",): ["--prior", "--weights", "--data", "--out"],
+    ("precompute",): ["--prior", "--weights", "--data", "--out", "--json"],
     ("store",): ["verify"],
     ("store", "verify"): ["--json"],
-    ("demo",): ["--prior", "--out", "--seed"],
-    ("distill",): ["--data", "--seed", "--out"],
+    ("demo",): ["--prior", "--out", "--seed", "--json"],
+    ("distill",): ["--data", "--seed", "--out", "--json"],
     ("compact",): ["distill", "info"],
     ("compact", "distill"): ["--data", "--images", "--seed", "--out"],
     ("compact", "info"): [],

@@ -54,7 +54,7 @@ def test_storage_count_within_budget_and_refusal():
         # m is the largest that fits
         with pytest.raises(StorageBudgetError):
             plan_storage(n, shape, dy, num_augmentations=A, m=plan.m + 1)
-    cifar = plan_storage(100, (3, 32, 32), 512)  # paper 002 Table 5 at CIFAR-100 N = 100: U = V = 200
+    cifar = plan_storage(100, (3, 32, 32), 512)  # Yu et al. (2025) Table 5 at CIFAR-100 N = 100: U = V = 200
     assert (cifar.U, cifar.V, cifar.m) == (200, 200, 114)
     fmnist = plan_storage(100, (1, 28, 28), 64)  # the benchmark's geometry: full-rank 196-dim image basis
     assert (fmnist.U, fmnist.V, fmnist.m) == (196, 64, 131) and fmnist.total_floats <= 100 * 784

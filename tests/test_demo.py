@@ -99,11 +99,14 @@ def test_demo_tiny_end_to_end(tmp_path, capsys, fashion_mnist_available):
     result = _check_outputs(out, capsys.readouterr().out, budget=4, plain_steps=8)
     assert result["targets"]["rows"] == 256
     assert result["settings"]["prior_spec"] == "random:convnet"
-    # a second run re-uses the cached targets and, seeded, measures exactly the same numbers
-    assert cli_main(flags) == 0
+    # a second run re-uses the cached targets and, seeded, measures exactly the same numbers; --json ends the output
+    # with one JSON object holding the speed-up it wrote to demo.json
+    assert cli_main([*flags, "--json"]) == 0
     stdout = capsys.readouterr().out
     assert "targets: re-using" in stdout
     again = json.loads((out / "demo.json").read_text())
+    printed = json.loads(stdout.strip().splitlines()[-1])
+    assert printed["speedup"] == again["speedup"] and printed["rela_top1"] == again["rela_top1"]
     assert [c["top1"] for c in again["rela"]["curve"]] == [c["top1"] for c in result["rela"]["curve"]]
     assert [c["top1"] for c in again["plain"]["curve"]] == [c["top1"] for c in result["plain"]["curve"]]
 

@@ -38,7 +38,7 @@ def test_dwa_step_norms_equal_rho_over_k_and_ascend_the_loss():
     assert len(norms) == k
     for n in norms:
         assert math.isclose(n, rho / k, rel_tol=1e-4)
-    assert float(after) > float(before)  # directed: up the loss of the real batch (paper 003 Eq. 12)
+    assert float(after) > float(before)  # directed: up the loss of the real batch (DWA Eq. 12)
     assert moved <= rho * (1 + 1e-4) and moved > 0.5 * rho
     assert buffers_same
     assert_bit_identical(teacher, saved)  # exact restore

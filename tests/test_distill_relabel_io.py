@@ -149,7 +149,7 @@ def test_warm_start_feature_backbone_gets_a_temporary_head():
     assert r["head"] is None and r["steps"] == 1
 
 
-def test_cli_distill_runs_end_to_end(tmp_path):
+def test_cli_distill_runs_end_to_end(tmp_path, capsys):
     from accelerate_ssl.cli import main
 
     torch.manual_seed(0)
@@ -158,8 +158,11 @@ def test_cli_distill_runs_end_to_end(tmp_path):
     out = tmp_path / "out"
     rc = main(["distill", "--teacher", "resnet_small", "--teacher-weights", str(tmp_path / "t.pt"),
                "--teacher-kwargs", '{"widths": [4, 4, 8]}', "--data", "digits", "--method", "sre2l++", "--ipc", "1",
-               "--iterations", "2", "--out", str(out), "--relabel-epochs", "1", "--no-progress", "--device", "cpu"])
+               "--iterations", "2", "--out", str(out), "--relabel-epochs", "1", "--no-progress", "--device", "cpu",
+               "--json"])
     assert rc == 0
+    printed = json.loads(capsys.readouterr().out)  # --json: one object, nothing else on stdout
+    assert printed["images"] == 10 and printed["method"] == "sre2l++" and printed["soft_labels"].endswith("soft_labels.pt")
     man = json.loads((out / "manifest.json").read_text())
     assert man["num_classes"] == 10 and len(man["files"]) == 10 and (out / "soft_labels.pt").exists()
     assert man["teachers"][0]["spec"].startswith("resnet_small:")

@@ -14,7 +14,7 @@ def _data(n=600, d=24, seed=0):
 
 
 def _full_pca(x: torch.Tensor, n: int, standardize: bool):
-    """Reference: the whole matrix at once (paper 001, Eq. 41), eigh of the full covariance."""
+    """Reference: the whole matrix at once (ReLA v2, Eq. 41), eigh of the full covariance."""
     x = x.to(torch.float64)
     mu = x.mean(0)
     sd = x.std(0, unbiased=True) if standardize else torch.ones(x.shape[1], dtype=torch.float64)

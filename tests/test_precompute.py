@@ -205,9 +205,13 @@ def test_cli_help_bad_dataset_and_run(tmp_path, capsys):
     assert len(store) == len(Digits("test")) and store.dim == 256
     assert store.metadata["command"].startswith("accelerate-ssl precompute --prior random:convnet --data digits")
     assert json.loads((out / "metadata.json").read_text())["prior"]["preprocess"]["channels"] == 1
-    # the verb's former name for --data still works, and gives the same store (already finished: re-used)
+    # the verb's former name for --data still works, and gives the same store (already finished: re-used); --json
+    # prints the store's description as one JSON object
+    capsys.readouterr()
     assert main(["precompute", "--prior", "random:convnet", "--dataset", "digits", "--split", "test", "--out", str(out),
-                 "--batch-size", "64", "--chunk-size", "100", "--no-progress"]) == 0
+                 "--batch-size", "64", "--chunk-size", "100", "--no-progress", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["rows"] == len(store) and printed["dim"] == 256 and printed["file_sha256"] == store.metadata["file_sha256"]
 
 
 def test_a_store_written_before_the_descriptive_fingerprint_fields_is_still_this_computation(tmp_path):

@@ -13,7 +13,7 @@ def _losses(n=6000):
 
 
 def test_decay_matches_paper_001_alg1():
-    # paper 001 App. L, Alg. 1 as printed: l_m=2.0, rho_m=0.0
+    # ReLA v2 App. L, Alg. 1 as printed: l_m=2.0, rho_m=0.0
     l_m, rho_m, expected = 2.0, 0.0, []
     for l_c in _losses():
         rho = math.exp(-max(l_m - l_c, 0) * 40)
@@ -44,7 +44,7 @@ def test_decay_finish_below():
 
 
 def test_switch_matches_paper_000_appJ():
-    # paper 000 App. J: l_s=2.0, l_f=1.0, lambda=1; while lambda == 1: update; exp(-max(l_s-l_f,0)) >= 0.995 -> 0
+    # ReLA v1 App. J: l_s=2.0, l_f=1.0, lambda=1; while lambda == 1: update; exp(-max(l_s-l_f,0)) >= 0.995 -> 0
     l_s, l_f, lam, expected = 2.0, 1.0, 1.0, []
     for l_c in _losses():
         if lam == 1:

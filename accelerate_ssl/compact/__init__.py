@@ -1,4 +1,4 @@
-"""Parameterized compact self-supervised data sets (paper 002; KRR-ST core from Lee et al. 2024).
+"""Parameterized compact self-supervised data sets (Yu et al. (2025); KRR-ST core from Lee et al. 2024).
 
 Distil unlabelled images into image/representation bases + coefficients + approximation nets,
 decode them into (image, target) pairs and pretrain a student on them by regression::

@@ -1,4 +1,4 @@
-"""Approximation networks (paper 002, Sec. 3.3 and Alg. 1 lines 21-23).
+"""Approximation networks (Yu et al. (2025), Sec. 3.3 and Alg. 1 lines 21-23).
 
 One 2-layer perceptron ``Q_a: R^V -> R^V`` (``V -> H -> V``, ReLU) per predefined augmentation,
 fitted after distillation to predict the representation-coefficient shift ``C_a^y - C^y`` from

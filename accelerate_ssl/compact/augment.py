@@ -1,4 +1,4 @@
-"""Predefined differentiable augmentations (paper 002, Sec. 3.3).
+"""Predefined differentiable augmentations (Yu et al. (2025), Sec. 3.3).
 
 Each augmentation ``tau_a`` is a fixed, deterministic, differentiable map of a batch of images
 ``[n, c, h, w] -> [n, c, h, w]``; the synthetic set is distilled on ``{X_s, tau_1(X_s), ...}``

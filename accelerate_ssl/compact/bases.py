@@ -1,4 +1,4 @@
-"""Image and representation bases + coefficients (paper 002, Sec. 3.2; Alg. 2).
+"""Image and representation bases + coefficients (Yu et al. (2025), Sec. 3.2; Alg. 2).
 
 A synthetic set of ``m`` images is stored as coefficients on shared bases:
 ``X_s = D(C^x B^x, s)`` (bilinear upsampling ``D`` by ``s`` of images downscaled by ``s``) and
@@ -49,7 +49,7 @@ def upsample(images: torch.Tensor, scale: int) -> torch.Tensor:
 def pca_basis(rows: torch.Tensor, k: int) -> torch.Tensor:
     """Top-``k`` uncentred principal directions of ``rows`` ``[n, d]`` -> orthonormal ``[k, d]``.
 
-    Paper 002 Sec. 3.2 ("the first U largest principal components"), without centring (see the
+    Yu et al. (2025) Sec. 3.2 ("the first U largest principal components"), without centring (see the
     module docstring). Computed in float64 from the ``d x d`` second-moment matrix; each
     direction's sign is fixed so its largest-magnitude entry is positive (deterministic output).
     """
@@ -74,7 +74,7 @@ def project(rows: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
 
 
 def decode_images(coeffs: torch.Tensor, basis: torch.Tensor, small_shape: Sequence[int], scale: int) -> torch.Tensor:
-    """``X_s = D(C^x B^x, s)`` (paper 002 Alg. 2 line 1) -> ``[m, c, h*s, w*s]``."""
+    """``X_s = D(C^x B^x, s)`` (Yu et al. (2025) Alg. 2 line 1) -> ``[m, c, h*s, w*s]``."""
     c, h, w = small_shape
     if basis.shape[1] != c * h * w:
         raise ValueError(f"image basis rows have {basis.shape[1]} entries but small_shape {tuple(small_shape)} needs {c * h * w}.")
@@ -82,5 +82,5 @@ def decode_images(coeffs: torch.Tensor, basis: torch.Tensor, small_shape: Sequen
 
 
 def decode_targets(coeffs: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """``Y_s = C^y B^y`` (paper 002 Alg. 2 line 3) -> ``[m, d_y]``."""
+    """``Y_s = C^y B^y`` (Yu et al. (2025) Alg. 2 line 3) -> ``[m, d_y]``."""
     return coeffs @ basis

@@ -1,4 +1,4 @@
-"""Storage accounting (paper 002 Sec. 4 "Storage Budget"; App. A.1 Table 5).
+"""Storage accounting (Yu et al. (2025) Sec. 4 "Storage Budget"; App. A.1 Table 5).
 
 A budget of ``N`` images allows ``N * c * h * w`` stored floats. A parameterised compact set
 stores ``B^x (U x d_x^b)``, ``C^x (m x U)``, ``B^y (V x d_y)``, ``C^y (m x V)`` and ``A``
@@ -124,7 +124,7 @@ def pixel_images_for_budget(budget_images: int, image_shape: Sequence[int], targ
                             m: Optional[int] = None, allow_over_budget: bool = False) -> int:
     """Number of pixel images (with their targets) a budget of ``budget_images`` images allows.
 
-    Choice (deviation from paper 002): the paper gives its Random/KMeans baselines "the same number
+    Choice (deviation from Yu et al. (2025)): the paper gives its Random/KMeans baselines "the same number
     of coreset images as the given budget" (Sec. 4, Table 2) and, like KRR-ST, does not count their
     targets, while its own method's count includes the representation bases and coefficients. Here
     every row is counted the same way, targets included: ``m = floor(N c h w / (c h w + target_sets d_y))``

@@ -48,7 +48,7 @@ def load_images(data: str, limit: int | None = None, image_size: int | None = No
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="compact_command", metavar="ACTION")
-    d = sub.add_parser("distill", help="distil unlabelled images into a compact store (paper 002)")
+    d = sub.add_parser("distill", help="distil unlabelled images into a compact store (Yu et al. (2025))")
     d.add_argument("--data", default="fashion-mnist", help="fashion-mnist, digits, or an image folder")
     d.add_argument("--limit", type=int, default=None, help="use only the first N images")
     d.add_argument("--image-size", type=int, default=None, help="resize image-folder images to this size")

@@ -2,7 +2,7 @@
 
 Two kinds:
 
-- ``"basis"`` (paper 002): tensors ``image_basis [U, d_x^b]``, ``image_coeffs [m, U]``,
+- ``"basis"`` (Yu et al. (2025)): tensors ``image_basis [U, d_x^b]``, ``image_coeffs [m, U]``,
   ``target_basis [V, d_y]``, ``target_coeffs [m, V]`` and, per augmentation ``a``, the approximation
   net ``approx.<a>.fc1.weight`` ... (Sec. 3.4). ``decode()`` gives
   ``X~ = {X_s, tau_a(X_s)}`` and ``Y~^Q = {Y_s, Y_s + Q_a(C^y) B^y}`` with ``X_s = D(C^x B^x, s)``,
@@ -79,7 +79,7 @@ class CompactDataset:
     @torch.no_grad()
     def decode(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(images [m (A + 1), c, h, w], targets [m (A + 1), d_y])`` including the augmented pairs
-        (paper 002 Sec. 3.4 / Alg. 2 with ``C_a^y`` replaced by ``C^y + Q_a(C^y)``)."""
+        (Yu et al. (2025) Sec. 3.4 / Alg. 2 with ``C_a^y`` replaced by ``C^y + Q_a(C^y)``)."""
         t = self.tensors
         if self.kind == "pixels":
             x, y = t["images"], t["targets"]

@@ -1,4 +1,4 @@
-"""Resumable compact-set distillation (paper 002 Alg. 1; KRR-ST when ``parameterize=False``).
+"""Resumable compact-set distillation (Yu et al. (2025) Alg. 1; KRR-ST when ``parameterize=False``).
 
 ``distill_compact(real_images, teacher, config)`` -> ``CompactDataset``. Each outer step
 (``Distiller.outer_update``): decode ``(X~, Y~)``, pick a pool model ``j``, compute the KRR outer
@@ -42,7 +42,7 @@ from ..atomic import atomic_path
 
 @dataclass
 class DistillConfig:
-    """Settings of one distillation (defaults: paper 002 App. A.1, CIFAR-100 scale).
+    """Settings of one distillation (defaults: Yu et al. (2025) App. A.1, CIFAR-100 scale).
 
     Where the benchmark measured better values the defaults stay the paper's, because those were measured on one
     setting only (Fashion-MNIST, 28 px, a 128-d teacher, N = 100): there ``U = V = 64`` and ``approx_hidden=64``
@@ -274,7 +274,7 @@ def distill_compact(real_images: torch.Tensor, teacher: Callable[[torch.Tensor],
                     config: Optional[DistillConfig] = None, *, checkpoint: Optional[str | os.PathLike] = None,
                     checkpoint_every: int = 100, progress: bool = True, teacher_description: Optional[dict] = None,
                     **overrides) -> CompactDataset:
-    """Distil ``real_images`` into a compact set (paper 002 Alg. 1); ``overrides`` set ``DistillConfig`` fields.
+    """Distil ``real_images`` into a compact set (Yu et al. (2025) Alg. 1); ``overrides`` set ``DistillConfig`` fields.
 
     With ``checkpoint`` set, an existing checkpoint is resumed and progress is saved every
     ``checkpoint_every`` steps.

@@ -1,6 +1,6 @@
-"""KRR-ST core (Lee et al., ICLR 2024, as used by paper 002 Sec. 3.1 / 3.4 and Alg. 1).
+"""KRR-ST core (Lee et al., ICLR 2024, as used by Yu et al. (2025) Sec. 3.1 / 3.4 and Alg. 1).
 
-- ``krr_predict``: the closed-form last layer of paper 002 Eq. 3 in its dual form,
+- ``krr_predict``: the closed-form last layer of Yu et al. (2025) Eq. 3 in its dual form,
   ``f_t f_s^T (K_ss + lambda I)^{-1} Y_s`` with a column of ones appended to the features (bias).
 - ``krr_predict_primal``: the same predictor in primal form (for checking; tests show they agree).
 - ``outer_loss``: MSE between the KRR prediction on a real batch and the teacher's targets (Eq. 3).
@@ -28,7 +28,7 @@ def _with_bias(features: torch.Tensor) -> torch.Tensor:
 
 
 def krr_predict(f_s: torch.Tensor, y_s: torch.Tensor, f_t: torch.Tensor, reg: float = 1e-6) -> torch.Tensor:
-    """Dual KRR prediction on ``f_t`` after fitting ``(f_s, y_s)`` (paper 002 Eq. 3).
+    """Dual KRR prediction on ``f_t`` after fitting ``(f_s, y_s)`` (Yu et al. (2025) Eq. 3).
 
     ``phi = [f, 1]``; ``K_ss = phi_s phi_s^T``; ``lambda = reg * trace(K_ss)``;
     returns ``phi_t phi_s^T (K_ss + lambda I_m)^{-1} Y_s``.
@@ -57,7 +57,7 @@ def krr_predict_primal(f_s: torch.Tensor, y_s: torch.Tensor, f_t: torch.Tensor, 
 
 def outer_loss(feature_fn: Callable[[torch.Tensor], torch.Tensor], x_s: torch.Tensor, y_s: torch.Tensor,
                x_t: torch.Tensor, y_t: torch.Tensor, reg: float = 1e-6) -> torch.Tensor:
-    """``L_outer`` (paper 002 Eq. 3) as a mean squared error: features of the real batch ``x_t`` are
+    """``L_outer`` (Yu et al. (2025) Eq. 3) as a mean squared error: features of the real batch ``x_t`` are
     computed without gradient; gradients flow to ``x_s`` and ``y_s`` only through the solve."""
     f_s = feature_fn(x_s)
     with torch.no_grad():
@@ -79,7 +79,7 @@ class PoolModel(nn.Module):
 
 def default_pool_factory(in_channels: int, target_dim: int, width: int = 128, depth: int = 3) -> Callable[[], PoolModel]:
     """The paper's inner model: ``depth`` blocks conv3x3-BatchNorm-ReLU-avgpool of ``width`` channels
-    (paper 002 App. A.1: depth 3 at 32 px), plus a linear head."""
+    (Yu et al. (2025) App. A.1: depth 3 at 32 px), plus a linear head."""
     from ..backbones import ConvNet
 
     def factory() -> PoolModel:
@@ -90,7 +90,7 @@ def default_pool_factory(in_channels: int, target_dim: int, width: int = 128, de
 
 
 class ModelPool:
-    """The KRR-ST model pool ``M = {(g_l, z_l)}`` (paper 002 Alg. 1 lines 4-6, 13-19).
+    """The KRR-ST model pool ``M = {(g_l, z_l)}`` (Yu et al. (2025) Alg. 1 lines 4-6, 13-19).
 
     Args:
         factory: builds a fresh ``PoolModel`` (called under a seeded RNG, so resets are reproducible).
@@ -144,7 +144,7 @@ class ModelPool:
     def _sgd_step(model: PoolModel, opt: torch.optim.Optimizer, x_s: torch.Tensor, y_s: torch.Tensor) -> float:
         model.train()
         opt.zero_grad(set_to_none=True)
-        loss = F.mse_loss(model(x_s), y_s)  # L_inner, paper 002 Eq. 2
+        loss = F.mse_loss(model(x_s), y_s)  # L_inner, Yu et al. (2025) Eq. 2
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)  # leave no gradients behind on pool models

@@ -1,4 +1,4 @@
-"""Regression pretraining of a student on a compact set (paper 002 Sec. 3.4 / App. A.1 evaluation).
+"""Regression pretraining of a student on a compact set (Yu et al. (2025) Sec. 3.4 / App. A.1 evaluation).
 
 ``pretrain(student, compact)`` trains ``student`` (any module mapping images to flat features) plus a
 linear regression head onto the decoded targets by MSE, then drops the head: the student is the

@@ -1,7 +1,7 @@
-"""The trainable synthetic set during distillation: parameterised (paper 002) or raw pixels (KRR-ST).
+"""The trainable synthetic set during distillation: parameterised (Yu et al. (2025)) or raw pixels (KRR-ST).
 
 Both expose ``pairs()`` -> ``(X~, Y~)`` (differentiable in every trained tensor), built as in
-paper 002 Alg. 2, and ``tensors()`` for the store.
+Yu et al. (2025) Alg. 2, and ``tensors()`` for the store.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def _batched(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch_
 
 
 class BasisSynthetic(nn.Module):
-    """``B^x, C^x, B^y, C^y, {C_a^y}`` (paper 002 Sec. 3.2-3.3), all trained.
+    """``B^x, C^x, B^y, C^y, {C_a^y}`` (Yu et al. (2025) Sec. 3.2-3.3), all trained.
 
     Build with ``from_real``: ``B^x`` = top-U uncentred PCs of the downscaled real images, ``C^x``
     their projection for ``m`` random real images; ``B^y`` = top-V PCs of the teacher features,

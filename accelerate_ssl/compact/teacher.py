@@ -1,4 +1,4 @@
-"""Teachers for compact-set distillation (paper 002 Alg. 1 line 1: "optimize a teacher with the SSL
+"""Teachers for compact-set distillation (Yu et al. (2025) Alg. 1 line 1: "optimize a teacher with the SSL
 objective on X_t").
 
 Three sources:

@@ -1,4 +1,4 @@
-"""Dynamic per-epoch data subset (paper 001, Eq. 43): a fresh random fraction of the data every epoch.
+"""Dynamic per-epoch data subset (ReLA v2, Eq. 43): a fresh random fraction of the data every epoch.
 
 "ReLA with 10 % data" means each epoch k trains on a fresh random subset S_k with
 ``|S_k| = round(fraction * |D|)``. Eq. 43 writes it as keeping each sample with probability
@@ -34,7 +34,7 @@ def _dist_info(num_replicas: Optional[int], rank: Optional[int]) -> tuple[int, i
 
 
 class DynamicSubsetSampler(Sampler[int]):
-    """Each epoch, a fresh random ``fraction`` of the dataset in random order (paper 001, Eq. 43).
+    """Each epoch, a fresh random ``fraction`` of the dataset in random order (ReLA v2, Eq. 43).
 
     The subset of epoch ``e`` is ``randperm(N, generator=seed + e)[:round(fraction * N)]``: identical on
     every process (same seed), then padded to a multiple of ``num_replicas`` by repeating its first

@@ -44,7 +44,7 @@ class StoredViews:
 
     Args:
         k: views stored per image (1: the clean image only).
-        scale: range of the crop's area as a fraction of the image (paper 000's weak views: 0.5-1).
+        scale: range of the crop's area as a fraction of the image (ReLA v1's weak views: 0.5-1).
         ratio: range of the crop's aspect ratio (width / height), sampled log-uniformly.
         flip: probability of a horizontal flip.
         seed: the seed every view's parameters derive from.

@@ -42,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also store FKD-style soft labels for this many epochs (soft_labels.pt in --out)")
     parser.add_argument("--relabel-batch-size", type=int, default=16)
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (images, output folder, timings) at the end")
 
 
 def load_teacher(spec: str, weights: str | None = None, kwargs: dict | None = None) -> torch.nn.Module:
@@ -114,10 +115,17 @@ def run(args: argparse.Namespace) -> int:
     distilled = synthesize(teachers if n > 1 else teachers[0], method=args.method, ipc=args.ipc, real=data, mean=mean,
                            std=std, class_names=getattr(data, "classes", None), out_dir=args.out, seed=args.seed,
                            teacher_spec=specs, device=args.device, progress=not args.no_progress, **hparams)
-    print(f"wrote {len(distilled)} images ({distilled.manifest['seconds_per_image']:.3f} s/image) to {args.out}")
+    say = (lambda *a: None) if args.json else print
+    say(f"wrote {len(distilled)} images ({distilled.manifest['seconds_per_image']:.3f} s/image) to {args.out}")
+    soft_labels = None
     if args.relabel_epochs > 0:
         store = SoftLabelStore.build(distilled, teachers, epochs=args.relabel_epochs, batch_size=args.relabel_batch_size,
                                      seed=args.seed, progress=not args.no_progress)
-        store.save(Path(args.out) / "soft_labels.pt")
-        print(f"wrote soft labels for {args.relabel_epochs} epoch(s) to {Path(args.out) / 'soft_labels.pt'}")
+        soft_labels = Path(args.out) / "soft_labels.pt"
+        store.save(soft_labels)
+        say(f"wrote soft labels for {args.relabel_epochs} epoch(s) to {soft_labels}")
+    if args.json:
+        print(json.dumps({"out": str(args.out), "images": len(distilled), "method": args.method,
+                          "seconds_per_image": distilled.manifest["seconds_per_image"],
+                          "soft_labels": None if soft_labels is None else str(soft_labels)}))
     return 0

@@ -1,4 +1,4 @@
-"""DWA: Diversity-driven synthesis with Directed Weight Adjustment (paper 003, Alg. 1, Eq. 12 and Eq. 16).
+"""DWA: Diversity-driven synthesis with Directed Weight Adjustment (DWA, Alg. 1, Eq. 12 and Eq. 16).
 
 Before each synthetic batch is optimised, the teacher's weights are moved *up* the loss of the batch's
 real initialisation images ``B`` (Alg. 1 lines 6-9)::
@@ -30,7 +30,7 @@ from .recover import BatchAugment, RecoverConfig, autocast_context, recover_batc
 
 @dataclass
 class DWAConfig(RecoverConfig):
-    """Recover settings plus the perturbation (paper 003 Table 6: r_var 11, K 12, rho 15e-3, real init).
+    """Recover settings plus the perturbation (DWA Table 6: r_var 11, K 12, rho 15e-3, real init).
 
     Args:
         rho: total norm of the directed weight adjustment.
@@ -45,7 +45,7 @@ class DWAConfig(RecoverConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.init != "real":
-            raise ValueError("DWA initialises from real images (paper 003 Alg. 1 line 4); pass init='real' or use method 'sre2l'.")
+            raise ValueError("DWA initialises from real images (DWA Alg. 1 line 4); pass init='real' or use method 'sre2l'.")
         if self.batch_group != 1:
             raise ValueError("DWA perturbs the teacher separately for every batch, so batches cannot share a teacher "
                              f"call; pass batch_group=1 (got {self.batch_group}).")
@@ -66,7 +66,7 @@ def restored(model: nn.Module) -> Iterator[None]:
 
 def directed_weight_perturbation(teacher: nn.Module, x_real: torch.Tensor, labels: torch.Tensor, rho: float,
                                  steps: int, precision: str = "fp32") -> list[float]:
-    """Apply paper 003 Eq. 12 (Alg. 1 lines 7-8) to ``teacher`` in place; returns the global L2 norm of each
+    """Apply DWA Eq. 12 (Alg. 1 lines 7-8) to ``teacher`` in place; returns the global L2 norm of each
     of the K weight steps (each ``rho / K`` up to float rounding). The caller restores the weights
     (:func:`restored`). ``x_real`` is the (already augmented) real batch."""
     params = [p for p in teacher.parameters()]

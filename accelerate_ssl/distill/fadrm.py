@@ -1,4 +1,4 @@
-"""FADRM: data residual matching with multi-resolution optimisation and mixed precision (paper 004, Alg. 1).
+"""FADRM: data residual matching with multi-resolution optimisation and mixed precision (FADRM, Alg. 1).
 
 A budget of ``B`` recover steps is split into ``k + 1`` segments of ``b = floor(B / (k + 1))`` steps (the last
 one takes the remainder ``B - k b``). After each of the first ``k`` segments the pixels are detached,
@@ -44,7 +44,7 @@ from .recover import BatchAugment, BNStatistics, RecoverConfig, StepState, optim
 
 @dataclass
 class FADRMConfig(RecoverConfig):
-    """Recover settings plus residual matching (paper 004 defaults: B = 2000, k = 3, alpha = 0.5,
+    """Recover settings plus residual matching (FADRM defaults: B = 2000, k = 3, alpha = 0.5,
     D_ds = 200 at 224 px; no MRO at 32/64 px).
 
     Args:
@@ -62,7 +62,7 @@ class FADRMConfig(RecoverConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.init != "real":
-            raise ValueError("FADRM initialises from real patches (paper 004 Alg. 1 line 3); pass init='real'.")
+            raise ValueError("FADRM initialises from real patches (FADRM Alg. 1 line 3); pass init='real'.")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must lie in [0, 1], got {self.alpha}.")
         if self.injections < 0:
@@ -82,7 +82,7 @@ class Segment:
 
 
 def segment_schedule(budget: int, injections: int, size: int, ds_size: Optional[int] = None) -> list[Segment]:
-    """Paper 004 Alg. 1: ``k`` segments of ``b = floor(B/(k+1))`` steps each followed by an injection, then
+    """FADRM Alg. 1: ``k`` segments of ``b = floor(B/(k+1))`` steps each followed by an injection, then
     ``B - k b`` steps without; with MRO the resolution starts at ``ds_size`` and alternates."""
     if injections < 0 or budget < injections + 1:
         raise ValueError(f"need budget >= k + 1 and k >= 0, got budget={budget}, k={injections}.")
@@ -96,7 +96,7 @@ def segment_schedule(budget: int, injections: int, size: int, ds_size: Optional[
 
 
 def mro_cost_ratio(budget: int, injections: int, ds_size: int, size: int) -> float:
-    """Paper 004 Eq. 8: ``1 - (b/B) * ceil(k/2) * (1 - (D_ds/D_orig)^2)`` (0.899 for (2000, 3, 200, 224))."""
+    """FADRM Eq. 8: ``1 - (b/B) * ceil(k/2) * (1 - (D_ds/D_orig)^2)`` (0.899 for (2000, 3, 200, 224))."""
     b = budget // (injections + 1)
     return 1.0 - (b / budget) * math.ceil(injections / 2) * (1.0 - (ds_size / size) ** 2)
 

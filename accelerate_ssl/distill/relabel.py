@@ -1,12 +1,12 @@
 """Relabelling and student training on a distilled set: online KD and an FKD-style soft-label store.
 
-Student loss (SRe2L / DWA paper 003 App. A.2 / FADRM paper 004): ``KL(softmax(t / T) || softmax(s / T))``
+Student loss (SRe2L / DWA DWA App. A.2 / FADRM FADRM): ``KL(softmax(t / T) || softmax(s / T))``
 with ``batchmean`` reduction (as the authors' code: no ``T^2`` factor), AdamW (lr 1e-3, wd 0.01), cosine
 schedule; teachers in eval mode. Every batch gets a per-image RandomResizedCrop + flip and then CutMix or
 mixup (mixing ratio from Beta(1, 1)); the teacher labels the *augmented, mixed* image, so no label mixing is
 needed. With several teachers the soft label is the mean of their logits (FADRM+).
 
-The FKD-style :class:`SoftLabelStore` (paper 004 "relabel") records, per epoch and batch, the sample
+The FKD-style :class:`SoftLabelStore` (FADRM "relabel") records, per epoch and batch, the sample
 indices, crop boxes, flips, mixing parameters and the fp16 teacher logits; training replays exactly the
 stored augmentation (:meth:`SoftLabelStore.replay`) instead of running the teacher again. Online KD draws
 the same parameters from the same seeds, so both paths see identical images.
@@ -31,7 +31,7 @@ MIXES = ("cutmix", "mixup", "none")
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``KL(softmax(t/T) || softmax(s/T))``, batchmean (paper 003 App. A.2); 0 for identical logits."""
+    """``KL(softmax(t/T) || softmax(s/T))``, batchmean (DWA App. A.2); 0 for identical logits."""
     log_p_s = F.log_softmax(student_logits.float() / temperature, dim=1)
     log_p_t = F.log_softmax(teacher_logits.float() / temperature, dim=1)
     return F.kl_div(log_p_s, log_p_t, reduction="batchmean", log_target=True)
@@ -104,7 +104,7 @@ class SoftLabelStore:
     def build(cls, distilled, teachers: nn.Module | Sequence[nn.Module], *, epochs: int, batch_size: int = 16,
               seed: int = 0, crop_scale=(0.08, 1.0), flip: bool = True, mix: str = "cutmix",
               progress: bool = True) -> "SoftLabelStore":
-        """Label ``epochs`` passes over ``distilled`` (paper 004 relabel; batch 16 by default)."""
+        """Label ``epochs`` passes over ``distilled`` (FADRM relabel; batch 16 by default)."""
         from tqdm.auto import tqdm
 
         distilled = as_distilled_set(distilled)
@@ -153,7 +153,7 @@ def train_student(student: nn.Module, distilled, *, teachers: nn.Module | Sequen
                   lr: float = 1e-3, weight_decay: float = 0.01, temperature: float = 20.0, mix: str = "cutmix",
                   crop_scale=(0.08, 1.0), seed: int = 0, head: Optional[nn.Module] = None,
                   input_map=None, progress: bool = True) -> dict:
-    """Train ``student`` on a distilled set (DWA paper 003 App. A.2 / FADRM paper 004 validation protocol).
+    """Train ``student`` on a distilled set (DWA DWA App. A.2 / FADRM FADRM validation protocol).
 
     Exactly one label source: ``soft_labels`` (FKD replay), ``teachers`` (online KD, mean logits of several),
     or neither (cross-entropy on the hard labels with the same augmentation, mixing disabled).

@@ -112,7 +112,7 @@ def real_image(real, index: int) -> torch.Tensor:
 
 
 def select_real(labels: torch.Tensor, classes: Sequence[int], ipc: int, seed: int) -> dict[int, list[int]]:
-    """``ipc`` distinct random real indices per class (paper 003 Alg. 1 line 4: none reused)."""
+    """``ipc`` distinct random real indices per class (DWA Alg. 1 line 4: none reused)."""
     chosen = {}
     for c in classes:
         idx = torch.nonzero(labels == c).flatten()
@@ -162,8 +162,8 @@ def synthesize(
 
     Args:
         teacher: classifier(s) taking the *normalised* input ``(x01 - mean) / std`` and returning logits.
-        method: ``"sre2l"`` (noise init), ``"sre2l++"`` (real init), ``"dwa"`` (paper 003), ``"fadrm"``,
-            ``"fadrm+"`` (paper 004; 2+ teachers round-robin).
+        method: ``"sre2l"`` (noise init), ``"sre2l++"`` (real init), ``"dwa"`` (DWA), ``"fadrm"``,
+            ``"fadrm+"`` (FADRM; 2+ teachers round-robin).
         real: real images for initialisation: a data set of ``(PIL/tensor image in [0,1], label)`` (e.g.
             ``accelerate_ssl.data.FashionMNIST()``) or ``(images [N,C,H,W] in [0,1] or uint8, labels)``.
             Required by every method except ``"sre2l"``.

@@ -1,14 +1,14 @@
-"""ReLA in any training loop: ``loss = rela.wrap(ssl_loss)`` (papers 000 and 001).
+"""ReLA in any training loop: ``loss = rela.wrap(ssl_loss)`` (the ReLA papers).
 
 A frozen prior model embedded every training sample once (a :class:`~accelerate_ssl.TargetStore`).
 During training the student backbone's features ``phi(x)`` go through a trained linear transport head
 and are pulled toward the sample's (PCA-reduced, standardised) target ``y`` by a cosine loss, mixed
-with the user's loss (paper 001 Eq. 9 / paper 000 Eq. 9)::
+with the user's loss (ReLA v2 Eq. 9 / ReLA v1 Eq. 9)::
 
     L = lambda * L_rela + (1 - lambda) * L_user,     L_rela = 1 - cos(W phi(x) + b, y)
 
 with lambda driven by a controller from :mod:`accelerate_ssl.schedules` (default :class:`Decay`,
-paper 001 App. L Alg. 1).
+ReLA v2 App. L Alg. 1).
 
 Usage (plain PyTorch; lightly's BYOL example plus two lines)::
 
@@ -51,7 +51,7 @@ What ReLA does behind those two lines:
   ``lambda == 1`` -> a callable ``loss`` is never called) and whether the ReLA term is (``finished``:
   ``wrap`` returns your loss unchanged and feature capture stops).
 - **Targets** are looked up by index, reduced by the store's batch PCA with z-scoring first
-  (paper 001 Eq. 41: ``V_n^T (y - mu) / sigma``) on the features' device (``targets_on_device=True``
+  (ReLA v2 Eq. 41: ``V_n^T (y - mu) / sigma``) on the features' device (``targets_on_device=True``
   keeps the reduced table there).
 - **Precision**: under ``torch.autocast`` (bf16 or fp16, with or without a ``GradScaler``) the student runs
   in the autocast dtype and the rest in float32: the head (its least-squares fit solves normal equations,

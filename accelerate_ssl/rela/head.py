@@ -1,4 +1,4 @@
-"""The transport head (paper 000 Eq. 9 / paper 001 Eq. 9) and who trains it.
+"""The transport head (ReLA v1 Eq. 9 / ReLA v2 Eq. 9) and who trains it.
 
 ``W phi(x) + b``: a linear map from the student's features to the (reduced) target space, trained with
 the student. It starts either from the ridge-regression fit on the first batch (:func:`fit_transport_head`,
@@ -30,7 +30,7 @@ def full_precision(device: torch.device):
 
 
 def rela_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``mean(1 - cos(prediction, target))`` over rows, computed in float32 (paper 001 Eq. 9)."""
+    """``mean(1 - cos(prediction, target))`` over rows, computed in float32 (ReLA v2 Eq. 9)."""
     with full_precision(prediction.device):
         cos = F.cosine_similarity(prediction.float(), target.float(), dim=1, eps=1e-8)
         return (1.0 - cos).mean()
@@ -41,7 +41,7 @@ def fit_transport_head(head: nn.Linear, features: torch.Tensor, target: torch.Te
                        distributed: bool = False) -> None:
     """Set ``head`` to the ridge-regression map from ``features`` to the unit-normalised ``target`` rows.
 
-    The transport head of paper 000 Eq. 9 / paper 001 Eq. 9 is a linear map trained from random
+    The transport head of ReLA v1 Eq. 9 / ReLA v2 Eq. 9 is a linear map trained from random
     initialisation (and the authors' code never trains it at all). A random head makes the first
     gradients that reach the student point in arbitrary directions of the target space; starting
     from the closed-form least-squares map for the student's *current* features instead lets those

@@ -1,6 +1,6 @@
 """Targets of a batch: opening the store, looking rows up by sample index, refusing placeholder indexes.
 
-Targets are looked up by index and reduced by the store's batch PCA with z-scoring first (paper 001
+Targets are looked up by index and reduced by the store's batch PCA with z-scoring first (ReLA v2
 Eq. 41: ``V_n^T (y - mu) / sigma``) on the features' device; ``targets_on_device=True`` keeps the whole
 reduced table there, so a lookup is a device gather that never waits for the host.
 """

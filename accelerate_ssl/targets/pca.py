@@ -1,4 +1,4 @@
-"""Batch PCA reduction and standardisation of targets (paper 001, Eq. 41 and App. N, Alg. 2).
+"""Batch PCA reduction and standardisation of targets (ReLA v2, Eq. 41 and App. N, Alg. 2).
 
 Eq. 41: ``R' = V_n^T ((R - mu) / sigma)`` with ``V Lambda V^T`` the eigendecomposition of the
 covariance ``(R - mu)^T (R - mu) / (N - 1)``. Alg. 2 computes that covariance by streaming over row
@@ -48,7 +48,7 @@ def canonical_signs(vectors: torch.Tensor) -> torch.Tensor:
 
 
 class TargetPCA:
-    """Fitted reduction ``x -> ((x - mean) / scale) @ components`` (paper 001, Eq. 41).
+    """Fitted reduction ``x -> ((x - mean) / scale) @ components`` (ReLA v2, Eq. 41).
 
     Attributes: ``mean`` [d], ``scale`` [d] (column std, or ones when not standardising),
     ``components`` [d, n] (descending eigenvalues, canonical signs), ``eigenvalues`` [n],
@@ -77,7 +77,7 @@ class TargetPCA:
     def fit(cls, data, n_components: Optional[int] = None, standardize: bool = True, block_size: int = 4096,
             progress: bool = False) -> "TargetPCA":
         """Batch PCA over the rows of ``data`` (array-like ``[N, d]``: numpy memmap, ndarray or tensor),
-        read ``block_size`` rows at a time (paper 001, App. N, Alg. 2)."""
+        read ``block_size`` rows at a time (ReLA v2, App. N, Alg. 2)."""
         n, d = int(data.shape[0]), int(data.shape[1])
         if n < 2:
             raise ValueError(f"PCA needs at least 2 rows, got {n}; precompute targets for more samples.")

@@ -1,4 +1,4 @@
-"""Run a prior over a dataset once and write a TargetStore (ReLA-D targets; paper 001, Sec. 4).
+"""Run a prior over a dataset once and write a TargetStore (ReLA-D targets; ReLA v2, Sec. 4).
 
 ``precompute_targets(prior, dataset, path)``: eval + ``torch.inference_mode``, dataset order, batched,
 tqdm progress, optional fp16/bf16 autocast (rows are stored as float32).
@@ -419,6 +419,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="rows per resumable chunk file")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (path, rows, dim, prior, sha256) instead of the sentence")
 
 
 def build_dataset(name: str, split: str = "train", data_root: Optional[str] = None, limit: Optional[int] = None,
@@ -480,7 +482,11 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, TypeError) as err:
         print(f"accelerate-ssl precompute: error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {store.path}: {len(store)} rows x {store.dim} ({prior.spec}, {args.precision})")
+    if args.json:
+        print(json.dumps({"path": str(store.path), "rows": len(store), "dim": store.dim, "prior": prior.spec,
+                          "precision": args.precision, "file_sha256": store.metadata.get("file_sha256")}))
+    else:
+        print(f"wrote {store.path}: {len(store)} rows x {store.dim} ({prior.spec}, {args.precision})")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Prior models for ReLA-D targets: a registry of frozen feature extractors, each with its own preprocessing.
 
-A *prior* (paper 001, Sec. 4 / ReLA-D) is any frozen network psi whose pooled features become the
+A *prior* (ReLA v2, Sec. 4 / ReLA-D) is any frozen network psi whose pooled features become the
 per-sample targets. ``create_prior(spec)`` builds one from a readable spec, one grammar for Python
 and every CLI verb (``--prior SPEC [--weights FILE]``):
 

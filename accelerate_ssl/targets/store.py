@@ -227,7 +227,7 @@ class TargetStore:
     # ------------------------------------------------------------------ PCA
     def pca(self, n_components: Optional[int] = None, standardize: bool = True, block_size: int = 4096,
             progress: bool = False):
-        """Batch PCA of the stored rows (paper 001, Eq. 41, App. N Alg. 2): loaded from ``pca/`` when fitted
+        """Batch PCA of the stored rows (ReLA v2, Eq. 41, App. N Alg. 2): loaded from ``pca/`` when fitted
         before with the same settings, else fitted over the memory-mapped rows and saved there atomically."""
         from safetensors.torch import load_file, save_file
 
