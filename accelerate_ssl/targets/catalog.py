@@ -25,7 +25,12 @@ RECOMMENDED: list[tuple[str, str, Optional[str]]] = [
     ("torchvision:resnet50/IMAGENET1K_V2", "ResNet-50, supervised on ImageNet-1k",
      "BSD-3-Clause (torchvision); ImageNet terms of use"),
     ("timm:resnet50.a1_in1k", "ResNet-50 (timm A1 recipe), supervised on ImageNet-1k", None),
-    ("shipped:fashion-mnist-byol", "BYOL ConvNet, unlabelled Fashion-MNIST (ships with the package)", "Apache-2.0"),
+    # the priors that ship with the package (ConvNets for 28 px grayscale images such as Fashion-MNIST)
+    ("shipped:fashion-mnist-byol-20k", "BYOL ConvNet, unlabelled Fashion-MNIST, 20,000 steps (ships; demo default)",
+     "Apache-2.0"),
+    ("shipped:fashion-mnist-byol", "BYOL ConvNet, unlabelled Fashion-MNIST, 1000 steps (ships)", "Apache-2.0"),
+    ("shipped:digits-byol", "BYOL ConvNet, unlabelled scikit-learn digits: other data (ships)", "Apache-2.0"),
+    ("shipped:fashion-mnist-supervised", "ConvNet trained WITH the Fashion-MNIST labels (ships)", "Apache-2.0"),
 ]
 
 
