@@ -20,7 +20,7 @@ VERBS = {
     ("store",): ["verify"],
     ("store", "verify"): ["--json"],
     ("demo",): ["--prior", "--out", "--seed", "--json"],
-    ("distill",): ["--data", "--seed", "--out", "--json"],
+    ("distill",): ["--data", "--weights", "--seed", "--out", "--json"],
     ("compact",): ["distill", "info"],
     ("compact", "distill"): ["--data", "--images", "--seed", "--out"],
     ("compact", "info"): [],

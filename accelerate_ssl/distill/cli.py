@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--teacher", action="append", required=True,
                         help="resnet_small | torchvision:<arch> | torchscript:<file>; repeat for several teachers (fadrm+)")
-    parser.add_argument("--teacher-weights", action="append", default=[], help="local state_dict file per teacher (same order)")
+    parser.add_argument("--teacher-weights", "--weights", dest="teacher_weights", action="append", default=[],
+                        help="local state_dict file per teacher (same order); --weights as on the other verbs")
     parser.add_argument("--teacher-kwargs", action="append", default=[], help="JSON constructor arguments per teacher")
     parser.add_argument("--data", default="fashion-mnist",
                         help="real images for initialisation: fashion-mnist | digits | folder:<path> (class sub-folders)")
