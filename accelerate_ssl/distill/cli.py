@@ -2,12 +2,12 @@
 
 Example::
 
-    accelerate-ssl distill --teacher resnet_small --teacher-weights teacher.pt --data fashion-mnist \\
+    accelerate-ssl distill --teacher resnet_small --weights teacher.pt --data fashion-mnist \\
         --method dwa --ipc 10 --iterations 1000 --out distilled/ [--relabel-epochs 20]
 
 Teachers: ``resnet_small`` (accelerate_ssl.backbones, ``--teacher-kwargs`` JSON for its arguments),
 ``torchvision:<arch>`` (e.g. resnet18, ``num_classes`` via ``--teacher-kwargs``), or ``torchscript:<file>``;
-``--teacher-weights`` is a local state_dict file. Repeat ``--teacher`` (and ``--teacher-weights``) for FADRM+.
+``--weights`` (or ``--teacher-weights``) is a local state_dict file. Repeat ``--teacher`` (and ``--weights``) for FADRM+.
 """
 
 from __future__ import annotations
