@@ -67,27 +67,18 @@ def _atomic_torch_save(obj, path: Path) -> None:
         torch.save(obj, tmp)
 
 
-@torch.no_grad()
 def probe_accuracy(backbone, train_x, train_y, test_x, test_y, epochs: int = 30, seed: int = 0) -> float:
-    """Linear probe (standardised frozen features, Adam 1e-3, minibatch 256) -> test top-1 %."""
+    """Linear probe on frozen features (:func:`accelerate_ssl.evaluate.linear_probe`: standardised, Adam 1e-3,
+    minibatch 256) -> test top-1 %."""
+    from accelerate_ssl.evaluate import linear_probe
+
+    was = backbone.training
     backbone.eval()
-    f_tr = torch.cat([backbone(train_x[i : i + 1024]) for i in range(0, len(train_x), 1024)])
-    f_te = torch.cat([backbone(test_x[i : i + 1024]) for i in range(0, len(test_x), 1024)])
-    mu, sd = f_tr.mean(0), f_tr.std(0) + 1e-6
-    f_tr, f_te = (f_tr - mu) / sd, (f_te - mu) / sd
-    g = torch.Generator().manual_seed(seed)
-    head = torch.nn.Linear(f_tr.shape[1], 10)
-    opt = torch.optim.Adam(head.parameters(), 1e-3)
-    with torch.enable_grad():
-        for _ in range(epochs):
-            perm = torch.randperm(len(f_tr), generator=g)
-            for i in range(0, len(perm), 256):
-                idx = perm[i : i + 256]
-                loss = torch.nn.functional.cross_entropy(head(f_tr[idx]), train_y[idx])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-    return float((head(f_te).argmax(1) == test_y).float().mean() * 100)
+    with torch.no_grad():
+        f_tr = torch.cat([backbone(train_x[i : i + 1024]) for i in range(0, len(train_x), 1024)])
+        f_te = torch.cat([backbone(test_x[i : i + 1024]) for i in range(0, len(test_x), 1024)])
+    backbone.train(was)
+    return linear_probe(f_tr, train_y, f_te, test_y, epochs=epochs, seed=seed)["top1"]
 
 
 def main(argv=None) -> int:
