@@ -7,13 +7,11 @@ with ``os.replace``; on any error the temporary file is removed and the target i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any
-
-import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 __all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_write_json"]
 
@@ -37,17 +35,8 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically (see the module docstring)."""
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
