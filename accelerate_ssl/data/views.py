@@ -172,19 +172,21 @@ class ReplayViews(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.dataset) * self.views.k
 
-    def params(self, j: int) -> tuple[int, int, int, int, bool]:
-        """The recorded view parameters of item ``j``."""
-        i, view = divmod(int(j), self.views.k)
-        item = self.dataset[i]
-        return self.views.params(i, view, *_size(item[0] if isinstance(item, (tuple, list)) else item))
-
-    def __getitem__(self, j):
+    def _locate(self, j: int):
+        """``(image index, view index, dataset item, its image)`` of item ``j`` (one read of the dataset)."""
         if not -len(self) <= j < len(self):
             raise IndexError(f"ReplayViews index {j} out of range ({len(self)} views).")
-        j = int(j) % len(self)
-        i, view = divmod(j, self.views.k)
+        i, view = divmod(int(j) % len(self), self.views.k)
         item = self.dataset[i]
-        image = item[0] if isinstance(item, (tuple, list)) else item
+        return i, view, item, item[0] if isinstance(item, (tuple, list)) else item
+
+    def params(self, j: int) -> tuple[int, int, int, int, bool]:
+        """The recorded view parameters of item ``j``."""
+        i, view, _, image = self._locate(j)
+        return self.views.params(i, view, *_size(image))
+
+    def __getitem__(self, j):
+        i, view, item, image = self._locate(j)
         out = apply_view(image, self.views.params(i, view, *_size(image)))
         if self.transform is not None:
             out = self.transform(out)

@@ -98,7 +98,6 @@ class TargetLookup:
         self.store = store
         self.targets_on_device = bool(targets_on_device)
         self.pca: Optional[TargetPCA] = None
-        self.dim = int(store.dim)  # the dim of a looked-up row (after PCA when there is one)
         self._table: Optional[torch.Tensor] = None
         self._previous: Optional[torch.Tensor] = None  # explicit index= of the previous optimiser step
         self._current: Optional[torch.Tensor] = None  # ... and of this one
@@ -111,14 +110,10 @@ class TargetLookup:
                 raise ValueError(f"n_components={n_components} exceeds the target dim {self.store.dim}; pass at most "
                                  f"{self.store.dim}.")
             self.pca = self.store.pca(int(n_components))
-            self.dim = int(self.pca.n_components)
         else:
-            self.pca, self.dim = None, int(self.store.dim)
+            self.pca = None
         self._table = None
-        return self.dim
-
-    def __len__(self) -> int:
-        return len(self.store)
+        return int(self.store.dim if self.pca is None else self.pca.n_components)
 
     def __call__(self, index, device) -> torch.Tensor:
         """The targets of ``index`` on ``device``. From the host store: the index is read on the host (pass host
