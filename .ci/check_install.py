@@ -13,12 +13,14 @@ import pkgutil
 import sys
 import tempfile
 
-EXTRAS = ("timm", "open_clip", "lightly", "accelerate", "matplotlib", "sklearn", "lightning", "pytorch_lightning")
-
-
 class _Blocker(importlib.abc.MetaPathFinder):
+    """Makes every optional dependency (accelerate_ssl.optional.EXTRAS, and Lightning for solo-learn) unimportable."""
+
+    def __init__(self, names):
+        self.names = set(names)
+
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in EXTRAS:
+        if name.split(".")[0] in self.names:
             raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
         return None
 
@@ -27,8 +29,10 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--block-extras", action="store_true")
     args = p.parse_args()
+    from accelerate_ssl.optional import EXTRAS  # imports nothing optional itself
+
     if args.block_extras:
-        sys.meta_path.insert(0, _Blocker())
+        sys.meta_path.insert(0, _Blocker([*EXTRAS, "lightning", "pytorch_lightning"]))
     import accelerate_ssl
 
     if "site-packages" not in accelerate_ssl.__file__ and not args.block_extras:

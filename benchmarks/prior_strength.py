@@ -306,22 +306,14 @@ def interpolate(xs: list[float], ys: list[float], x: float) -> float:
     return ys[-1]
 
 
-def first_crossing(xs: list[float], ys: list[float], target: float):
-    """First ``x`` where the piecewise-linear curve reaches ``target`` (None: never)."""
-    if ys[0] >= target:
-        return xs[0]
-    for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:]):
-        if y1 >= target:
-            return x0 + (target - y0) / (y1 - y0) * (x1 - x0)
-    return None
-
-
 def speedups(plain_curve: list[dict], acc: float, steps: int, seconds: float) -> dict:
     """Speed-up in steps and in training seconds of a ReLA result (``acc`` after ``steps`` / ``seconds``)."""
+    from accelerate_ssl.demo import steps_to_reach
+
     s_steps = [c["step"] for c in plain_curve]
     s_acc = [c["top1"] for c in plain_curve]
     s_sec = [c["train_seconds"] for c in plain_curve]
-    reach = first_crossing(s_steps, s_acc, acc)
+    reach = steps_to_reach(list(zip(s_steps, s_acc)), acc)
     if reach is None:
         return {"plain_steps_needed": None, "speedup_steps": s_steps[-1] / steps, "speedup_seconds": s_sec[-1] / seconds,
                 "lower_bound": True}
