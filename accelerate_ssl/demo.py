@@ -51,12 +51,10 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 
-from .results import write_results
-from .results import save_figure
+from .results import save_figure, write_results
 
 DEFAULT_PRIOR = "shipped:fashion-mnist-byol-20k"  # the BYOL ConvNet that ships with the package (no label seen)
 
@@ -130,46 +128,6 @@ def probe_steps(budget: int, total: int, per_budget: int) -> list[int]:
     return [s for s in steps if s <= total]
 
 
-def steps_to_reach(curve: list[tuple[int, float]], target: float) -> Optional[float]:
-    """First step where the piecewise-linear curve ``[(step, acc), ...]`` reaches ``target`` (None: never)."""
-    curve = sorted(curve)
-    if curve and curve[0][1] >= target:
-        return float(curve[0][0])
-    for (s0, a0), (s1, a1) in zip(curve, curve[1:]):
-        if a1 >= target:
-            return s0 + (target - a0) / (a1 - a0) * (s1 - s0)
-    return None
-
-
-def speedup(plain_curve: list[tuple[int, float]], rela_acc: float, budget: int) -> dict:
-    """Speed-up = steps plain needs to reach ``rela_acc`` / ``budget``; a lower bound if it never does."""
-    s = steps_to_reach(plain_curve, rela_acc)
-    if s is None:
-        last = max(step for step, _ in plain_curve)
-        return {"steps_plain": None, "speedup": last / budget, "lower_bound": True,
-                "text": f"> {last / budget:.1f}x (plain BYOL never reached {rela_acc:.2f} % within {last} steps)"}
-    return {"steps_plain": s, "speedup": s / budget, "lower_bound": False,
-            "text": f"{s / budget:.2f}x (plain BYOL needs {s:.0f} steps to reach {rela_acc:.2f} %)"}
-
-
-class _Probe:
-    """Linear probe of a backbone on fixed train/test tensors (features extracted in eval mode)."""
-
-    def __init__(self, train_x, train_y, test_x, test_y, epochs: int, seed: int):
-        from torch.utils.data import TensorDataset
-
-        self.train = TensorDataset(train_x, train_y)
-        self.test = TensorDataset(test_x, test_y)
-        self.epochs, self.seed = epochs, seed
-
-    def __call__(self, backbone) -> float:
-        from .evaluate import extract_features, linear_probe
-
-        ftr, ytr = extract_features(backbone, self.train, batch_size=1024)
-        fte, yte = extract_features(backbone, self.test, batch_size=1024)
-        return linear_probe(ftr, ytr, fte, yte, epochs=self.epochs, seed=self.seed)["top1"]
-
-
 def _uint8_tensor(image):
     import numpy as np
 
@@ -184,10 +142,9 @@ def train_byol(args, train, probe, steps: int, checkpoints: list[int], store=Non
     only difference is ``rela.wrap`` around the BYOL loss. Returns the curve and per-step lambda.
     """
     from torch.utils.data import DataLoader
-    from tqdm.auto import tqdm
 
     from .backbones import ConvNet
-    from .demo_recipe import BYOL, BYOL_VIEWS, WEAK_VIEWS, images_to_tensor, random_views
+    from .recipes import BYOL, images_to_tensor, loader_batches, train_ssl
 
     torch.manual_seed(seed)
     backbone = ConvNet(widths=tuple(args.widths))
@@ -204,85 +161,25 @@ def train_byol(args, train, probe, steps: int, checkpoints: list[int], store=Non
                     head_init=args.head_init)
         params += list(rela.parameters())  # the transport head trains with the model (same AdamW)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
-    views = torch.Generator().manual_seed(seed + 1)
-    curve: list[dict] = []
-    lambdas: list[float] = []
-    train_seconds = 0.0
-
-    def checkpoint(step: int) -> None:
-        t = time.perf_counter()
-        acc = probe(backbone)
-        lam = lambdas[-1] if lambdas else (rela.lam if rela is not None else 0.0)
-        curve.append({"step": step, "top1": acc, "lambda": lam, "train_seconds": train_seconds,
-                      "probe_seconds": time.perf_counter() - t})
-        bar.set_postfix(probe=f"{acc:.2f}%")
-
-    bar = tqdm(total=steps, desc=desc, unit="step", dynamic_ncols=True)
-    step = 0
-    if 0 in checkpoints:
-        checkpoint(0)
-    while step < steps:
-        for images, _ in loader:
-            t0 = time.perf_counter()
-            model.train()
-            x = images_to_tensor(images.squeeze(1))
-            rela_only = rela is not None and rela.lam >= 1.0
-            if rela_only and args.rela_views == "clean":  # one forward pass of the clean batch
-                v0 = v1 = x
-                f0 = f1 = backbone(x)
-            else:
-                cfg = WEAK_VIEWS if (rela_only and args.rela_views == "weak") else BYOL_VIEWS
-                v0, v1 = random_views(x, cfg, views), random_views(x, cfg, views)
-                f0, f1 = backbone(v0), backbone(v1)
-            byol_loss = lambda: model.loss_from_features(f0, f1, v0, v1)  # noqa: E731
-            if rela is not None:
-                lambdas.append(rela.lam)
-                loss = rela.wrap(byol_loss)  # lambda * L_rela + (1 - lambda) * L_byol
-            else:
-                loss = byol_loss()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            model.update_momentum(0.99)
-            step += 1
-            train_seconds += time.perf_counter() - t0
-            bar.update(1)
-            if step in checkpoints:
-                checkpoint(step)
-            if step >= steps:
-                break
-    bar.close()
-    if rela is not None:
-        rela.close()
-    return {"curve": curve, "lambda_per_step": lambdas, "train_seconds": train_seconds}
+    try:
+        log = train_ssl(model, loader_batches(loader, lambda images: images_to_tensor(images.squeeze(1))), steps,
+                        optimizer=opt, view_generator=torch.Generator().manual_seed(seed + 1), rela=rela,
+                        rela_views=args.rela_views, checkpoints=checkpoints, probe=probe, progress=desc)
+    finally:
+        if rela is not None:
+            rela.close()
+    return {"curve": log["curve"], "lambda_per_step": log["lambda_per_step"], "train_seconds": log["train_seconds"]}
 
 
 def _summarise(seed, plain: dict, rela: dict, budget: int) -> dict:
     """One seed's (or the mean curves') accuracies at the budget and the speed-up they give."""
     rela_top1 = next(c["top1"] for c in rela["curve"] if c["step"] == budget)
     plain_at_budget = next(c["top1"] for c in plain["curve"] if c["step"] == budget)
+    from .recipes import speedup
+
     out = {"plain": plain, "rela": rela, "rela_top1": rela_top1, "plain_top1_at_budget": plain_at_budget,
            "speedup": speedup([(c["step"], c["top1"]) for c in plain["curve"]], rela_top1, budget)}
     return out if seed is None else {"seed": seed, **out}
-
-
-def mean_run(runs: list[dict]) -> dict:
-    """Checkpoint-wise mean (and population std) of several seeds' runs of the same length."""
-    import statistics
-
-    if len(runs) == 1:
-        return runs[0]
-    curve = []
-    for points in zip(*(r["curve"] for r in runs)):
-        assert len({p["step"] for p in points}) == 1, "seeds were probed at different steps"
-        top1 = [p["top1"] for p in points]
-        curve.append({"step": points[0]["step"], "top1": statistics.fmean(top1), "top1_std": statistics.pstdev(top1),
-                      "lambda": statistics.fmean(p["lambda"] for p in points),
-                      "train_seconds": statistics.fmean(p["train_seconds"] for p in points),
-                      "probe_seconds": statistics.fmean(p["probe_seconds"] for p in points)})
-    lambdas = [statistics.fmean(v) for v in zip(*(r["lambda_per_step"] for r in runs))]
-    return {"curve": curve, "lambda_per_step": lambdas,
-            "train_seconds": statistics.fmean(r["train_seconds"] for r in runs)}
 
 
 # ---------------------------------------------------------------------------------------------- outputs
@@ -346,7 +243,7 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from .data import FashionMNIST
-    from .demo_recipe import images_to_tensor
+    from .recipes import Probe, images_to_tensor, mean_run
     from .targets.precompute import precompute_targets
     from .targets.priors import create_prior
     from .targets.store import TargetStore
@@ -380,7 +277,7 @@ def run(args) -> int:
     rela_ckpts = probe_steps(args.budget, args.budget, args.probes)
     per_seed = []
     for seed in args.seeds:
-        probe = _Probe(train_x, train.targets, test_x, test.targets, epochs=args.probe_epochs, seed=seed)
+        probe = Probe(train_x, train.targets, test_x, test.targets, epochs=args.probe_epochs, seed=seed)
         tag = f" (seed {seed})" if len(args.seeds) > 1 else ""
         rela = train_byol(args, train, probe, args.budget, [s for s in rela_ckpts if s > 0], store=store,
                           desc="BYOL + ReLA" + tag, seed=seed)

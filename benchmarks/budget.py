@@ -1,4 +1,4 @@
-"""Accuracy at a budget: how much compute ReLA saves, measured like the papers' tables (issue 5).
+"""Accuracy at a budget: how much compute ReLA saves, measured like the papers' tables.
 
 Side by side on real Fashion-MNIST, every cell a separate seeded run:
 
@@ -20,7 +20,7 @@ Side by side on real Fashion-MNIST, every cell a separate seeded run:
   transport head fitted by least squares at the first batch (``--head-init random``: the papers'
   random head, which made every ReLA row dip *below* the untrained network at 10-20 % of the steps).
 - **Methods**: BYOL (core grid); ``--grid extended`` adds SimCLR, Barlow Twins, VICReg, SimSiam, MoCo,
-  DINO (lightly's heads/losses, :mod:`budget_methods`), plain vs ReLA with the same-dataset prior.
+  DINO (lightly's heads/losses, :mod:`accelerate_ssl.recipes.methods`), plain vs ReLA with the same-dataset prior.
 - **Evaluation**: linear probe and kNN (:mod:`accelerate_ssl.evaluate`) on the Fashion-MNIST test split;
   every cell's wall time. Each cell is cached as JSON under ``--cache`` keyed by all of its settings,
   so an interrupted study resumes where it stopped and a larger one re-uses what exists.
@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import platform
 import shlex
@@ -57,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from accelerate_ssl.schedules import create_schedule  # noqa: E402
 from accelerate_ssl.results import save_figure  # noqa: E402
+from accelerate_ssl.recipes import Probe  # noqa: E402
 
 #: bump when the training/eval code changes in a way that invalidates cached cells.
 CODE_VERSION = 1
@@ -154,7 +154,7 @@ def check_args(args) -> None:
         raise ValueError(f"--components must be >= 0 (0: the student feature dim), got {args.components}.")
     parse_shard(args.shard)
     if args.methods:
-        from budget_methods import METHODS
+        from accelerate_ssl.recipes import METHODS
 
         bad = [m for m in args.methods if m not in METHODS]
         if bad:
@@ -280,7 +280,7 @@ class Data:
 
     def __init__(self, train_size: int, test_size: int, device):
         from accelerate_ssl.data import FashionMNIST
-        from accelerate_ssl.demo_recipe import images_to_tensor
+        from accelerate_ssl.recipes import images_to_tensor
 
         train = FashionMNIST("train", limit=train_size)
         test = FashionMNIST("test", limit=test_size)
@@ -310,61 +310,25 @@ def make_backbone(args) -> tuple[torch.nn.Module, int]:
     return net, 512
 
 
-def lr_at(step: int, total: int, peak: float) -> float:
-    """Linear warm-up over the first 10 % of the budget, then cosine to 0 (set to each cell's own budget)."""
-    warm = max(1, int(0.1 * total))
-    if step < warm:
-        return peak * (step + 1) / warm
-    return 0.5 * peak * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
-
-
-def momentum_at(step: int, total: int, base: float = 0.99) -> float:
-    """EMA momentum, cosine from ``base`` to 1 over the cell's budget (BYOL's schedule)."""
-    return 1 - (1 - base) * (math.cos(math.pi * step / max(1, total)) + 1) / 2
-
-
-def batches(n: int, batch_size: int, fraction: float, subset: str, seed: int, device):
-    """Index batches forever: epoch e draws ``DynamicSubsetSampler(n, fraction, seed)`` with ``set_epoch(e)``
-    (``subset='static'``: always epoch 0, one fixed subset; ReLA v2 Fig. 4a); incomplete batches dropped."""
-    from accelerate_ssl.data import DynamicSubsetSampler
-
-    sampler = DynamicSubsetSampler(n, fraction, seed=seed, num_replicas=1, rank=0)
-    if sampler.subset_size < batch_size:
-        raise ValueError(f"A {fraction:.0%} subset of {n} images has {sampler.subset_size} < batch size {batch_size}; "
-                         "raise --train-size or lower --batch-size.")
-    epoch = 0
-    while True:
-        sampler.set_epoch(0 if subset == "static" else epoch)
-        order = torch.tensor(list(iter(sampler)), dtype=torch.long)
-        for b in range(len(order) // batch_size):
-            yield order[b * batch_size:(b + 1) * batch_size]
-        epoch += 1
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def train_ssl(args, images: torch.Tensor, steps: int, seed: int, *, method: str = "byol", targets=None,
               schedule: str = "decay", fraction: float = 1.0, subset: str = "full", constant_schedules: bool = False,
-              progress: Optional[str] = None, record_lambda: bool = True, rela_views: str = "byol",
-              components: Optional[int] = None):
-    """One SSL run on ``images`` (normalised ``[N, 1, H, W]`` on the device): returns the backbone and a log.
+              progress: Optional[str] = None, rela_views: str = "byol", components: Optional[int] = None):
+    """One SSL run on ``images`` (normalised ``[N, 1, H, W]`` on the device) through the recipe's loop
+    (:func:`accelerate_ssl.recipes.train_ssl`): returns the backbone and its log.
 
     With ``targets`` (``[N, d]`` prior embeddings of the clean images) the loss is
-    ``rela.wrap(ssl_loss)`` = ``lambda L_rela + (1 - lambda) L_ssl`` (the ReLA papers), the SSL loss given as
-    a callable so ReLA skips it while lambda == 1. ``constant_schedules``: constant lr and momentum
-    (prior training, independent of the run length).
+    ``rela.wrap(ssl_loss)`` = ``lambda L_rela + (1 - lambda) L_ssl`` (the ReLA papers). The learning rate
+    warms up over 10 % of the run and decays by cosine to 0, the EMA momentum rises from 0.99 to 1 by
+    cosine, both set to this run's length; ``constant_schedules``: constant lr and momentum (prior
+    training, independent of the run length). ``log["lambda"]`` has one lambda per step (0 without ReLA).
     """
-    from budget_methods import create_method
+    from accelerate_ssl.recipes import (cosine_momentum, create_method, shuffled_batches, tensor_batches,
+                                        warmup_cosine_lr)
+    from accelerate_ssl.recipes import train_ssl as recipe_loop
 
-    from accelerate_ssl.demo_recipe import BYOL_VIEWS, WEAK_VIEWS, random_views
-
-    device = images.device
     torch.manual_seed(seed)
     backbone, dim = make_backbone(args)
-    model = create_method(method, backbone, dim).to(device)
+    model = create_method(method, backbone, dim).to(images.device)
     rela = None
     params = [p for p in model.parameters() if p.requires_grad]
     if targets is not None:
@@ -373,72 +337,21 @@ def train_ssl(args, images: torch.Tensor, steps: int, seed: int, *, method: str 
         rela = ReLA(targets, backbone, schedule=create_schedule(schedule, total_steps=steps), feature_dim=dim,
                     n_components="auto" if components is None else min(components, targets.shape[1]),
                     head_init=args.head_init)
-        rela.to(device)
+        rela.to(images.device)
         params += list(rela.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    views = torch.Generator().manual_seed(seed + 1)
-    step_seconds, lambdas = [], []
-    it = batches(len(images), args.batch_size, fraction if subset != "full" else 1.0, subset, seed, device)
-    bar = None
-    if progress and not args.no_progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=steps, desc=progress, unit="step", leave=False, dynamic_ncols=True)
-    model.train()
-    for step in range(steps):
-        idx = next(it)
-        _sync(device)
-        t0 = time.perf_counter()
-        for g in opt.param_groups:
-            g["lr"] = args.lr if constant_schedules else lr_at(step, steps, args.lr)
-        x = images[idx.to(device)]
-        cfg = WEAK_VIEWS if (rela is not None and rela_views == "weak" and rela.lam >= 1.0) else BYOL_VIEWS
-        v0, v1 = random_views(x, cfg, views), random_views(x, cfg, views)
-        f0, f1 = backbone(v0), backbone(v1)
-        ssl_loss = lambda: model.loss_from_features(f0, f1, v0, v1)  # noqa: E731
+    batches = tensor_batches(images, shuffled_batches(len(images), args.batch_size, seed,
+                                                      fraction if subset != "full" else 1.0, subset))
+    try:
+        log = recipe_loop(model, batches, steps, optimizer=opt, view_generator=torch.Generator().manual_seed(seed + 1),
+                          rela=rela, rela_views=rela_views,
+                          lr=None if constant_schedules else warmup_cosine_lr(args.lr, steps),
+                          momentum=0.99 if constant_schedules else cosine_momentum(steps),
+                          progress=None if args.no_progress else progress)
+    finally:
         if rela is not None:
-            lam = rela.lam
-            loss = rela.wrap(ssl_loss, index=idx)
-        else:
-            lam = 0.0
-            loss = ssl_loss()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        model.update_momentum(0.99 if constant_schedules else momentum_at(step, steps))
-        _sync(device)
-        step_seconds.append(time.perf_counter() - t0)
-        if record_lambda:
-            lambdas.append(lam)
-        if not math.isfinite(loss.item()):
-            raise FloatingPointError(f"{method} loss became {loss.item()} at step {step}; lower --lr.")
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-    if rela is not None:
-        rela.close()
-    return backbone, {"step_seconds": step_seconds, "lambda": lambdas}
-
-
-@torch.no_grad()
-def _features(backbone, x: torch.Tensor, batch: int = 1024) -> torch.Tensor:
-    was = backbone.training
-    backbone.eval()
-    out = torch.cat([backbone(x[i:i + batch]).flatten(1).float().cpu() for i in range(0, len(x), batch)])
-    backbone.train(was)
-    return out
-
-
-def probe(args, backbone, data: Data, seed: int) -> dict:
-    """Linear probe (Adam 1e-3, ``--probe-epochs``) and kNN (k=``--knn-k``) on the test split, top-1 %."""
-    from accelerate_ssl.evaluate import knn_accuracy, linear_probe
-
-    t = time.perf_counter()
-    ftr, fte = _features(backbone, data.train_x), _features(backbone, data.test_x)
-    lin = linear_probe(ftr, data.train_y, fte, data.test_y, epochs=args.probe_epochs, seed=seed)["top1"]
-    knn = knn_accuracy(ftr, data.train_y, fte, data.test_y, k=args.knn_k)
-    return {"linear_top1": lin, "knn_top1": knn, "probe_seconds": time.perf_counter() - t}
+            rela.close()
+    return backbone, {"step_seconds": log["step_seconds"], "lambda": log["lambda_per_step"] or [0.0] * steps}
 
 
 # ---------------------------------------------------------------------------------------------- priors
@@ -489,7 +402,7 @@ def prior_file(args, kind: str) -> tuple[Path, str]:
         prior_args = argparse.Namespace(**{**vars(args), "backbone": "convnet", "widths": widths})
         t = time.perf_counter()
         net, _ = train_ssl(prior_args, images, steps, seed=12345, constant_schedules=True,
-                           progress=f"prior {kind}", record_lambda=False)
+                           progress=f"prior {kind}")
         print(f"trained the {kind} prior: {steps} steps in {time.perf_counter() - t:.0f} s")
     path.parent.mkdir(parents=True, exist_ok=True)
     save_prior_checkpoint(net.cpu(), path, "convnet", {"in_channels": 1, "widths": widths, "norm": "group"},
@@ -545,7 +458,8 @@ def run_cell(args, cell: dict, seed: int, data: Data, targets: dict) -> dict:
                                   progress=f"{cell['method']} {cell['prior']} {cell['kind']} {cell['fraction']:.0%} s{seed}")
     train_seconds, train_cpu = time.perf_counter() - t, time.process_time() - cpu
     cpu_probe = time.process_time()
-    result = probe(args, backbone, data, seed)
+    result = Probe(data.train_x, data.train_y, data.test_x, data.test_y, epochs=args.probe_epochs, seed=seed,
+                   knn_k=args.knn_k).evaluate(backbone)
     probe_cpu = time.process_time() - cpu_probe
     lam = log["lambda"]
     sec = log["step_seconds"]
@@ -574,7 +488,7 @@ def switch_timing(args, data: Data, target_rows: torch.Tensor, n: int) -> dict:
     """Wall time per step of a ReLA-only step (lambda == 1: the SSL loss callable is never called, as in
     Switch's first phase) vs a normal BYOL step, interleaved one by one in one process (same model, same
     batches), medians over ``n`` steps of each. ReLA v1 App. J: "no extra compute"."""
-    from accelerate_ssl.demo_recipe import BYOL, BYOL_VIEWS, random_views
+    from accelerate_ssl.recipes import BYOL, shuffled_batches, tensor_batches, train_ssl
     from accelerate_ssl.rela import ReLA
     from accelerate_ssl.schedules import Constant
 
@@ -588,29 +502,17 @@ def switch_timing(args, data: Data, target_rows: torch.Tensor, n: int) -> dict:
         if kind == "rela_only":
             rela = ReLA(target_rows, backbone, schedule=Constant(1.0), feature_dim=dim).to(args.device)
             params += list(rela.parameters())
-        models[kind] = (backbone, model, rela, torch.optim.AdamW(params, lr=args.lr))
+        models[kind] = (model, rela, torch.optim.AdamW(params, lr=args.lr))
     g = torch.Generator().manual_seed(0)
-    it = batches(len(data.train_x), args.batch_size, 1.0, "full", 0, args.device)
+    batches = tensor_batches(data.train_x, shuffled_batches(len(data.train_x), args.batch_size, 0))
     times = {"rela_only": [], "plain": []}
     for i in range(2 * n + 4):
         kind = "rela_only" if i % 2 == 0 else "plain"
-        backbone, model, rela, opt = models[kind]
-        idx = next(it)
-        _sync(args.device)
-        t0 = time.perf_counter()
-        x = data.train_x[idx.to(args.device)]
-        v0, v1 = random_views(x, BYOL_VIEWS, g), random_views(x, BYOL_VIEWS, g)
-        f0, f1 = backbone(v0), backbone(v1)
-        byol_loss = lambda: model.loss_from_features(f0, f1, v0, v1)  # noqa: E731
-        loss = byol_loss() if rela is None else rela.wrap(byol_loss, index=idx)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        model.update_momentum(0.99)
-        _sync(args.device)
+        model, rela, opt = models[kind]
+        seconds = train_ssl(model, batches, 1, optimizer=opt, view_generator=g, rela=rela)["step_seconds"][0]
         if i >= 4:  # warm-up steps excluded
-            times[kind].append(time.perf_counter() - t0)
-    models["rela_only"][2].close()
+            times[kind].append(seconds)
+    models["rela_only"][1].close()
     r, p = statistics.median(times["rela_only"]), statistics.median(times["plain"])
     return {"steps_each": n, "median_seconds_rela_only_step": r, "median_seconds_plain_step": p,
             "ratio": r / p, "saving_percent": 100 * (1 - r / p)}

@@ -16,7 +16,6 @@ writes ``benchmarks/results/gpu.json`` (device name, CUDA, cuDNN and torch versi
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import platform
 import statistics
@@ -74,21 +73,11 @@ def precompute_vs_bare_forward(tmp: Path, n: int = 8192, batch: int = 256) -> di
             "ratio": bare_s / precompute_s, "goal": 0.9}
 
 
-class _BYOL(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.backbone = _resnet50()
-        mlp = lambda i, o: nn.Sequential(nn.Linear(i, 4096), nn.BatchNorm1d(4096), nn.ReLU(), nn.Linear(4096, o))  # noqa: E731
-        self.projector, self.predictor = mlp(2048, 256), mlp(256, 256)
-        self.backbone_m = copy.deepcopy(self.backbone).requires_grad_(False)
-        self.projector_m = copy.deepcopy(self.projector).requires_grad_(False)
+def _byol():
+    """BYOL on a ResNet-50 with the paper's head sizes (4096 hidden, 256 out): the recipe's method."""
+    from accelerate_ssl.recipes import BYOL
 
-    def loss(self, v0, v1):
-        cos = nn.functional.cosine_similarity
-        p0, p1 = self.predictor(self.projector(self.backbone(v0))), self.predictor(self.projector(self.backbone(v1)))
-        with torch.no_grad():
-            z0, z1 = self.projector_m(self.backbone_m(v0)), self.projector_m(self.backbone_m(v1))
-        return -0.5 * (cos(p0, z1).mean() + cos(p1, z0).mean())
+    return BYOL(_resnet50(), 2048, hidden_dim=4096, out_dim=256)
 
 
 def step_overhead(compiled: bool, steps: int = 20, batch: int = 128) -> dict:
@@ -98,7 +87,7 @@ def step_overhead(compiled: bool, steps: int = 20, batch: int = 128) -> dict:
     out = {}
     for with_rela in (False, True):
         torch.manual_seed(0)
-        model = _BYOL().cuda()
+        model = _byol().cuda()
         rela = None
         if with_rela:
             rela = ReLA(torch.randn(10_000, 768), model.backbone, feature_dim=2048, schedule=Constant(0.5),
@@ -137,7 +126,7 @@ def no_sync_steps(steps: int = 20) -> dict:
     from accelerate_ssl import ReLA
 
     torch.manual_seed(0)
-    model = _BYOL().cuda()
+    model = _byol().cuda()
     rela = ReLA(torch.randn(4096, 768), model.backbone, feature_dim=2048, targets_on_device=True, sync_every=1000)
     opt = torch.optim.AdamW([*[p for p in model.parameters() if p.requires_grad], *rela.parameters()], lr=1e-4,
                             capturable=True)

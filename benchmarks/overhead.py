@@ -19,7 +19,6 @@ memory ratio <= 1.05.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import platform
 import statistics
@@ -72,13 +71,10 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
-    from lightly.loss import NegativeCosineSimilarity
-    from lightly.models.modules import BYOLPredictionHead, BYOLProjectionHead
-    from lightly.models.utils import deactivate_requires_grad, update_momentum
-
     from accelerate_ssl import ReLA, TargetStore, create_prior, precompute_targets
     from accelerate_ssl.backbones import ConvNet
     from accelerate_ssl.data import FashionMNIST
+    from accelerate_ssl.recipes import BYOL
     from accelerate_ssl.schedules import Decay
     from accelerate_ssl.results import write_results
 
@@ -91,11 +87,8 @@ def main(argv=None) -> dict:
 
     widths = tuple(int(w) for w in args.widths.split(","))
     backbone = ConvNet(widths=widths)
-    proj, pred = BYOLProjectionHead(widths[-1], 512, 128), BYOLPredictionHead(128, 512, 128)
-    bb_m, proj_m = copy.deepcopy(backbone), copy.deepcopy(proj)
-    deactivate_requires_grad(bb_m), deactivate_requires_grad(proj_m)
-    criterion = NegativeCosineSimilarity()
-    opt = torch.optim.AdamW(list(backbone.parameters()) + list(proj.parameters()) + list(pred.parameters()), lr=1e-3)
+    model = BYOL(backbone, widths[-1])  # the recipe's BYOL: lightly's heads 512 -> 128, negative cosine
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     rela = ReLA(store, backbone, feature_dim=widths[-1], schedule=Decay(max_lambda=0.5, loss_momentum=0.0, sharpness=0.0))
     # sharpness 0 -> rho = 1 -> lambda settles in (0, 0.5): never 0, never 1, both losses every step
 
@@ -111,15 +104,11 @@ def main(argv=None) -> dict:
         return t
 
     def step(with_rela: bool, measure: bool = False):
-        update_momentum(backbone, bb_m, 0.99)
-        update_momentum(proj, proj_m, 0.99)
+        model.update_momentum(0.99)
         if measure:
             ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
             ctx.__enter__()
-        p0, p1 = pred(proj(backbone(x0))), pred(proj(backbone(x1)))
-        with torch.no_grad():
-            z0, z1 = proj_m(bb_m(x0)), proj_m(bb_m(x1))
-        loss = 0.5 * (criterion(p0, z1) + criterion(p1, z0))
+        loss = model.loss(x0, x1)
         if with_rela:
             loss = rela.wrap(loss, index=index)
         else:
@@ -145,7 +134,7 @@ def main(argv=None) -> dict:
         saved["bytes"] = 0
         step(v, measure=True)
         optimizers = [opt] + ([rela.transport.own_optimizer] if v and rela.transport.own_optimizer is not None else [])
-        modules = [backbone, proj, pred, bb_m, proj_m] + ([rela.head] if v else [])
+        modules = [model] + ([rela.head] if v else [])
         mem[v] = saved["bytes"] + _state_bytes(modules, optimizers)
 
     t_plain, t_rela = statistics.median(times[False]), statistics.median(times[True])

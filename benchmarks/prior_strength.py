@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from accelerate_ssl.atomic import atomic_write_json  # noqa: E402
+from accelerate_ssl.recipes import mean_run, steps_to_reach  # noqa: E402
 from accelerate_ssl.results import write_results  # noqa: E402
 
 #: the ladder: name -> (prior spec, where its training record lives, what it is)
@@ -124,7 +125,7 @@ def _data(args):
     if "train" not in _DATA:
         from accelerate_ssl.data import FashionMNIST
         from accelerate_ssl.demo import _uint8_tensor
-        from accelerate_ssl.demo_recipe import images_to_tensor
+        from accelerate_ssl.recipes import images_to_tensor
 
         train = FashionMNIST("train", limit=args.train_size)
         test = FashionMNIST("test", limit=args.test_size)
@@ -135,10 +136,10 @@ def _data(args):
 
 
 def _probe(args, seed: int):
-    from accelerate_ssl.demo import _Probe
+    from accelerate_ssl.recipes import Probe
 
     _, (trx, try_, tex, tey) = _data(args)
-    return _Probe(trx, try_, tex, tey, epochs=args.probe_epochs, seed=seed)
+    return Probe(trx, try_, tex, tey, epochs=args.probe_epochs, seed=seed)
 
 
 def _store_dir(args, prior: str, views: int | None = None) -> Path:
@@ -158,7 +159,7 @@ class TeacherOnViews(torch.nn.Module):
 
     def __init__(self, prior, mean, std):
         super().__init__()
-        from accelerate_ssl.demo_recipe import FASHION_MNIST_MEAN, FASHION_MNIST_STD
+        from accelerate_ssl.recipes.views import FASHION_MNIST_MEAN, FASHION_MNIST_STD
 
         self.prior, self.shift = prior, (FASHION_MNIST_MEAN, FASHION_MNIST_STD)
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
@@ -169,60 +170,64 @@ class TeacherOnViews(torch.nn.Module):
         return self.prior((raw - self.mean) / self.std)
 
 
+class OnlineTeacher(torch.nn.Module):
+    """Online distillation as a method of the recipe: every step the teacher embeds the very view the
+    student sees (one view); the student's features go through a linear head (least-squares start, as
+    ReLA's) and are pulled to the PCA-reduced teacher embedding by the cosine loss (ReLA v2 Eq. 9).
+    ``teacher_seconds`` adds up the teacher's share of the steps."""
+
+    n_views = 1
+
+    def __init__(self, backbone, teacher, pca):
+        super().__init__()
+        self.backbone, self.pca = backbone, pca
+        self.head = torch.nn.Linear(backbone.feature_dim, pca.n_components)
+        self.teacher = teacher
+        self.fitted, self.teacher_seconds = False, 0.0
+
+    def train(self, mode: bool = True):  # the teacher stays frozen in eval mode
+        super().train(mode)
+        self.teacher.eval()
+        return self
+
+    def step_loss(self, features, views, index):
+        from accelerate_ssl.rela import fit_transport_head, rela_loss
+
+        t = time.perf_counter()
+        with torch.no_grad():  # the teacher sees the very view, in its own normalisation
+            target = self.pca.transform(self.teacher(views[0]))
+        self.teacher_seconds += time.perf_counter() - t
+        if not self.fitted:
+            fit_transport_head(self.head, features[0], target)
+            self.fitted = True
+        return rela_loss(self.head(features[0]), target)
+
+    def update_momentum(self, m: float) -> None:
+        return None
+
+
 def train_online(recipe, train, probe, teacher, pca, steps: int, checkpoints: list[int], seed: int,
                  desc: str) -> dict:
-    """Online distillation of ``teacher`` into the student: every step the teacher embeds the very view the
-    student sees; the student's features go through a linear head (least-squares start, as ReLA's) and
-    are pulled to the PCA-reduced teacher embedding by the cosine loss (ReLA v2 Eq. 9). Seeds, data order,
-    views and initialisation as in :func:`accelerate_ssl.demo.train_byol`."""
-    from torch import nn
+    """Online distillation of ``teacher`` into the student (:class:`OnlineTeacher`) through the recipe's loop,
+    on ReLA v1's weak views; seeds, data order, views and initialisation as in
+    :func:`accelerate_ssl.demo.train_byol`."""
     from torch.utils.data import DataLoader
-    from tqdm.auto import tqdm
 
     from accelerate_ssl.backbones import ConvNet
-    from accelerate_ssl.demo_recipe import BYOL, WEAK_VIEWS, images_to_tensor, random_views
-    from accelerate_ssl.rela import fit_transport_head, rela_loss
+    from accelerate_ssl.recipes import BYOL, WEAK_VIEWS, images_to_tensor, loader_batches, train_ssl
 
     torch.manual_seed(seed)
     backbone = ConvNet(widths=tuple(recipe.widths))
     BYOL(backbone, backbone.feature_dim)  # same random-number draws as the BYOL runs: same initial backbone
-    head = nn.Linear(backbone.feature_dim, pca.n_components)
+    method = OnlineTeacher(backbone, teacher, pca)
     loader = DataLoader(train, batch_size=recipe.batch_size, shuffle=True, drop_last=True,
                         generator=torch.Generator().manual_seed(seed))
-    opt = torch.optim.AdamW([*backbone.parameters(), *head.parameters()], lr=recipe.lr, weight_decay=0.01)
-    views = torch.Generator().manual_seed(seed + 1)
-    curve, train_seconds, teacher_seconds, step, fitted = [], 0.0, 0.0, 0, False
-    bar = tqdm(total=steps, desc=desc, unit="step", dynamic_ncols=True)
-    while step < steps:
-        for images, _ in loader:
-            t0 = time.perf_counter()
-            backbone.train()
-            v = random_views(images_to_tensor(images.squeeze(1)), WEAK_VIEWS, views)
-            t1 = time.perf_counter()
-            with torch.no_grad():  # the teacher sees the very view, in its own normalisation
-                target = pca.transform(teacher(v))
-            teacher_seconds += time.perf_counter() - t1
-            f = backbone(v)
-            if not fitted:
-                fit_transport_head(head, f, target)
-                fitted = True
-            loss = rela_loss(head(f), target)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            step += 1
-            train_seconds += time.perf_counter() - t0
-            bar.update(1)
-            if step in checkpoints:
-                t = time.perf_counter()
-                acc = probe(backbone)
-                curve.append({"step": step, "top1": acc, "train_seconds": train_seconds,
-                              "teacher_seconds": teacher_seconds, "probe_seconds": time.perf_counter() - t})
-                bar.set_postfix(probe=f"{acc:.2f}%")
-            if step >= steps:
-                break
-    bar.close()
-    return {"curve": curve, "train_seconds": train_seconds, "teacher_seconds": teacher_seconds}
+    opt = torch.optim.AdamW([*backbone.parameters(), *method.head.parameters()], lr=recipe.lr, weight_decay=0.01)
+    log = train_ssl(method, loader_batches(loader, lambda images: images_to_tensor(images.squeeze(1))), steps,
+                    optimizer=opt, view_generator=torch.Generator().manual_seed(seed + 1), views=WEAK_VIEWS,
+                    checkpoints=checkpoints, probe=probe, progress=desc,
+                    checkpoint_extras=lambda: {"teacher_seconds": method.teacher_seconds})
+    return {"curve": log["curve"], "train_seconds": log["train_seconds"], "teacher_seconds": method.teacher_seconds}
 
 
 def run_unit(args, unit: tuple) -> dict:
@@ -308,7 +313,6 @@ def interpolate(xs: list[float], ys: list[float], x: float) -> float:
 
 def speedups(plain_curve: list[dict], acc: float, steps: int, seconds: float) -> dict:
     """Speed-up in steps and in training seconds of a ReLA result (``acc`` after ``steps`` / ``seconds``)."""
-    from accelerate_ssl.demo import steps_to_reach
 
     s_steps = [c["step"] for c in plain_curve]
     s_acc = [c["top1"] for c in plain_curve]
@@ -327,10 +331,8 @@ def _fmt(x: float, lower: bool) -> str:
 
 def analyse(args, units: dict, ladder_info: dict) -> dict:
     plain = {s: units[("plain", s)] for s in args.seeds}
-    mean_plain = [{"step": pts[0]["step"], "top1": statistics.fmean(p["top1"] for p in pts),
-                   "top1_std": statistics.pstdev(p["top1"] for p in pts),
-                   "train_seconds": statistics.fmean(p["train_seconds"] for p in pts)}
-                  for pts in zip(*(plain[s]["curve"] for s in args.seeds))]
+    mean_plain = [{"step": c["step"], "top1": c["top1"], "top1_std": c.get("top1_std", 0.0),
+                   "train_seconds": c["train_seconds"]} for c in mean_run([plain[s] for s in args.seeds])["curve"]]
     plain_full = mean_plain[-1]["top1"]
     priors = {}
     for name in args.priors:
@@ -430,9 +432,8 @@ def online_comparison(args, units: dict, name: str, budgets: dict, info: dict) -
             "online_top1_at_equal_train_seconds": _online_at(units, runs, b["per_seed"], 0.0),
             "online_top1_at_equal_seconds_with_precompute": _online_at(units, runs, b["per_seed"],
                                                                       info["precompute_seconds"])}
-    out["curve"] = [{"step": pts[0]["step"], "top1": statistics.fmean(p["top1"] for p in pts),
-                     "train_seconds": statistics.fmean(p["train_seconds"] for p in pts)}
-                    for pts in zip(*(r["curve"] for r in runs))]
+    out["curve"] = [{"step": c["step"], "top1": c["top1"], "train_seconds": c["train_seconds"]}
+                    for c in mean_run(runs)["curve"]]
     return out
 
 
@@ -628,8 +629,9 @@ def main(argv=None) -> int:
             print(line)
     if result["stored_views"]:
         sv = result["stored_views"]
+        ref = sv["weak_views_on_clean_targets_top1"]  # None when the views' budget is not a ReLA budget of this run
         print(f"stored views ({sv['prior']} prior, {sv['steps']} steps, one replayed view per step): weak views on "
-              f"clean targets {sv['weak_views_on_clean_targets_top1']:.2f} %")
+              f"clean targets {'not run' if ref is None else f'{ref:.2f} %'}")
         for k, e in sv["by_k"].items():
             print(f"  k={k}: {e['top1']:.2f} ± {e['top1_std']:.2f} %, store {e['store_bytes'] / 2**20:.1f} MiB, "
                   f"precompute {e['precompute_seconds']:.0f} s, {e['seconds_per_step'] * 1000:.0f} ms/step "

@@ -177,7 +177,7 @@ def phase_lookup(store_path: Path, batches: int = 200) -> dict:
 
 def phase_train_step(steps: int = 6) -> dict:
     from accelerate_ssl.backbones import ConvNet
-    from accelerate_ssl.demo_recipe import BYOL, BYOL_VIEWS, random_views
+    from accelerate_ssl.recipes import BYOL, BYOL_VIEWS, random_views
 
     torch.set_num_threads(2)
     torch.manual_seed(0)

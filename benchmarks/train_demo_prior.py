@@ -37,9 +37,9 @@ sys.path.insert(0, str(ROOT))
 from accelerate_ssl.atomic import atomic_path  # noqa: E402
 from accelerate_ssl.backbones import ConvNet  # noqa: E402
 from accelerate_ssl.data import Digits, FashionMNIST  # noqa: E402
+from accelerate_ssl.recipes import BYOL, Probe, Supervised, random_batches, tensor_batches, train_ssl  # noqa: E402
+from accelerate_ssl.recipes.views import FASHION_MNIST_MEAN, FASHION_MNIST_STD  # noqa: E402
 from accelerate_ssl.results import write_results  # noqa: E402
-from accelerate_ssl.demo_recipe import (BYOL, BYOL_VIEWS, FASHION_MNIST_MEAN, FASHION_MNIST_STD,  # noqa: E402
-                                        random_views)
 
 
 def parse_args(argv=None):
@@ -67,20 +67,6 @@ def _atomic_torch_save(obj, path: Path) -> None:
         torch.save(obj, tmp)
 
 
-def probe_accuracy(backbone, train_x, train_y, test_x, test_y, epochs: int = 30, seed: int = 0) -> float:
-    """Linear probe on frozen features (:func:`accelerate_ssl.evaluate.linear_probe`: standardised, Adam 1e-3,
-    minibatch 256) -> test top-1 %."""
-    from accelerate_ssl.evaluate import linear_probe
-
-    was = backbone.training
-    backbone.eval()
-    with torch.no_grad():
-        f_tr = torch.cat([backbone(train_x[i : i + 1024]) for i in range(0, len(train_x), 1024)])
-        f_te = torch.cat([backbone(test_x[i : i + 1024]) for i in range(0, len(test_x), 1024)])
-    backbone.train(was)
-    return linear_probe(f_tr, train_y, f_te, test_y, epochs=epochs, seed=seed)["top1"]
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -92,12 +78,11 @@ def main(argv=None) -> int:
     source = train if args.data == "fashion-mnist" else Digits("all", size=28)
     mean, std = (FASHION_MNIST_MEAN, FASHION_MNIST_STD) if args.data == "fashion-mnist" else (source.mean[0], source.std[0])
     images = source.data.float().div(255.0).sub(mean).div(std).unsqueeze(1)
-    labels = source.targets if args.objective == "supervised" else None  # BYOL reads no label
     backbone = ConvNet(widths=tuple(args.widths))
-    if args.objective == "byol":
+    if args.objective == "byol":  # BYOL reads no label
         model = BYOL(backbone, backbone.feature_dim)
     else:
-        model = torch.nn.Sequential(backbone, torch.nn.Linear(backbone.feature_dim, int(source.targets.max()) + 1))
+        model = Supervised(backbone, backbone.feature_dim, source.targets)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
     gen = torch.Generator().manual_seed(args.seed)
@@ -115,39 +100,27 @@ def main(argv=None) -> int:
         step, elapsed = state["step"], state["elapsed"]
         print(f"resumed from {ckpt} at step {step}")
 
-    from tqdm import tqdm
-
-    bar = tqdm(total=args.steps, initial=min(step, args.steps), desc="BYOL prior", unit="step")
     t0 = time.perf_counter() - elapsed
-    while step < args.steps:
-        model.train()
-        idx = torch.randint(len(images), (args.batch_size,), generator=gen)
-        x = images[idx]
-        if args.objective == "byol":
-            loss = model.loss(random_views(x, BYOL_VIEWS, gen), random_views(x, BYOL_VIEWS, gen))
-        else:
-            loss = torch.nn.functional.cross_entropy(model(random_views(x, BYOL_VIEWS, gen)), labels[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if args.objective == "byol":
-            model.update_momentum(args.momentum)
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-        if step % args.checkpoint_every == 0 or step == args.steps:
-            state = {"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "step": step,
+
+    def save(done: int, loss: float) -> None:
+        if done % args.checkpoint_every == 0 or done == args.steps:
+            state = {"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "step": done,
                      "elapsed": time.perf_counter() - t0, "args": vars(args)}
             _atomic_torch_save(state, ckpt)
-            _atomic_torch_save({"backbone": backbone.state_dict(), "step": step}, cache / f"backbone_{step:06d}.pt")
-    bar.close()
+            _atomic_torch_save({"backbone": backbone.state_dict(), "step": done}, cache / f"backbone_{done:06d}.pt")
+
+    # one generator for the batches and the views, saved with every checkpoint: a resumed run is the same run
+    train_ssl(model, tensor_batches(images, random_batches(len(images), args.batch_size, gen)), args.steps,
+              optimizer=opt, view_generator=gen, momentum=args.momentum, on_step=save, start_step=step,
+              progress=f"{args.objective} prior")
+    step = max(step, args.steps)
     train_time = time.perf_counter() - t0
 
     test = FashionMNIST("test")
     probe_n = 20000
     fm_train = train.data[:probe_n].float().div(255.0).sub(mean).div(std).unsqueeze(1)  # the prior's own normalisation
     fm_test = test.data.float().div(255.0).sub(mean).div(std).unsqueeze(1)
-    acc = probe_accuracy(backbone, fm_train, train.targets[:probe_n], fm_test, test.targets, seed=args.seed)
+    acc = Probe(fm_train, train.targets[:probe_n], fm_test, test.targets, seed=args.seed)(backbone)
     print(f"prior linear probe (first {probe_n} train -> 10k test): {acc:.2f} %")
 
     out = Path(args.out)

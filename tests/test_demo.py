@@ -9,27 +9,10 @@ import torch
 
 from accelerate_ssl import demo
 from accelerate_ssl.cli import main as cli_main
+from accelerate_ssl.recipes import speedup
 
 
 # ---------------------------------------------------------------------------------------------- arithmetic
-def test_steps_to_reach_interpolates_first_crossing():
-    curve = [(0, 81.0), (100, 79.0), (200, 80.0), (400, 84.0), (800, 83.0)]
-    assert demo.steps_to_reach(curve, 82.0) == pytest.approx(300.0)  # halfway between 80 @200 and 84 @400
-    assert demo.steps_to_reach(curve, 80.5) == 0.0  # already there at step 0: no speed-up to claim
-    assert demo.steps_to_reach(curve, 84.0) == pytest.approx(400.0)
-    assert demo.steps_to_reach(curve, 90.0) is None
-
-
-def test_speedup_ratio_and_lower_bound():
-    curve = [(0, 70.0), (100, 72.0), (200, 74.0), (400, 78.0)]
-    sp = demo.speedup(curve, 76.0, budget=100)
-    assert sp["steps_plain"] == pytest.approx(300.0) and sp["speedup"] == pytest.approx(3.0)
-    assert not sp["lower_bound"]
-    never = demo.speedup(curve, 79.0, budget=100)
-    assert never["lower_bound"] and never["steps_plain"] is None and never["speedup"] == pytest.approx(4.0)
-    assert never["text"].startswith("> 4.0x")
-
-
 def test_probe_steps_include_zero_budget_and_end():
     assert demo.probe_steps(100, 400, 4) == [0, 25, 50, 75, 100, 125, 150, 175, 200, 225, 250, 275, 300, 325, 350, 375, 400]
     assert demo.probe_steps(250, 1000, 2)[:4] == [0, 125, 250, 375] and demo.probe_steps(250, 1000, 2)[-1] == 1000
@@ -82,7 +65,7 @@ def _check_outputs(out: Path, stdout: str, budget: int, plain_steps: int) -> dic
         assert 0.0 <= c["top1"] <= 100.0
     # the reported numbers are the measured ones, and the speed-up follows from them
     assert result["rela_top1"] == result["rela"]["curve"][-1]["top1"]
-    recomputed = demo.speedup([(c["step"], c["top1"]) for c in result["plain"]["curve"]], result["rela_top1"], budget)
+    recomputed = speedup([(c["step"], c["top1"]) for c in result["plain"]["curve"]], result["rela_top1"], budget)
     assert recomputed == result["speedup"]
     assert result["table"] in stdout
     assert result["command"].startswith("accelerate-ssl")
@@ -128,7 +111,7 @@ def test_demo_several_seeds_reports_mean_curves_and_each_speedup(tmp_path, capsy
             assert point["top1"] == pytest.approx(sum(accs) / 2)
             assert point["top1_std"] == pytest.approx(abs(accs[0] - accs[1]) / 2)
     for r in result["per_seed"]:
-        assert r["speedup"] == demo.speedup([(c["step"], c["top1"]) for c in r["plain"]["curve"]], r["rela_top1"], 4)
+        assert r["speedup"] == speedup([(c["step"], c["top1"]) for c in r["plain"]["curve"]], r["rela_top1"], 4)
         assert f"seed {r['seed']}: {r['speedup']['text']}" in stdout
     assert "(mean of 2 seeds)" in stdout and " ± " in result["table"]
 
@@ -139,7 +122,7 @@ def test_rela_run_differs_from_plain_only_by_the_wrap(tmp_path, fashion_mnist_av
     import argparse
 
     from accelerate_ssl.data import FashionMNIST
-    from accelerate_ssl.demo_recipe import images_to_tensor
+    from accelerate_ssl.recipes import Probe, images_to_tensor
 
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
@@ -148,7 +131,7 @@ def test_rela_run_differs_from_plain_only_by_the_wrap(tmp_path, fashion_mnist_av
     train = FashionMNIST("train", limit=128)
     test = FashionMNIST("test", limit=64)
     train.transform = demo._uint8_tensor
-    probe = demo._Probe(images_to_tensor(train.data), train.targets, images_to_tensor(test.data), test.targets, 1, 0)
+    probe = Probe(images_to_tensor(train.data), train.targets, images_to_tensor(test.data), test.targets, epochs=1, seed=0)
     targets = torch.randn(128, 16)
     a = demo.train_byol(args, train, probe, 3, [3], store=targets, seed=0)
     b = demo.train_byol(args, train, probe, 3, [3], seed=0)

@@ -35,7 +35,7 @@ def test_a_missing_extra_names_the_pip_install(monkeypatch):
     with pytest.raises(ImportError, match=r'the BYOL recipe needs lightly, which is not installed: pip install '
                                           r'"accelerate-ssl\[lightly\]"'):
         require("lightly", "the BYOL recipe")
-    from accelerate_ssl.demo_recipe import BYOL
+    from accelerate_ssl.recipes import BYOL
 
     with pytest.raises(ImportError, match=r"accelerate-ssl\[lightly\]"):
         BYOL(__import__("torch").nn.Linear(2, 2), 2)

@@ -11,7 +11,7 @@ import torch
 from accelerate_ssl import ReLA, create_prior, precompute_targets
 from accelerate_ssl.backbones import ConvNet
 from accelerate_ssl.data import Digits
-from accelerate_ssl.demo_recipe import BYOL, BYOL_VIEWS, random_views
+from accelerate_ssl.recipes import BYOL, BYOL_VIEWS, random_views
 
 EPOCHS = 5
 

@@ -7,7 +7,8 @@ Three sources:
   ``accelerate_ssl.targets.priors`` (imported lazily);
 - ``load_teacher("<path>.safetensors")``: a ConvNet teacher written by ``save_teacher``;
 - ``train_teacher(images, method="barlow_twins" | "byol")``: trained here, self-supervised on the
-  unlabelled images (lightly's losses and heads; views from ``random_views``). Labels are never used.
+  unlabelled images with the library's training recipe (:mod:`accelerate_ssl.recipes`: lightly's losses
+  and heads, batched random views). Labels are never used.
 
 A teacher is a frozen ``Teacher`` module: ``teacher(images) -> features [n, d_y]`` in eval mode
 without gradients, with ``.output_dim`` and ``.describe()``.
@@ -16,17 +17,16 @@ without gradients, with ``.output_dim`` and ``.describe()``.
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..optional import require
 from ..atomic import atomic_path
+from ..optional import require
+from ..recipes.views import ViewConfig
 
 
 class Teacher(nn.Module):
@@ -68,22 +68,8 @@ class Teacher(nn.Module):
         return dict(self.description)
 
 
-def random_views(images: torch.Tensor, generator: torch.Generator, min_scale: float = 0.5) -> torch.Tensor:
-    """SSL views of a batch ``[n, c, h, w]``: random resized crop (area scale ``[min_scale, 1]``,
-    aspect 3/4-4/3) + horizontal flip via one batched affine warp, then brightness/contrast jitter."""
-    n = images.shape[0]
-    u = lambda lo, hi: lo + (hi - lo) * torch.rand(n, generator=generator)
-    area, log_ratio = u(min_scale, 1.0), u(math.log(3 / 4), math.log(4 / 3))
-    sx, sy = (area * log_ratio.exp()).sqrt().clamp(max=1), (area / log_ratio.exp()).sqrt().clamp(max=1)
-    tx, ty = (1 - sx) * u(-1, 1), (1 - sy) * u(-1, 1)
-    flip = torch.where(torch.rand(n, generator=generator) < 0.5, -1.0, 1.0)
-    theta = torch.zeros(n, 2, 3)
-    theta[:, 0, 0], theta[:, 0, 2], theta[:, 1, 1], theta[:, 1, 2] = sx * flip, tx, sy, ty
-    grid = F.affine_grid(theta, list(images.shape), align_corners=False)
-    out = F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)
-    mean = out.mean(dim=(1, 2, 3), keepdim=True)
-    contrast, brightness = u(0.6, 1.4).view(n, 1, 1, 1), u(-0.4, 0.4).view(n, 1, 1, 1)
-    return (out - mean) * contrast + mean + brightness
+#: the teacher's views: resized crop (area 0.5-1), flip, brightness/contrast jitter 0.4, edge padding
+TEACHER_VIEWS = ViewConfig(scale=(0.5, 1.0), jitter=0.4, padding="border")
 
 
 def train_teacher(images: torch.Tensor, method: str = "barlow_twins", steps: int = 1000, batch_size: int = 256,
@@ -93,69 +79,30 @@ def train_teacher(images: torch.Tensor, method: str = "barlow_twins", steps: int
 
     ``method``: ``"barlow_twins"`` (the paper's teacher objective; lightly ``BarlowTwinsLoss``, projector
     d -> 512 -> 512 -> 512) or ``"byol"`` (lightly heads, ``NegativeCosineSimilarity``, momentum
-    0.99 -> 1 cosine). AdamW (lr ``lr``, weight decay 1e-4) with cosine lr decay to 0.
+    0.99 -> 1 cosine). AdamW (lr ``lr``, weight decay 1e-4) with cosine lr decay to 0, batches drawn with
+    replacement, :data:`TEACHER_VIEWS`: the recipe's loop (:func:`accelerate_ssl.recipes.train_ssl`).
     The teacher's output is the backbone's pooled feature ``[n, widths[-1]]``.
     """
-    from tqdm.auto import trange
-
     from ..backbones import ConvNet
+    from ..recipes import (cosine_lr, cosine_momentum, create_method, random_batches, tensor_batches,
+                           train_ssl)
 
-    if method not in ("barlow_twins", "byol"):
+    names = {"barlow_twins": "barlowtwins", "byol": "byol"}
+    if method not in names:
         raise ValueError(f"method must be 'barlow_twins' or 'byol', got {method!r}.")
+    require("lightly", "the compact data set's teacher")
     g = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         backbone = ConvNet(images.shape[1], widths=widths, norm=norm)
-        dim = backbone.feature_dim
-        if method == "barlow_twins":
-            require("lightly", "the compact data set's teacher")
-            from lightly.loss import BarlowTwinsLoss
-            from lightly.models.modules import BarlowTwinsProjectionHead
-
-            projector = BarlowTwinsProjectionHead(dim, 512, 512)
-            criterion = BarlowTwinsLoss()
-            modules = nn.ModuleList([backbone, projector])
-        else:
-            import copy
-
-            require("lightly", "the compact data set's teacher")
-            from lightly.loss import NegativeCosineSimilarity
-            from lightly.models.modules import BYOLPredictionHead, BYOLProjectionHead
-            from lightly.models.utils import deactivate_requires_grad, update_momentum
-
-            projector, predictor = BYOLProjectionHead(dim, 512, 128), BYOLPredictionHead(128, 512, 128)
-            backbone_m, projector_m = copy.deepcopy(backbone), copy.deepcopy(projector)
-            deactivate_requires_grad(backbone_m)
-            deactivate_requires_grad(projector_m)
-            criterion = NegativeCosineSimilarity()
-            modules = nn.ModuleList([backbone, projector, predictor])
-    opt = torch.optim.AdamW(modules.parameters(), lr=lr, weight_decay=1e-4)
-    modules.train()
-    bar = trange(steps, desc=f"train {method} teacher", disable=not progress)
-    for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
-        idx = torch.randint(0, len(images), (batch_size,), generator=g)
-        x = images[idx]
-        v1, v2 = random_views(x, g), random_views(x, g)
-        if method == "barlow_twins":
-            loss = criterion(projector(backbone(v1)), projector(backbone(v2)))
-        else:
-            tau = 1 - 0.01 * (math.cos(math.pi * step / steps) + 1) / 2
-            update_momentum(backbone, backbone_m, tau)
-            update_momentum(projector, projector_m, tau)
-            p1, p2 = predictor(projector(backbone(v1))), predictor(projector(backbone(v2)))
-            with torch.no_grad():
-                z1, z2 = projector_m(backbone_m(v1)), projector_m(backbone_m(v2))
-            loss = 0.5 * (criterion(p1, z2) + criterion(p2, z1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if step % 10 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+        model = create_method(names[method], backbone, backbone.feature_dim).to(images.device)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=1e-4)
+    train_ssl(model, tensor_batches(images, random_batches(len(images), batch_size, g)), steps, optimizer=opt,
+              view_generator=g, views=TEACHER_VIEWS, lr=cosine_lr(lr, steps), momentum=cosine_momentum(steps),
+              progress=f"train {method} teacher" if progress else None)
     description = {"source": "train_teacher", "method": method, "steps": steps, "batch_size": batch_size, "lr": lr,
                    "arch": "convnet", "arch_kwargs": backbone.config, "seed": seed}
-    return Teacher(backbone, dim, description)
+    return Teacher(backbone, backbone.feature_dim, description)
 
 
 def save_teacher(teacher: Teacher, path: str | os.PathLike) -> Path:

@@ -1,26 +1,34 @@
-"""SSL methods of the accuracy-at-budget study, as one interface over lightly's heads and losses.
+"""SSL objectives of the training recipe, one interface over lightly's heads and losses.
 
 Every method wraps a backbone (``[B, C, H, W] -> [B, D]``) and exposes
-``loss_from_features(f0, f1, v0, v1)``: the method's loss for two views ``v0``/``v1`` whose online
-backbone features ``f0``/``f1`` were already computed (so a ReLA-only step, lambda == 1, can skip the
-heads, the momentum network and the loss: ``rela.wrap(lambda: method.loss_from_features(...))``),
-and ``update_momentum(m)`` (a no-op for methods without a momentum encoder).
 
-Methods (ReLA v2 Table 4 lists ReLA gains for all of them): BYOL (the core grid; the demo
-recipe's :class:`accelerate_ssl.demo_recipe.BYOL`), SimCLR, Barlow Twins, VICReg, SimSiam, MoCo (v2-style,
-momentum key encoder + memory bank), DINO (two global views, momentum teacher). Head sizes are
-scaled down from the papers' ImageNet sizes to the small-image backbones of this study.
+- ``n_views``: how many random views of a batch one step needs (2 for the SSL methods);
+- ``step_loss(features, views, index)``: the loss of one step, given the online backbone features of
+  the views (computed once by the loop, so a ReLA-only step, lambda == 1, can skip the heads, the
+  momentum network and the loss altogether: ``rela.wrap(lambda: method.step_loss(...))``);
+- ``update_momentum(m)``: the EMA update of a momentum encoder (a no-op without one).
+
+Two-view methods implement ``loss_from_features(f0, f1, v0, v1)``. Methods (ReLA v2 Table 4 lists ReLA
+gains for all of them): BYOL (the demo's), SimCLR, Barlow Twins, VICReg, SimSiam, MoCo (v2-style, momentum
+key encoder + memory bank), DINO (two global views, momentum teacher), and :class:`Supervised`
+(cross-entropy on labels, one view: a labelled prior). Head sizes are scaled down from the papers'
+ImageNet sizes to small-image backbones.
 """
 
 from __future__ import annotations
 
 import copy
+from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from ..optional import require
 
 
 def _momentum_copy(*modules: nn.Module) -> list[nn.Module]:
+    require("lightly", "the SSL methods of the training recipe")
     from lightly.models.utils import deactivate_requires_grad
 
     copies = [copy.deepcopy(m) for m in modules]
@@ -30,7 +38,12 @@ def _momentum_copy(*modules: nn.Module) -> list[nn.Module]:
 
 
 class _Method(nn.Module):
+    n_views = 2
     has_momentum = False
+
+    def step_loss(self, features: Sequence[torch.Tensor], views: Sequence[torch.Tensor], index) -> torch.Tensor:
+        """The loss of one step of a two-view method (``index``: the batch's dataset indices, unused)."""
+        return self.loss_from_features(*features, *views)
 
     def update_momentum(self, m: float) -> None:  # methods without a momentum encoder
         return None
@@ -170,18 +183,83 @@ class DINO(_Method):
         return self.criterion(teacher, student, epoch=0)
 
 
-def _byol(backbone: nn.Module, feature_dim: int) -> nn.Module:
-    from accelerate_ssl.demo_recipe import BYOL
+class BYOL(_Method):
+    """BYOL (Grill et al. 2020) with lightly's heads: online backbone + projection + prediction, and
+    a momentum copy of backbone + projection. ``loss(v0, v1)`` is the symmetric negative cosine
+    similarity of lightly's BYOL example."""
 
-    return BYOL(backbone, feature_dim)
+    has_momentum = True
+
+    def __init__(self, backbone: nn.Module, feature_dim: int, hidden_dim: int = 512, out_dim: int = 128):
+        super().__init__()
+        require("lightly", "the BYOL recipe")
+        from lightly.loss import NegativeCosineSimilarity
+        from lightly.models.modules import BYOLPredictionHead, BYOLProjectionHead
+        from lightly.models.utils import deactivate_requires_grad
+
+        self.backbone = backbone
+        self.projection_head = BYOLProjectionHead(feature_dim, hidden_dim, out_dim)
+        self.prediction_head = BYOLPredictionHead(out_dim, hidden_dim, out_dim)
+        self.backbone_momentum = copy.deepcopy(backbone)
+        self.projection_head_momentum = copy.deepcopy(self.projection_head)
+        deactivate_requires_grad(self.backbone_momentum)
+        deactivate_requires_grad(self.projection_head_momentum)
+        self.criterion = NegativeCosineSimilarity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.prediction_head(self.projection_head(self.backbone(x)))
+
+    @torch.no_grad()
+    def forward_momentum(self, x: torch.Tensor) -> torch.Tensor:
+        return self.projection_head_momentum(self.backbone_momentum(x)).detach()
+
+    def update_momentum(self, m: float) -> None:
+        from lightly.models.utils import update_momentum
+
+        update_momentum(self.backbone, self.backbone_momentum, m)
+        update_momentum(self.projection_head, self.projection_head_momentum, m)
+
+    def loss(self, v0: torch.Tensor, v1: torch.Tensor) -> torch.Tensor:
+        return self.loss_from_features(self.backbone(v0), self.backbone(v1), v0, v1)
+
+    def loss_from_features(self, f0: torch.Tensor, f1: torch.Tensor, v0: torch.Tensor, v1: torch.Tensor) -> torch.Tensor:
+        """The BYOL loss when the online backbone features ``f0``/``f1`` of views ``v0``/``v1`` are already
+        computed (so a ReLA-only step can skip the heads and the momentum network entirely)."""
+        p0 = self.prediction_head(self.projection_head(f0))
+        p1 = self.prediction_head(self.projection_head(f1))
+        z0, z1 = self.forward_momentum(v0), self.forward_momentum(v1)
+        return 0.5 * (self.criterion(p0, z1) + self.criterion(p1, z0))
 
 
-METHODS = {"byol": _byol, "simclr": SimCLR, "barlowtwins": BarlowTwins, "vicreg": VICReg, "simsiam": SimSiam,
+class Supervised(_Method):
+    """Cross-entropy of a linear classifier on the backbone's features of one view: the labelled
+    training of a prior (``labels[index]`` are the batch's labels)."""
+
+    n_views = 1
+
+    def __init__(self, backbone: nn.Module, feature_dim: int, labels: torch.Tensor):
+        super().__init__()
+        self.backbone = backbone
+        self.classifier = nn.Linear(feature_dim, int(labels.max()) + 1)
+        self.register_buffer("labels", torch.as_tensor(labels).long(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.backbone(x))
+
+    def step_loss(self, features, views, index) -> torch.Tensor:
+        if index is None:
+            raise ValueError("Supervised needs the batch's dataset indices (a batch source yielding (images, index)).")
+        return F.cross_entropy(self.classifier(features[0]), self.labels[index])
+
+
+METHODS = {"byol": BYOL, "simclr": SimCLR, "barlowtwins": BarlowTwins, "vicreg": VICReg, "simsiam": SimSiam,
            "moco": MoCo, "dino": DINO}
 
 
 def create_method(name: str, backbone: nn.Module, feature_dim: int) -> nn.Module:
-    """An SSL method by name (``byol``, ``simclr``, ``barlowtwins``, ``vicreg``, ``simsiam``, ``moco``, ``dino``)."""
+    """A two-view SSL method by name (``byol``, ``simclr``, ``barlowtwins``, ``vicreg``, ``simsiam``, ``moco``,
+    ``dino``) around ``backbone`` (its features are ``feature_dim`` wide)."""
     if name not in METHODS:
         raise ValueError(f"Unknown method {name!r}; choose one of {sorted(METHODS)}.")
+    require("lightly", "the SSL methods of the training recipe")
     return METHODS[name](backbone, feature_dim)

@@ -1,0 +1,111 @@
+"""Probing a backbone during a run, and reading speed-ups off the probe curves.
+
+:class:`Probe` holds fixed train/test tensors and evaluates a backbone on them with the library's
+protocol (:mod:`accelerate_ssl.evaluate`: features in eval mode, a linear probe on train-standardised
+features, optionally weighted kNN). :func:`steps_to_reach`, :func:`speedup` and :func:`mean_run` turn
+the curves :func:`~accelerate_ssl.recipes.train.train_ssl` records into the numbers the demo and the
+benchmarks report: how many steps the plain run needs to reach an accuracy, and the ratio to a budget.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Optional
+
+import torch
+from torch import nn
+
+__all__ = ["Probe", "features", "steps_to_reach", "speedup", "mean_run"]
+
+
+@torch.no_grad()
+def features(backbone: nn.Module, images: torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
+    """``backbone`` features of in-memory ``images`` in eval mode, float32 ``[N, D]`` on the CPU (the
+    backbone's mode is restored)."""
+    was = backbone.training
+    backbone.eval()
+    device = next((p.device for p in backbone.parameters()), images.device)
+    try:
+        return torch.cat([backbone(images[i:i + batch_size].to(device)).flatten(1).float().cpu()
+                          for i in range(0, len(images), batch_size)])
+    finally:
+        backbone.train(was)
+
+
+class Probe:
+    """Linear probe (and optionally kNN) of a backbone on fixed train/test tensors.
+
+    ``probe(backbone)`` is the linear probe's test top-1 % (:func:`accelerate_ssl.evaluate.linear_probe`:
+    Adam 1e-3, ``epochs``, minibatch 256 shuffled with ``seed``); :meth:`evaluate` also gives the kNN
+    top-1 % (k = ``knn_k``) and the time both took.
+    """
+
+    def __init__(self, train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor,
+                 *, epochs: int = 30, seed: int = 0, knn_k: int = 20):
+        if len(train_x) != len(train_y) or len(test_x) != len(test_y):
+            raise ValueError("Probe: images and labels must have the same length (train and test).")
+        self.train_x, self.train_y = train_x, torch.as_tensor(train_y).long()
+        self.test_x, self.test_y = test_x, torch.as_tensor(test_y).long()
+        self.epochs, self.seed, self.knn_k = epochs, seed, knn_k
+
+    def _linear(self, ftr: torch.Tensor, fte: torch.Tensor) -> float:
+        from ..evaluate import linear_probe
+
+        return linear_probe(ftr, self.train_y, fte, self.test_y, epochs=self.epochs, seed=self.seed)["top1"]
+
+    def __call__(self, backbone: nn.Module) -> float:
+        return self._linear(features(backbone, self.train_x), features(backbone, self.test_x))
+
+    def evaluate(self, backbone: nn.Module) -> dict:
+        """``{"linear_top1", "knn_top1", "probe_seconds"}`` of ``backbone``."""
+        from ..evaluate import knn_accuracy
+
+        t = time.perf_counter()
+        ftr, fte = features(backbone, self.train_x), features(backbone, self.test_x)
+        return {"linear_top1": self._linear(ftr, fte),
+                "knn_top1": knn_accuracy(ftr, self.train_y, fte, self.test_y, k=self.knn_k),
+                "probe_seconds": time.perf_counter() - t}
+
+
+# ---------------------------------------------------------------------------------------------- curves
+def steps_to_reach(curve: list[tuple[int, float]], target: float) -> Optional[float]:
+    """First step where the piecewise-linear curve ``[(step, acc), ...]`` reaches ``target`` (None: never)."""
+    curve = sorted(curve)
+    if curve and curve[0][1] >= target:
+        return float(curve[0][0])
+    for (s0, a0), (s1, a1) in zip(curve, curve[1:]):
+        if a1 >= target:
+            return s0 + (target - a0) / (a1 - a0) * (s1 - s0)
+    return None
+
+
+def speedup(plain_curve: list[tuple[int, float]], rela_acc: float, budget: int) -> dict:
+    """Speed-up = steps the plain run needs to reach ``rela_acc`` / ``budget``; a lower bound if it never does."""
+    s = steps_to_reach(plain_curve, rela_acc)
+    if s is None:
+        last = max(step for step, _ in plain_curve)
+        return {"steps_plain": None, "speedup": last / budget, "lower_bound": True,
+                "text": f"> {last / budget:.1f}x (plain BYOL never reached {rela_acc:.2f} % within {last} steps)"}
+    return {"steps_plain": s, "speedup": s / budget, "lower_bound": False,
+            "text": f"{s / budget:.2f}x (plain BYOL needs {s:.0f} steps to reach {rela_acc:.2f} %)"}
+
+
+def mean_run(runs: list[dict]) -> dict:
+    """Checkpoint-wise mean (and population std) of several seeds' runs of the same length."""
+    if len(runs) == 1:
+        return runs[0]
+    curve = []
+    for points in zip(*(r["curve"] for r in runs)):
+        if len({p["step"] for p in points}) != 1:
+            raise ValueError("mean_run: the seeds were probed at different steps.")
+        top1 = [p["top1"] for p in points]
+        mean = {"step": points[0]["step"], "top1": statistics.fmean(top1), "top1_std": statistics.pstdev(top1)}
+        for key in points[0]:
+            if key not in mean and isinstance(points[0][key], (int, float)):
+                mean[key] = statistics.fmean(p[key] for p in points)
+        curve.append(mean)
+    out = {"curve": curve, "train_seconds": statistics.fmean(r["train_seconds"] for r in runs)}
+    if "lambda_per_step" in runs[0]:
+        out["lambda_per_step"] = [statistics.fmean(v) for v in zip(*(r["lambda_per_step"] for r in runs))]
+    return out

@@ -1,0 +1,215 @@
+"""The training loop of the recipe: one SSL (or supervised) run, with or without ``rela.wrap``.
+
+:func:`train_ssl` is the only loop the demo, the benchmarks, the compact teacher and the prior
+training use. A run is:
+
+- a **method** (:mod:`.methods`: ``n_views``, ``step_loss``, ``update_momentum``);
+- a **batch source**: an iterator of ``(images, index)`` — normalised images ``[B, C, H, W]`` and their
+  dataset indices (``None`` when a tracked DataLoader gives them to ReLA). :func:`loader_batches` reads
+  a DataLoader epoch after epoch, :func:`tensor_batches` indexes in-memory images with index batches from
+  :func:`shuffled_batches` (epochs of a random permutation or a ReLA v2 data subset) or
+  :func:`random_batches` (sampling with replacement);
+- **views** (:mod:`.views`) drawn from one seeded generator;
+- optionally a :class:`~accelerate_ssl.ReLA`: the step's loss is then
+  ``rela.wrap(ssl_loss) = lambda L_ReLA + (1 - lambda) L_SSL`` (ReLA v2 Eq. 10), the SSL loss passed as a
+  callable so a ReLA-only step (lambda == 1) never computes it;
+- learning-rate and EMA-momentum schedules (:func:`warmup_cosine_lr`, :func:`cosine_momentum`) or
+  constants;
+- probes at checkpoints (:class:`~accelerate_ssl.recipes.probe.Probe`).
+
+Seeding is the caller's: build the backbone, the method and ReLA after ``torch.manual_seed`` in a
+fixed order, and two runs differ only in what the caller changed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Iterator, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from .views import BYOL_VIEWS, WEAK_VIEWS, ViewConfig, random_views
+
+__all__ = ["train_ssl", "loader_batches", "tensor_batches", "shuffled_batches", "random_batches",
+           "warmup_cosine_lr", "cosine_lr", "cosine_momentum", "RELA_VIEWS"]
+
+#: what the student sees while lambda == 1 (the ReLA term only): the SSL views, ReLA v1's weak views,
+#: or the images as the batch source gives them (one forward pass; the targets' own images)
+RELA_VIEWS = ("byol", "weak", "clean")
+
+Batches = Iterator[tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
+# ---------------------------------------------------------------------------------------------- batch sources
+def loader_batches(loader, to_images: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> Batches:
+    """``(to_images(images), None)`` of every batch of ``loader``, epoch after epoch (the indices stay with
+    the loader: track it with ``ReLA(..., dataloader=loader)``)."""
+    while True:
+        for images, *_ in loader:
+            yield to_images(images), None
+
+
+def shuffled_batches(n: int, batch_size: int, seed: int, fraction: float = 1.0, subset: str = "full") -> Iterator[torch.Tensor]:
+    """Index batches forever, incomplete batches dropped.
+
+    ``subset="full"``: epoch e draws ``DynamicSubsetSampler(n, fraction, seed)`` with ``set_epoch(e)``
+    (a fresh ``fraction`` of the data each epoch; ReLA v2's dynamic data budget); ``"static"``: always
+    epoch 0, one fixed subset (ReLA v2 Fig. 4a)."""
+    from ..data import DynamicSubsetSampler
+
+    sampler = DynamicSubsetSampler(n, fraction, seed=seed, num_replicas=1, rank=0)
+    if sampler.subset_size < batch_size:
+        raise ValueError(f"A {fraction:.0%} subset of {n} images has {sampler.subset_size} < batch size {batch_size}; "
+                         "use more images or a smaller batch.")
+    epoch = 0
+    while True:
+        sampler.set_epoch(0 if subset == "static" else epoch)
+        order = torch.tensor(list(iter(sampler)), dtype=torch.long)
+        for b in range(len(order) // batch_size):
+            yield order[b * batch_size:(b + 1) * batch_size]
+        epoch += 1
+
+
+def random_batches(n: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """Index batches drawn uniformly with replacement from ``generator``, forever."""
+    while True:
+        yield torch.randint(n, (batch_size,), generator=generator)
+
+
+def tensor_batches(images: torch.Tensor, indices: Iterator[torch.Tensor]) -> Batches:
+    """``(images[idx], idx)`` for every index batch of ``indices`` (``images`` on any device)."""
+    for idx in indices:
+        yield images[idx.to(images.device)], idx
+
+
+# ---------------------------------------------------------------------------------------------- schedules
+def warmup_cosine_lr(peak: float, total: int) -> Callable[[int], float]:
+    """Linear warm-up over the first 10 % of ``total`` steps, then cosine to 0."""
+    warm = max(1, int(0.1 * total))
+
+    def lr(step: int) -> float:
+        if step < warm:
+            return peak * (step + 1) / warm
+        return 0.5 * peak * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
+
+    return lr
+
+
+def cosine_lr(peak: float, total: int) -> Callable[[int], float]:
+    """Cosine from ``peak`` to 0 over ``total`` steps, no warm-up."""
+    return lambda step: peak * 0.5 * (1 + math.cos(math.pi * step / total))
+
+
+def cosine_momentum(total: int, base: float = 0.99) -> Callable[[int], float]:
+    """EMA momentum, cosine from ``base`` to 1 over ``total`` steps (BYOL's schedule)."""
+    return lambda step: 1 - (1 - base) * (math.cos(math.pi * step / max(1, total)) + 1) / 2
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+def train_ssl(
+    method: nn.Module,
+    batches: Batches,
+    steps: int,
+    *,
+    optimizer: torch.optim.Optimizer,
+    view_generator: torch.Generator,
+    views: ViewConfig = BYOL_VIEWS,
+    rela=None,
+    rela_views: str = "byol",
+    lr: Optional[Callable[[int], float]] = None,
+    momentum: Union[float, Callable[[int], float]] = 0.99,
+    checkpoints: Sequence[int] = (),
+    probe: Optional[Callable[[nn.Module], float]] = None,
+    checkpoint_extras: Optional[Callable[[], dict]] = None,
+    on_step: Optional[Callable[[int, float], None]] = None,
+    start_step: int = 0,
+    progress: Optional[str] = None,
+) -> dict:
+    """Train ``method`` for ``steps - start_step`` optimiser steps; return its log.
+
+    Each step: the next ``(images, index)`` of ``batches``; ``method.n_views`` random ``views`` of the
+    images (``rela_views`` while ``rela.lam >= 1``: see :data:`RELA_VIEWS`); the backbone's features of
+    each view; the loss ``method.step_loss(features, views, index)``, through ``rela.wrap`` when ``rela``
+    is given; ``optimizer`` step (``lr(step)`` set first when given); ``method.update_momentum``.
+    A loss that is not finite stops the run with an error naming the step.
+
+    ``probe(backbone) -> top-1 %`` runs at every step in ``checkpoints`` (0: before training); each
+    checkpoint's record also holds ``checkpoint_extras()``. ``on_step(step, loss)`` runs after every step
+    (e.g. to save a resumable checkpoint). ``progress``: the tqdm bar's label (None: no bar).
+
+    Returns ``{"curve": [{"step", "top1", "lambda", "train_seconds", "probe_seconds", ...}],
+    "lambda_per_step": [...] (with ReLA), "step_seconds": [...], "train_seconds": total}``.
+    """
+    if rela_views not in RELA_VIEWS:
+        raise ValueError(f"rela_views must be one of {RELA_VIEWS}, got {rela_views!r}.")
+    backbone = method.backbone
+    momentum_at = momentum if callable(momentum) else (lambda step, m=float(momentum): m)
+    cuda = any(p.is_cuda for p in method.parameters())
+    curve: list[dict] = []
+    lambdas: list[float] = []
+    step_seconds: list[float] = []
+    shown: dict = {}  # the bar's postfix: last loss, last probe
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, initial=start_step, desc=progress, unit="step", dynamic_ncols=True)
+
+    def checkpoint(step: int) -> None:
+        t = time.perf_counter()
+        acc = probe(backbone)
+        lam = lambdas[-1] if lambdas else (rela.lam if rela is not None else 0.0)
+        curve.append({"step": step, "top1": acc, "lambda": lam, "train_seconds": sum(step_seconds),
+                      "probe_seconds": time.perf_counter() - t, **(checkpoint_extras() if checkpoint_extras else {})})
+        if bar is not None:
+            shown["probe"] = f"{acc:.2f}%"
+            bar.set_postfix(shown)
+
+    if start_step in checkpoints and probe is not None:
+        checkpoint(start_step)
+    for step in range(start_step, steps):
+        x, index = next(batches)  # producing the batch is not timed: step_seconds are the training's own
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        method.train()
+        if lr is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr(step)
+        rela_only = rela is not None and rela.lam >= 1.0
+        if rela_only and rela_views == "clean":  # one forward pass of the images themselves
+            vs = [x] * method.n_views
+            fs = [backbone(x)] * method.n_views
+        else:
+            cfg = WEAK_VIEWS if (rela_only and rela_views == "weak") else views
+            vs = [random_views(x, cfg, view_generator) for _ in range(method.n_views)]
+            fs = [backbone(v) for v in vs]
+        ssl_loss = lambda: method.step_loss(fs, vs, index)  # noqa: E731
+        if rela is not None:
+            lambdas.append(rela.lam)
+            loss = rela.wrap(ssl_loss) if index is None else rela.wrap(ssl_loss, index=index)
+        else:
+            loss = ssl_loss()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        method.update_momentum(momentum_at(step))
+        if cuda:
+            torch.cuda.synchronize()
+        step_seconds.append(time.perf_counter() - t0)
+        value = loss.item()
+        if not math.isfinite(value):
+            raise FloatingPointError(f"the loss became {value} at step {step}; lower the learning rate.")
+        if bar is not None:
+            shown["loss"] = f"{value:.3f}"
+            bar.set_postfix(shown, refresh=False)
+            bar.update(1)
+        if on_step is not None:
+            on_step(step + 1, value)
+        if step + 1 in checkpoints and probe is not None:
+            checkpoint(step + 1)
+    if bar is not None:
+        bar.close()
+    return {"curve": curve, "lambda_per_step": lambdas, "step_seconds": step_seconds, "train_seconds": sum(step_seconds)}
