@@ -156,7 +156,7 @@ def test_cli_distill_runs_end_to_end(tmp_path, capsys):
     teacher = ResNetSmall(1, 10, (4, 4, 8))
     torch.save(teacher.state_dict(), tmp_path / "t.pt")
     out = tmp_path / "out"
-    rc = main(["distill", "--teacher", "resnet_small", "--weights", str(tmp_path / "t.pt"),
+    rc = main(["distill", "--teacher", "random:resnet_small", "--weights", str(tmp_path / "t.pt"),
                "--teacher-kwargs", '{"widths": [4, 4, 8]}', "--data", "digits", "--method", "sre2l++", "--ipc", "1",
                "--iterations", "2", "--out", str(out), "--relabel-epochs", "1", "--no-progress", "--device", "cpu",
                "--json"])
@@ -165,4 +165,4 @@ def test_cli_distill_runs_end_to_end(tmp_path, capsys):
     assert printed["images"] == 10 and printed["method"] == "sre2l++" and printed["soft_labels"].endswith("soft_labels.pt")
     man = json.loads((out / "manifest.json").read_text())
     assert man["num_classes"] == 10 and len(man["files"]) == 10 and (out / "soft_labels.pt").exists()
-    assert man["teachers"][0]["spec"].startswith("resnet_small:")
+    assert man["teachers"][0]["spec"].startswith("random:resnet_small:")

@@ -187,12 +187,14 @@ def test_cli_help_bad_dataset_and_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["precompute", "--prior", "random:convnet", "--data", "cifar-10", "--out", str(tmp_path / "o")])
     assert exit_.value.code == 2
-    assert "unknown dataset 'cifar-10'; use fashion-mnist, digits, folder:<path>" in capsys.readouterr().err
+    assert "'cifar-10' is neither a known data set nor an existing folder; use fashion-mnist, digits, folder:<path>" \
+        in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         main(["precompute", "--prior", "random:convnet", "--data", "solo:x", "--fraction", "1.5", "--out", "o"])
     assert exit_.value.code == 2 and "--fraction must be a number in (0, 1)" in capsys.readouterr().err
     assert main(["precompute", "--prior", "random:convnet", "--data", "digits", "--fraction", "0.5", "--out", "o"]) == 2
-    assert "--fraction reproduces solo-learn's data.fraction and needs --data solo:" in capsys.readouterr().err
+    assert "(--fraction) reproduces solo-learn's data.fraction and needs the data spec solo:<train folder> (--data solo:" \
+        in capsys.readouterr().err
     assert main(["precompute", "--prior", "timm:resnet18", "--weights", str(tmp_path / "w.pth"), "--data", "digits",
                  "--split", "test", "--out", str(tmp_path / "o")]) == 2
     assert "w.pth" in capsys.readouterr().err

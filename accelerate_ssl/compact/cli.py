@@ -2,7 +2,7 @@
 
     accelerate-ssl compact distill --data fashion-mnist --train-teacher barlow_twins --images 100 \\
         --steps 2000 --out fmnist_n100.safetensors --checkpoint fmnist_n100.ckpt
-    accelerate-ssl compact distill --data fashion-mnist --teacher checkpoint:prior.safetensors --out c.safetensors
+    accelerate-ssl compact distill --data fashion-mnist --prior shipped:fashion-mnist-byol --out c.safetensors
     accelerate-ssl compact info fmnist_n100.safetensors
 
 Images are scaled to [0, 1] and standardised with the data set's own mean/std (recorded in the
@@ -17,6 +17,7 @@ from dataclasses import fields
 
 import torch
 
+from ..data.spec import DATA_SPEC_HELP, data_spec
 from .distill import DistillConfig
 
 
@@ -24,20 +25,17 @@ def load_images(data: str, limit: int | None = None, image_size: int | None = No
     """Unlabelled images as a standardised float tensor ``[n, c, h, w]`` and their preprocessing record."""
     import numpy as np
 
-    if data in ("fashion-mnist", "digits"):
-        from ..data import Digits, FashionMNIST
+    from ..data.spec import open_data
 
-        ds = FashionMNIST("train", limit=limit) if data == "fashion-mnist" else Digits("train")
-        x = ds.data[:limit].float().div(255.0).unsqueeze(1)
+    if data in ("fashion-mnist", "digits"):
+        x = open_data(data, limit=limit).data.float().div(255.0).unsqueeze(1)
     else:
         from torchvision import transforms
 
-        from ..data import image_folder
-
         if image_size is None:
             raise ValueError("an image folder needs --image-size (e.g. 32) so all images share one shape.")
-        ds = image_folder(data, transform=transforms.Compose([transforms.Resize(image_size), transforms.CenterCrop(image_size),
-                                                              transforms.ToTensor()]))
+        ds = open_data(data, transform=transforms.Compose([transforms.Resize(image_size), transforms.CenterCrop(image_size),
+                                                           transforms.ToTensor()]))
         n = len(ds) if limit is None else min(limit, len(ds))
         x = torch.stack([ds[i][0] for i in range(n)])
     mean = x.mean(dim=(0, 2, 3), keepdim=True)
@@ -49,11 +47,14 @@ def load_images(data: str, limit: int | None = None, image_size: int | None = No
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="compact_command", metavar="ACTION")
     d = sub.add_parser("distill", help="distil unlabelled images into a compact store (Yu et al. (2025))")
-    d.add_argument("--data", default="fashion-mnist", help="fashion-mnist, digits, or an image folder")
+    d.add_argument("--data", default="fashion-mnist", type=data_spec, help=DATA_SPEC_HELP)
     d.add_argument("--limit", type=int, default=None, help="use only the first N images")
     d.add_argument("--image-size", type=int, default=None, help="resize image-folder images to this size")
     t = d.add_mutually_exclusive_group(required=True)
-    t.add_argument("--teacher", help="prior spec (e.g. checkpoint:<path>) or a teacher .safetensors from save_teacher")
+    t.add_argument("--prior", "--teacher", dest="prior",
+                   help="the teacher: a prior spec (`accelerate-ssl priors list`, e.g. shipped:fashion-mnist-byol) or a "
+                        "teacher .safetensors written by --save-teacher")
+    d.add_argument("--weights", default=None, help="local weights file for the --prior (wins over the zoo caches)")
     t.add_argument("--train-teacher", choices=["barlow_twins", "byol"], help="train a ConvNet teacher self-supervised first")
     d.add_argument("--teacher-steps", type=int, default=1000)
     d.add_argument("--save-teacher", default=None, help="where to write the trained teacher (.safetensors)")
@@ -86,8 +87,10 @@ def run(args: argparse.Namespace) -> int:
     from .teacher import load_teacher, save_teacher, train_teacher
 
     images, preprocessing = load_images(args.data, args.limit, args.image_size)
-    if args.teacher:
-        teacher = load_teacher(args.teacher)
+    if args.weights and not args.prior:
+        raise ValueError("--weights belongs to a --prior; a teacher trained here (--train-teacher) has its own.")
+    if args.prior:
+        teacher = load_teacher(args.prior, weights=args.weights)
     else:
         teacher = train_teacher(images, method=args.train_teacher, steps=args.teacher_steps, seed=args.seed)
     teacher.standardize(images)  # z-scored targets (Teacher.standardize)

@@ -2,12 +2,13 @@
 
 Example::
 
-    accelerate-ssl distill --teacher resnet_small --weights teacher.pt --data fashion-mnist \\
+    accelerate-ssl distill --teacher random:resnet_small --weights teacher.pt --data fashion-mnist \\
         --method dwa --ipc 10 --iterations 1000 --out distilled/ [--relabel-epochs 20]
 
-Teachers: ``resnet_small`` (accelerate_ssl.backbones, ``--teacher-kwargs`` JSON for its arguments),
-``torchvision:<arch>`` (e.g. resnet18, ``num_classes`` via ``--teacher-kwargs``), or ``torchscript:<file>``;
-``--weights`` (or ``--teacher-weights``) is a local state_dict file. Repeat ``--teacher`` (and ``--weights``) for FADRM+.
+Teachers are classifiers named in the prior grammar (:func:`create_teacher`): ``random:<arch>`` (one of
+accelerate_ssl.backbones or a torchvision architecture, ``--teacher-kwargs`` JSON for its arguments) with
+``--weights`` the state_dict you trained; ``torchvision:<arch>[/<weights>]`` (torchvision's trained weights,
+offline-first); ``checkpoint:<file>`` (TorchScript). Repeat ``--teacher`` (and ``--weights``) for FADRM+.
 """
 
 from __future__ import annotations
@@ -18,17 +19,23 @@ from pathlib import Path
 
 import torch
 
+from ..data.spec import DATA_SPEC_HELP, data_spec, open_data
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .synthesize import list_methods
 
     parser.add_argument("--teacher", action="append", required=True,
-                        help="resnet_small | torchvision:<arch> | torchscript:<file>; repeat for several teachers (fadrm+)")
-    parser.add_argument("--teacher-weights", "--weights", dest="teacher_weights", action="append", default=[],
-                        help="local state_dict file per teacher (same order); --weights as on the other verbs")
+                        help="a classifier in the prior grammar: random:<arch> (accelerate_ssl.backbones or torchvision; "
+                             "with --weights), torchvision:<arch>[/<weights>] or checkpoint:<TorchScript file>; "
+                             "repeat for several teachers (fadrm+)")
+    parser.add_argument("--weights", "--teacher-weights", dest="teacher_weights", action="append", default=[],
+                        help="local state_dict file per teacher (same order; wins over torchvision's cache)")
+    parser.add_argument("--offline", action="store_true",
+                        help="never download torchvision weights, use the local cache only (also: HF_HUB_OFFLINE=1)")
     parser.add_argument("--teacher-kwargs", action="append", default=[], help="JSON constructor arguments per teacher")
-    parser.add_argument("--data", default="fashion-mnist",
-                        help="real images for initialisation: fashion-mnist | digits | folder:<path> (class sub-folders)")
+    parser.add_argument("--data", default="fashion-mnist", type=data_spec,
+                        help=f"real labelled images for initialisation: {DATA_SPEC_HELP}")
     parser.add_argument("--mean", type=float, nargs="+", help="teacher input mean per channel (default: the data set's)")
     parser.add_argument("--std", type=float, nargs="+", help="teacher input std per channel (default: the data set's)")
     parser.add_argument("--method", default="dwa", choices=list_methods())
@@ -46,42 +53,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object (images, output folder, timings) at the end")
 
 
-def load_teacher(spec: str, weights: str | None = None, kwargs: dict | None = None) -> torch.nn.Module:
-    """Build a teacher from ``spec`` and load a local state_dict (never any download)."""
-    kwargs = dict(kwargs or {})
-    if spec.startswith("torchscript:"):
-        path = Path(spec.split(":", 1)[1])
-        if not path.exists():
-            raise FileNotFoundError(f"TorchScript teacher {path} not found; pass an existing file.")
-        return torch.jit.load(str(path), map_location="cpu")
-    if spec.startswith("torchvision:"):
-        import torchvision
+TEACHER_FAMILIES = ("random", "torchvision", "checkpoint")
 
-        model = torchvision.models.get_model(spec.split(":", 1)[1], weights=None, **kwargs)
-    else:
+
+def create_teacher(spec: str, weights: str | None = None, kwargs: dict | None = None,
+                   offline: bool | None = None) -> torch.nn.Module:
+    """A classifier teacher (its classifier kept: recover matches its logits) from a spec in the prior grammar.
+
+    - ``random:<arch>``: one of :mod:`accelerate_ssl.backbones` (e.g. ``resnet_small``) or a torchvision
+      architecture, built with ``kwargs``; ``weights`` is the state_dict you trained it to.
+    - ``torchvision:<arch>[/<weights member>]``: torchvision's trained weights (default ``DEFAULT``) from
+      the torch hub cache, downloaded only when missing and not ``offline``; ``weights`` wins over the cache.
+    - ``checkpoint:<file>``: a TorchScript classifier (its weights inside).
+    """
+    kwargs = dict(kwargs or {})
+    family, sep, name = spec.partition(":")
+    if not sep or family not in TEACHER_FAMILIES or not name:
+        hint = f"random:{spec} --weights FILE" if not sep else "random:resnet_small --weights FILE"
+        raise ValueError(f"Unknown teacher {spec!r}: a teacher spec is '<family>:<name>' with family in "
+                         f"{TEACHER_FAMILIES} (the prior grammar), e.g. {hint}, torchvision:resnet18 or "
+                         "checkpoint:teacher.pt (TorchScript).")
+    if weights is not None and not Path(weights).is_file():
+        raise FileNotFoundError(f"Teacher weights {weights} not found; pass an existing state_dict file.")
+    if family == "checkpoint":
+        if weights is not None:
+            raise ValueError(f"{spec} already holds its weights (TorchScript); drop --weights.")
+        if not Path(name).is_file():
+            raise FileNotFoundError(f"TorchScript teacher {name} not found; pass an existing file.")
+        return torch.jit.load(name, map_location="cpu")
+    from ..targets.priors import load_state_dict_file
+
+    if family == "random":
         from ..backbones import BACKBONES, create_backbone
 
-        if spec not in BACKBONES:
-            raise ValueError(f"Unknown teacher {spec!r}; pass one of {sorted(BACKBONES)}, torchvision:<arch> or torchscript:<file>.")
-        model = create_backbone(spec, **kwargs)
-    if weights is not None:
-        if not Path(weights).exists():
-            raise FileNotFoundError(f"Teacher weights {weights} not found; pass an existing state_dict file.")
-        state = torch.load(weights, map_location="cpu", weights_only=True)
-        model.load_state_dict(state.get("state_dict", state) if isinstance(state, dict) else state)
+        if name in BACKBONES:
+            model = create_backbone(name, **kwargs)
+        else:
+            import torchvision
+
+            if name not in torchvision.models.list_models(module=torchvision.models):
+                raise ValueError(f"Unknown architecture {name!r} in {spec!r}; use one of {sorted(BACKBONES)} or a "
+                                 "torchvision classification model (e.g. resnet18).")
+            model = torchvision.models.get_model(name, weights=None, **kwargs)
+        if weights is not None:
+            model.load_state_dict(load_state_dict_file(weights))
+        return model
+    import torchvision
+
+    from ..targets.zoo import resolve_url_file, torch_hub_file, torchvision_weights
+
+    arch, _, member = name.partition("/")
+    model = torchvision.models.get_model(arch, weights=None, **kwargs)
+    if weights is None:
+        url = torchvision_weights(arch, member, spec).url
+        weights = str(resolve_url_file(spec, url, torch_hub_file(url), offline))
+    model.load_state_dict(load_state_dict_file(weights))
     return model
-
-
-def load_data(name: str):
-    from ..data import Digits, FashionMNIST, image_folder
-
-    if name == "fashion-mnist":
-        return FashionMNIST("train")
-    if name == "digits":
-        return Digits("train")
-    if name.startswith("folder:"):
-        return image_folder(name.split(":", 1)[1])
-    raise ValueError(f"Unknown --data {name!r}; pass fashion-mnist, digits or folder:<path>.")
 
 
 def _parse_set(items: list[str]) -> dict:
@@ -105,9 +132,10 @@ def run(args: argparse.Namespace) -> int:
     weights = args.teacher_weights + [None] * (n - len(args.teacher_weights))
     kwargs = [json.loads(k) for k in args.teacher_kwargs]
     kwargs = kwargs + [kwargs[-1] if kwargs else {}] * (n - len(kwargs))
-    teachers = [load_teacher(s, w, k).to(args.device) for s, w, k in zip(args.teacher, weights, kwargs)]
+    offline = True if args.offline else None
+    teachers = [create_teacher(s, w, k, offline).to(args.device) for s, w, k in zip(args.teacher, weights, kwargs)]
     specs = [f"{s}:{w}" if w else s for s, w in zip(args.teacher, weights)]
-    data = load_data(args.data)
+    data = open_data(args.data)
     mean = args.mean or list(getattr(data, "mean", (0.5,)))
     std = args.std or list(getattr(data, "std", (0.5,)))
     hparams = _parse_set(args.set)

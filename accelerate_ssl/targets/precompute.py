@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ..atomic import atomic_path
+from ..data.spec import DATA_SPEC_HELP, data_spec, open_data
 from .store import (CHUNKS, FORMAT, FORMAT_VERSION, MANIFEST, METADATA, TARGETS, TargetStore, atomic_write_text, file_sha256,
                     read_json)
 
@@ -379,17 +380,6 @@ def _short(value, limit: int = 80) -> str:
 # ------------------------------------------------------------------------------------------------
 # CLI: accelerate-ssl precompute
 # ------------------------------------------------------------------------------------------------
-_DATASET_HELP = ("fashion-mnist, digits, folder:<path> (class sub-folders, or a flat folder of images), "
-                 "solo:<path> / solo-no-labels:<path> (indexed exactly as solo-learn indexes that train folder)")
-_PATH_DATASETS = ("folder:", "solo:", "solo-no-labels:")
-
-
-def _dataset_arg(value: str) -> str:
-    if value in ("fashion-mnist", "digits") or any(value.startswith(p) and len(value) > len(p) for p in _PATH_DATASETS):
-        return value
-    raise argparse.ArgumentTypeError(f"unknown dataset {value!r}; use {_DATASET_HELP}")
-
-
 def _fraction_arg(value: str) -> float:
     try:
         f = float(value)
@@ -407,7 +397,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default=None, help="local weights file for the prior (wins over the zoo caches)")
     parser.add_argument("--offline", action="store_true",
                         help="never download zoo weights, use the local cache only (also: HF_HUB_OFFLINE=1)")
-    parser.add_argument("--data", "--dataset", dest="data", required=True, type=_dataset_arg, help=_DATASET_HELP)
+    parser.add_argument("--data", "--dataset", dest="data", required=True, type=data_spec, help=DATA_SPEC_HELP)
     parser.add_argument("--fraction", type=_fraction_arg, default=None,
                         help="with solo:<path>: solo-learn's data.fraction (its class-stratified split, random_state 42)")
     parser.add_argument("--split", default="train", help="train / test (fashion-mnist, digits), or all (digits)")
@@ -421,31 +411,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (path, rows, dim, prior, sha256) instead of the sentence")
-
-
-def build_dataset(name: str, split: str = "train", data_root: Optional[str] = None, limit: Optional[int] = None,
-                  fraction: Optional[float] = None):
-    """The CLI's data sets: ``fashion-mnist``, ``digits``, ``folder:<path>``, ``solo:<path>``, ``solo-no-labels:<path>``."""
-    from ..data import Digits, FashionMNIST, image_folder
-    from ..data.solo import solo_image_dataset
-
-    if fraction is not None and not name.startswith("solo:"):
-        raise ValueError("--fraction reproduces solo-learn's data.fraction and needs --data solo:<train folder>.")
-    if name == "fashion-mnist":
-        return FashionMNIST(split, root=data_root, limit=limit)
-    if limit is not None:
-        raise ValueError("--limit is only supported for fashion-mnist.")
-    if name == "digits":
-        return Digits(split)
-    kind, _, folder = name.partition(":")
-    if kind == "folder":
-        ds = image_folder(folder)
-    elif kind in ("solo", "solo-no-labels"):
-        ds = solo_image_dataset(folder, no_labels=kind == "solo-no-labels", fraction=fraction)
-    else:
-        raise ValueError(f"unknown dataset {name!r}; use {_DATASET_HELP}.")
-    ds.name = f"{kind}:{Path(folder).resolve()}" + (f"?fraction={fraction}" if fraction is not None else "")
-    return ds
 
 
 def _command_line(args: argparse.Namespace) -> str:
@@ -469,7 +434,7 @@ def run(args: argparse.Namespace) -> int:
     from .priors import create_prior
 
     try:
-        dataset = build_dataset(args.data, args.split, args.data_root, args.limit, args.fraction)
+        dataset = open_data(args.data, args.split, root=args.data_root, limit=args.limit, fraction=args.fraction)
         overrides: dict[str, Any] = {}
         family, _, arch = args.prior.partition(":")
         if family == "random" and arch in backbones.BACKBONES:

@@ -1,0 +1,84 @@
+"""One data-spec grammar for every CLI verb (``--data SPEC``) and for Python (:func:`open_data`).
+
+==============================  =====================================================================
+``fashion-mnist``               Fashion-MNIST from the local idx files (:class:`~.datasets.FashionMNIST`)
+``digits``                      scikit-learn's bundled digits, upscaled to 28 px (:class:`~.datasets.Digits`)
+``folder:<path>`` or ``<path>``  a folder of images: one sub-folder per class, or a flat folder
+                                (:func:`~.datasets.image_folder`)
+``solo:<path>``                 a train folder indexed exactly as solo-learn indexes it (labelled /
+``solo-no-labels:<path>``       ``data.no_labels``; :func:`~.solo.solo_image_dataset`)
+==============================  =====================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+__all__ = ["DATA_SPEC_HELP", "data_spec", "open_data"]
+
+DATA_SPEC_HELP = ("fashion-mnist, digits, folder:<path> or a folder path (class sub-folders, or a flat folder of "
+                  "images), solo:<path> / solo-no-labels:<path> (indexed exactly as solo-learn indexes that train folder)")
+_NAMED = ("fashion-mnist", "digits")
+_PATH_KINDS = ("folder", "solo", "solo-no-labels")
+
+
+def data_spec(value: str) -> str:
+    """Check a data spec (an argparse ``type``): its canonical form, a bare folder path as ``folder:<path>``."""
+    if value in _NAMED:
+        return value
+    kind, sep, rest = value.partition(":")
+    if sep and kind in _PATH_KINDS and rest:
+        return value
+    if os.path.isdir(value):
+        return f"folder:{value}"
+    if sep and kind not in _PATH_KINDS and len(kind) > 1:
+        raise argparse.ArgumentTypeError(f"unknown data kind {kind!r} in {value!r}; use {DATA_SPEC_HELP}")
+    raise argparse.ArgumentTypeError(f"{value!r} is neither a known data set nor an existing folder; use {DATA_SPEC_HELP}")
+
+
+def open_data(spec: str, split: str = "train", *, root: Optional[str] = None, limit: Optional[int] = None,
+              fraction: Optional[float] = None, transform: Optional[Callable] = None):
+    """The data set a spec names (see the module docstring).
+
+    Args:
+        spec: a data spec.
+        split: ``train`` / ``test`` (``fashion-mnist``, ``digits``), or ``all`` (``digits``); folders have one.
+        root: the folder with Fashion-MNIST's idx files (default: the system package's).
+        limit: only the first ``limit`` images (``fashion-mnist``, ``digits``).
+        fraction: solo-learn's ``data.fraction`` (its class-stratified split), with ``solo:<path>`` only.
+        transform: applied to each PIL image.
+    """
+    from .datasets import Digits, FashionMNIST, image_folder
+
+    try:
+        spec = data_spec(spec)
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(str(err)) from None
+    if fraction is not None and not spec.startswith("solo:"):
+        raise ValueError("fraction (--fraction) reproduces solo-learn's data.fraction and needs the data spec "
+                         "solo:<train folder> (--data solo:<path>).")
+    if limit is not None and spec not in _NAMED:
+        raise ValueError(f"limit (--limit) is for fashion-mnist and digits; for {spec!r} point to a smaller folder.")
+    if spec == "fashion-mnist":
+        return FashionMNIST(split, root=root, limit=limit, transform=transform)
+    if spec == "digits":
+        ds = Digits(split, transform=transform)
+        if limit is not None:
+            if limit <= 0:
+                raise ValueError(f"limit must be positive, got {limit}.")
+            ds.data, ds.targets = ds.data[:limit], ds.targets[:limit]
+        return ds
+    kind, _, folder = spec.partition(":")
+    if kind == "folder":
+        ds = image_folder(folder, transform=transform)
+    else:
+        from .solo import solo_image_dataset
+
+        ds = solo_image_dataset(folder, no_labels=kind == "solo-no-labels", fraction=fraction)
+        if transform is not None:
+            getattr(ds, "dataset", ds).transform = transform  # through solo-learn's fraction Subset
+    ds.name = f"{kind}:{Path(folder).resolve()}" + (f"?fraction={fraction}" if fraction is not None else "")
+    return ds
