@@ -2,7 +2,8 @@
 
 Each write goes to ``<name>.<pid>.tmp`` beside the target (unique per process, so several processes under
 ``accelerate launch`` never share a temporary file), is flushed and fsynced, then renamed over the target
-with ``os.replace``; on any error the temporary file is removed and the target is left as it was.
+with ``os.replace``; on any error the temporary file is removed and the target is left as it was. A
+missing parent folder is created first.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     temporary path beside ``path`` (ending in ``suffix``, for writers that pick the format from it); when the
     block ends it is fsynced and renamed over ``path``; on an error it is removed and ``path`` is untouched."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp{suffix}")
     try:
         yield tmp

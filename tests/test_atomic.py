@@ -12,6 +12,9 @@ def test_writes_replace_the_target_and_leave_no_temporary(tmp_path):
     atomic_write_json(target, {"b": 1, "a": 2}, sort_keys=True)
     assert json.loads(target.read_text()) == {"a": 2, "b": 1} and target.read_text().index('"a"') < target.read_text().index('"b"')
     assert sorted(os.listdir(tmp_path)) == ["meta.json"]
+    nested = tmp_path / "new" / "folder" / "r.json"  # a results path in a folder that does not exist yet
+    atomic_write_json(nested, {"x": 1})
+    assert json.loads(nested.read_text()) == {"x": 1} and os.listdir(nested.parent) == ["r.json"]
 
 
 def test_failed_write_keeps_the_old_file_and_removes_the_temporary(tmp_path):
