@@ -22,11 +22,12 @@ import argparse
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from torch.utils.data import TensorDataset
 
 from accelerate_ssl.backbones import ConvNet
 from accelerate_ssl.compact import CompactDataset, distill_compact, load_teacher, pretrain, train_teacher
 from accelerate_ssl.data import load_fashion_mnist
+from accelerate_ssl.evaluate import extract_features, linear_probe
 
 
 def main() -> None:
@@ -46,7 +47,8 @@ def main() -> None:
 
     images, _ = load_fashion_mnist("train")
     x = torch.from_numpy(images[: args.n_real]).float().div(255).unsqueeze(1)
-    x = (x - x.mean()) / x.std()
+    mean, std = x.mean(), x.std()
+    x = (x - mean) / std
 
     if args.teacher == "train":
         teacher = train_teacher(x, method="barlow_twins", steps=args.teacher_steps, batch_size=128, widths=(16, 32, 64))
@@ -66,26 +68,14 @@ def main() -> None:
     student = ConvNet(1, widths=(16, 32, 64))
     pretrain(student, (images, targets), epochs=args.epochs)
 
-    # quick linear probe on frozen features
+    # linear probe on frozen features (the library's protocol: standardised features, Adam, 30 epochs)
     tr_x, tr_y = load_fashion_mnist("train")
     te_x, te_y = load_fashion_mnist("test")
-    prep = lambda a: (torch.from_numpy(a).float().div(255).unsqueeze(1) - x.mean()) / x.std()
-    with torch.no_grad():
-        f_tr, f_te = student(prep(tr_x[:5000])), student(prep(te_x))
-    mu, sd = f_tr.mean(0), f_tr.std(0) + 1e-6
-    clf = torch.nn.Linear(f_tr.shape[1], 10)
-    opt = torch.optim.LBFGS(clf.parameters(), max_iter=200, line_search_fn="strong_wolfe")
-    y = torch.from_numpy(tr_y[:5000])
-
-    def closure():
-        opt.zero_grad()
-        loss = F.cross_entropy(clf((f_tr - mu) / sd), y)
-        loss.backward()
-        return loss
-
-    opt.step(closure)
-    acc = (clf((f_te - mu) / sd).argmax(1) == torch.from_numpy(te_y)).float().mean().item()
-    print(f"linear probe on the compact-pretrained student: {100 * acc:.2f}%")
+    prep = lambda a: (torch.from_numpy(a).float().div(255).unsqueeze(1) - mean) / std  # noqa: E731 (the distilled space)
+    f_tr, y_tr = extract_features(student, TensorDataset(prep(tr_x[:5000]), torch.from_numpy(tr_y[:5000])))
+    f_te, y_te = extract_features(student, TensorDataset(prep(te_x), torch.from_numpy(te_y)))
+    acc = linear_probe(f_tr, y_tr, f_te, y_te)["top1"]
+    print(f"linear probe on the compact-pretrained student: {acc:.2f}%")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     .venv/bin/python examples/distilled_warmstart.py            # ~2-4 min on 2 CPU cores
     .venv/bin/python examples/distilled_warmstart.py --method fadrm --ipc 5 --iterations 300
 
-Steps: (1) a small BatchNorm teacher (trained here for one short epoch, or --teacher-weights), (2)
+Steps: (1) a small BatchNorm teacher (trained here for one short epoch, or --weights), (2)
 ``synthesize`` IPC images per class (PNG class folders + manifest in --out), (3) ``warm_start`` a fresh
 GroupNorm ConvNet (a feature backbone: it gets a temporary linear head) by KD from the teacher, (4) your
 own loop carries on from the warmed-up weights -- here a few supervised steps on real data; it could
@@ -31,7 +31,7 @@ def main():
     p.add_argument("--method", default="dwa", choices=["sre2l", "sre2l++", "dwa", "fadrm"])
     p.add_argument("--ipc", type=int, default=5)
     p.add_argument("--iterations", type=int, default=150)
-    p.add_argument("--teacher-weights", help="state_dict of ResNetSmall(1, 10, (16, 32, 64)); trained here if omitted")
+    p.add_argument("--weights", help="state_dict of ResNetSmall(1, 10, (16, 32, 64)); trained here if omitted")
     p.add_argument("--out", default="runs/distilled-warmstart")
     p.add_argument("--main-steps", type=int, default=100, help="steps of the 'user loop' after the warm start")
     args = p.parse_args()
@@ -45,8 +45,8 @@ def main():
 
     # (1) teacher with BatchNorm
     teacher = ResNetSmall(1, 10, (16, 32, 64))
-    if args.teacher_weights:
-        teacher.load_state_dict(torch.load(args.teacher_weights, map_location="cpu", weights_only=True))
+    if args.weights:
+        teacher.load_state_dict(torch.load(args.weights, map_location="cpu", weights_only=True))
     else:
         opt = torch.optim.Adam(teacher.parameters(), lr=2e-3)
         for i in range(0, len(x_tr), 64):
