@@ -74,7 +74,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from accelerate_ssl.results import save_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,6 +85,7 @@ from accelerate_ssl.compact import (  # noqa: E402
     save_teacher, train_teacher,
 )
 from accelerate_ssl.data import load_fashion_mnist  # noqa: E402
+from accelerate_ssl.recipes import Probe  # noqa: E402
 from accelerate_ssl.results import write_results  # noqa: E402
 from accelerate_ssl.targets.priors import shipped_prior_file  # noqa: E402
 
@@ -167,32 +167,6 @@ def key(d: dict) -> str:
     return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
-@torch.no_grad()
-def features(model, x, batch=1000):
-    model.eval()
-    return torch.cat([model(x[i : i + batch]) for i in range(0, len(x), batch)])
-
-
-def linear_probe(f_train, y_train, f_test, y_test, iters=300) -> float:
-    """Multinomial logistic regression on standardised frozen features (full-batch L-BFGS) -> test top-1 %."""
-    mean, std = f_train.mean(0), f_train.std(0) + 1e-6
-    a, b = (f_train - mean) / std, (f_test - mean) / std
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        clf = torch.nn.Linear(a.shape[1], 10)
-    opt = torch.optim.LBFGS(clf.parameters(), lr=1.0, max_iter=iters, history_size=20, line_search_fn="strong_wolfe")
-
-    def closure():
-        opt.zero_grad()
-        loss = F.cross_entropy(clf(a), y_train) + 1e-4 * clf.weight.pow(2).sum()
-        loss.backward()
-        return loss
-
-    opt.step(closure)
-    with torch.no_grad():
-        return float((clf(b).argmax(1) == y_test).float().mean() * 100)
-
-
 DEMO_PRIOR = shipped_prior_file("fashion-mnist-byol")  # the library's shipped prior (accelerate_ssl/assets)
 
 
@@ -210,38 +184,6 @@ def demo_prior_teacher() -> Teacher:
     net.load_state_dict(state)
     return Teacher(net, net.feature_dim, {"source": "demo_prior", "path": str(DEMO_PRIOR.relative_to(ROOT)),
                                           "method": "byol", "steps": 1000, "arch_kwargs": meta["arch_kwargs"]})
-
-
-def pretrain_cosine(student, compact, epochs: int, batch_size: int, lr: float, weight_decay: float, seed: int,
-                    momentum: float = 0.9, clip_grad_norm: float = 10.0) -> dict:
-    """``accelerate_ssl.compact.pretrain`` with the loss ``1 - cos(head(student(x)), y)`` instead of MSE
-    (same optimiser, head, batching, clipping and seeding). A deviation from Yu et al. (2025)'s MSE evaluation,
-    offered because with 100-524 pairs MSE regression pulls the student's features away from their
-    random-init quality before it reaches the teacher's; the direction-only loss is gentler."""
-    from torch import nn
-
-    images, targets = compact.decode() if isinstance(compact, CompactDataset) else compact
-    g = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        head = nn.Linear(features(student, images[:2]).shape[1], targets.shape[1])
-    params = list(student.parameters()) + list(head.parameters())
-    opt = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    student.train()
-    losses, steps = [], 0
-    for _ in range(epochs):
-        order, total = torch.randperm(len(images), generator=g), 0.0
-        for i in range(0, len(images), batch_size):
-            b = order[i : i + batch_size]
-            loss = (1 - F.cosine_similarity(head(student(images[b])), targets[b], dim=1)).mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
-            opt.step()
-            total, steps = total + loss.item() * len(b), steps + 1
-        losses.append(total / len(images))
-    student.eval()
-    return {"losses": losses, "steps": steps}
 
 
 def main(argv=None) -> int:
@@ -264,7 +206,7 @@ def main(argv=None) -> int:
     real = norm(real)
     probe_x, probe_y = norm(to_t(tr_x[: args.probe_train])), torch.from_numpy(tr_y[: args.probe_train])
     test_x, test_y = norm(to_t(te_x)), torch.from_numpy(te_y)
-    probe = lambda model: linear_probe(features(model, probe_x), probe_y, features(model, test_x), test_y)
+    probe = Probe(probe_x, probe_y, test_x, test_y)  # the library's protocol: Adam 1e-3, 30 epochs
 
     # -- teacher ----------------------------------------------------------------------------------
     if args.teacher == "train":
@@ -358,9 +300,9 @@ def main(argv=None) -> int:
             store = random_real(s) if method == "a_random_real" else stores[method].get(s, stores[method][first])
             student = fresh_student(s)
             t0 = time.perf_counter()
-            fit = pretrain if args.student_loss == "mse" else pretrain_cosine
-            hist = fit(student, store, epochs=args.student_epochs, batch_size=args.student_batch, lr=args.student_lr,
-                       weight_decay=args.student_wd, seed=s)
+            hist = pretrain(student, store, epochs=args.student_epochs, batch_size=args.student_batch,
+                            lr=args.student_lr, weight_decay=args.student_wd, seed=s, loss=args.student_loss,
+                            progress=False)
             acc = probe(student)
             rows[method].append({"seed": s, "top1": acc, "final_loss": hist["losses"][-1], "steps": hist["steps"],
                                  "pretrain_seconds": round(time.perf_counter() - t0, 1)})
