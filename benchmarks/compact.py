@@ -68,7 +68,6 @@ import os
 import platform
 import shlex
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -87,6 +86,7 @@ from accelerate_ssl.compact import (  # noqa: E402
 from accelerate_ssl.data import load_fashion_mnist  # noqa: E402
 from accelerate_ssl.recipes import Probe  # noqa: E402
 from accelerate_ssl.results import write_results  # noqa: E402
+from measure import PeakRSS  # noqa: E402
 from accelerate_ssl.targets.priors import shipped_prior_file  # noqa: E402
 
 CACHE = ROOT / "benchmarks" / "cache"
@@ -137,30 +137,6 @@ def parse_args(argv=None):
 
 def ints(s: str) -> list[int]:
     return [int(v) for v in s.split(",") if v]
-
-
-class PeakRSS:
-    """Peak resident memory above the level at entry, sampled every 20 ms (MiB)."""
-
-    def __enter__(self):
-        import psutil
-
-        self._proc, self._stop = psutil.Process(), threading.Event()
-        self.base = self.peak = self._proc.memory_info().rss
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-            time.sleep(0.02)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss)
-        self.mib = (self.peak - self.base) / 2**20
 
 
 def key(d: dict) -> str:

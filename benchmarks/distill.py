@@ -45,7 +45,6 @@ import os
 import platform
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -61,6 +60,7 @@ from accelerate_ssl.backbones import ConvNet, ResNetSmall  # noqa: E402
 from accelerate_ssl.data import FashionMNIST  # noqa: E402
 from accelerate_ssl.distill import DistilledSet, mro_cost_ratio, synthesize, train_student  # noqa: E402
 from accelerate_ssl.results import write_results  # noqa: E402
+from measure import PeakRSS  # noqa: E402
 from accelerate_ssl.atomic import atomic_path  # noqa: E402
 from accelerate_ssl.results import save_figure  # noqa: E402
 
@@ -106,34 +106,6 @@ def parse_args(argv=None):
 
 
 # ------------------------------------------------------------------------------------------------ memory
-
-
-class PeakRSS:
-    """Peak resident set size above the value at entry, sampled every 2 ms in a background thread (MB)."""
-
-    def __init__(self):
-        import psutil
-
-        self.proc = psutil.Process()
-        self.peak = 0
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(0.002)
-
-    def __enter__(self):
-        self.base = self.proc.memory_info().rss
-        self.peak = self.base
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.mb = (self.peak - self.base) / 2**20
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -347,7 +319,7 @@ def main(argv=None):
                            out_dir=str(out_dir), teacher_spec=["resnet_small", "convnet_bn"][: 2 if method == "fadrm+" else 1],
                            **hp)
         sets[name] = d
-        synth[name] = {"seconds_per_image": d.manifest["seconds_per_image"], "peak_rss_mb": None if was_cached else mem.mb,
+        synth[name] = {"seconds_per_image": d.manifest["seconds_per_image"], "peak_rss_mb": None if was_cached else mem.mib,
                        "from_cache": was_cached, "hparams": d.manifest["hparams"], "folder": str(out_dir)}
         print(f"{name}: {synth[name]['seconds_per_image']:.3f} s/image (cached={was_cached})", flush=True)
 

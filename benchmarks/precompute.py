@@ -25,11 +25,9 @@ import platform
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import psutil
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,33 +35,10 @@ sys.path.insert(0, str(ROOT))
 
 from accelerate_ssl.data import FashionMNIST  # noqa: E402
 from accelerate_ssl.results import write_results  # noqa: E402
+from measure import PeakRSS  # noqa: E402
 from accelerate_ssl.targets.precompute import precompute_targets  # noqa: E402
 from accelerate_ssl.targets.priors import create_prior  # noqa: E402
 from accelerate_ssl.results import save_figure  # noqa: E402
-
-
-class PeakRSS:
-    """Peak resident set size of this process while the block runs (sampled in a thread)."""
-
-    def __init__(self, interval: float = 0.01):
-        self.interval, self.peak, self._stop = interval, 0, threading.Event()
-        self._proc = psutil.Process()
-
-    def _sample(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-            time.sleep(self.interval)
-
-    def __enter__(self):
-        self.start = self._proc.memory_info().rss
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss)
 
 
 def bare_forward(prior, dataset, batch_size: int) -> tuple[float, float]:
@@ -88,7 +63,7 @@ def full_precompute(prior, dataset, batch_size: int, num_workers: int, workdir: 
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
     assert len(store) == len(dataset)
     shutil.rmtree(out, ignore_errors=True)
-    return len(dataset) / seconds, len(dataset) / cpu_seconds, rss.peak, rss.start
+    return len(dataset) / seconds, len(dataset) / cpu_seconds, rss.peak, rss.base
 
 
 def main() -> None:

@@ -176,8 +176,9 @@ def phase_lookup(store_path: Path, batches: int = 200) -> dict:
 
 
 def phase_train_step(steps: int = 6) -> dict:
+    """Median wall time of a BYOL step of the recipe (views, forward, backward, update) on a 256-image batch."""
     from accelerate_ssl.backbones import ConvNet
-    from accelerate_ssl.recipes import BYOL, BYOL_VIEWS, random_views
+    from accelerate_ssl.recipes import BYOL, tensor_batches, train_ssl
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -185,16 +186,8 @@ def phase_train_step(steps: int = 6) -> dict:
     model = BYOL(backbone, backbone.feature_dim)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     x = torch.rand(256, 1, 28, 28)
-    g = torch.Generator().manual_seed(0)
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        loss = model.loss(random_views(x, BYOL_VIEWS, g), random_views(x, BYOL_VIEWS, g))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        model.update_momentum(0.99)
-        times.append(time.perf_counter() - t)
+    batches = tensor_batches(x, (torch.arange(256) for _ in range(steps)))
+    times = train_ssl(model, batches, steps, optimizer=opt, view_generator=torch.Generator().manual_seed(0))["step_seconds"]
     return {"step_seconds_median": float(np.median(times[1:])), "batch": 256, "model": "demo ConvNet BYOL, 28 px"}
 
 
