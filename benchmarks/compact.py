@@ -73,7 +73,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from accelerate_ssl.results import save_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -85,9 +84,9 @@ from accelerate_ssl.compact import (  # noqa: E402
 )
 from accelerate_ssl.data import load_fashion_mnist  # noqa: E402
 from accelerate_ssl.recipes import Probe  # noqa: E402
-from accelerate_ssl.results import write_results  # noqa: E402
-from measure import PeakRSS  # noqa: E402
+from accelerate_ssl.results import save_figure, write_results  # noqa: E402
 from accelerate_ssl.targets.priors import shipped_prior_file  # noqa: E402
+from measure import PeakRSS  # noqa: E402
 
 CACHE = ROOT / "benchmarks" / "cache"
 RESULTS = ROOT / "benchmarks" / "results"

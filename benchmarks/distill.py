@@ -59,10 +59,9 @@ sys.path.insert(0, str(ROOT.parent))
 from accelerate_ssl.backbones import ConvNet, ResNetSmall  # noqa: E402
 from accelerate_ssl.data import FashionMNIST  # noqa: E402
 from accelerate_ssl.distill import DistilledSet, mro_cost_ratio, synthesize, train_student  # noqa: E402
-from accelerate_ssl.results import write_results  # noqa: E402
+from accelerate_ssl.results import save_figure, write_results  # noqa: E402
 from measure import PeakRSS  # noqa: E402
 from accelerate_ssl.atomic import atomic_path  # noqa: E402
-from accelerate_ssl.results import save_figure  # noqa: E402
 
 # bump when a change to the synthesis code changes the images, so cached sets are not reused
 SYNTH_VERSION = 3  # 2: augmentation as separable matrices, MRO roll scaled to the low resolution; 3: batch_group in the manifest
