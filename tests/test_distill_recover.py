@@ -10,7 +10,6 @@ from accelerate_ssl.distill.recover import (
     BNStatistics,
     RecoverConfig,
     TeacherWithoutBatchNormError,
-    cosine_lr,
     default_jitter,
     frozen_teacher,
     recover_batch,
@@ -18,6 +17,7 @@ from accelerate_ssl.distill.recover import (
     valid_range,
 )
 from accelerate_ssl.distill.synthesize import synthesize
+from accelerate_ssl.recipes import cosine_lr
 from distill_helpers import CLASSES, MEAN, SIZE, STD, assert_bit_identical, one_thread, state_copy, tiny_real, tiny_teacher
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -104,8 +104,8 @@ def test_teacher_bit_identical_after_every_method_and_flags_restored():
 
 
 def test_schedule_augmentation_and_bf16_precision():
-    assert cosine_lr(0, 100, 0.25) == 0.25 and abs(cosine_lr(100, 100, 0.25)) < 1e-12
-    assert math.isclose(cosine_lr(50, 100, 0.25), 0.125)
+    lr = cosine_lr(0.25, 100)  # SRe2L's schedule of the recovered images: 0.5 (1 + cos(pi t / T)) lr
+    assert lr(0) == 0.25 and abs(lr(100)) < 1e-12 and math.isclose(lr(50), 0.125)
     assert default_jitter(28) == 4 and default_jitter(32) == 4 and default_jitter(224) == 32
     aug = BatchAugment()
     x = torch.randn(3, 1, SIZE, SIZE, requires_grad=True)
@@ -193,7 +193,7 @@ def test_pixel_adam_follows_the_plain_adam_update():
     for step in range(5):
         g = torch.randn(2, 1, 5, 5)
         for opt, x in ((fast, a), (plain, b)):
-            opt.param_groups[0]["lr"] = cosine_lr(step, 5, 0.25)
+            opt.param_groups[0]["lr"] = cosine_lr(0.25, 5)(step)
             x.grad = g.clone()
             opt.step()
     assert torch.allclose(a, b, atol=1e-6) and not torch.equal(a, torch.zeros_like(a))

@@ -25,12 +25,14 @@ import contextlib
 import functools
 import math
 from dataclasses import dataclass, field, asdict
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..recipes.train import cosine_lr
 
 
 class TeacherWithoutBatchNormError(ValueError):
@@ -103,11 +105,6 @@ class RecoverConfig:
 def default_jitter(size: int) -> int:
     """Roll jitter scaled to the image size: 4 px at 28-64 px (SRe2L's CIFAR/Tiny value), 32 px at 224."""
     return 4 if size <= 64 else max(1, round(size / 7))
-
-
-def cosine_lr(step: int, total: int, base_lr: float) -> float:
-    """SRe2L's schedule ``0.5 (1 + cos(pi t / T)) lr`` for 0-indexed step ``t`` (no warm-up)."""
-    return 0.5 * (1.0 + math.cos(math.pi * step / total)) * base_lr
 
 
 # --------------------------------------------------------------------------------------------------
@@ -514,7 +511,7 @@ def optimise_pixels(x: torch.Tensor, state: StepState, steps: int, start: int, t
     group = optimizer.param_groups[0]
     record = []
     for t in range(start, start + steps):
-        group["lr"] = cosine_lr(t, total, cfg.lr)
+        group["lr"] = cosine_lr(cfg.lr, total)(t)
         index = t % len(state.teachers)
         x_aug = state.augment(x, state.generator)
         loss, ce, bn = recover_loss(state.teachers[index], state.stats[index], x_aug, state.labels, cfg, state.precision)

@@ -98,8 +98,9 @@ def warmup_cosine_lr(peak: float, total: int) -> Callable[[int], float]:
 
 
 def cosine_lr(peak: float, total: int) -> Callable[[int], float]:
-    """Cosine from ``peak`` to 0 over ``total`` steps, no warm-up."""
-    return lambda step: peak * 0.5 * (1 + math.cos(math.pi * step / total))
+    """Cosine from ``peak`` to 0 over ``total`` steps, no warm-up: ``0.5 (1 + cos(pi t / T)) peak`` for the
+    0-indexed step ``t`` (SRe2L's schedule for the recovered images, too)."""
+    return lambda step: 0.5 * (1.0 + math.cos(math.pi * step / total)) * peak
 
 
 def cosine_momentum(total: int, base: float = 0.99) -> Callable[[int], float]:
