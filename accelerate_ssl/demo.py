@@ -69,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prior", default=DEFAULT_PRIOR,
                         help=f"prior spec, as everywhere (`accelerate-ssl priors list`); default {DEFAULT_PRIOR}: the "
                              "shipped BYOL ConvNet trained 20,000 steps on unlabelled Fashion-MNIST")
+    parser.add_argument("--weights", default=None,
+                        help="local weights file for the --prior (as on every verb; wins over the zoo caches)")
     parser.add_argument("--schedule", default="switch",
                         help="lambda controller: 'decay', 'switch' (default), 'constant:<lambda>' or 'epochs:<fraction>'; "
                              "decay/switch constants are scaled to --budget")
@@ -258,8 +260,9 @@ def run(args) -> int:
     # 1. targets from the prior (clean images, the prior's own preprocessing), cached in --out
     spec = args.prior
     t = time.perf_counter()
-    prior = create_prior(spec)
-    sha = str(prior.describe().get("checkpoint_sha256") or "")[:10]
+    prior = create_prior(spec, weights=args.weights)
+    info = prior.describe()  # the store's folder names the weights, so other weights never re-use it
+    sha = str(info.get("checkpoint_sha256") or info.get("weights_sha256") or "")[:10]
     store_dir = out / "targets" / "-".join(x for x in (_safe_name(args.prior), sha, str(args.train_size)) if x)
     if (store_dir / "metadata.json").is_file():  # made by an earlier run with the same prior file and data
         store = TargetStore.open(store_dir, dataset=train)

@@ -92,6 +92,15 @@ def test_demo_tiny_end_to_end(tmp_path, capsys, fashion_mnist_available):
     assert printed["speedup"] == again["speedup"] and printed["rela_top1"] == again["rela_top1"]
     assert [c["top1"] for c in again["rela"]["curve"]] == [c["top1"] for c in result["rela"]["curve"]]
     assert [c["top1"] for c in again["plain"]["curve"]] == [c["top1"] for c in result["plain"]["curve"]]
+    # --weights as on every verb: other weights for the same spec never re-use those targets
+    from accelerate_ssl.backbones import ConvNet
+
+    torch.manual_seed(123)
+    torch.save(ConvNet(1).state_dict(), tmp_path / "w.pt")
+    assert cli_main([*flags, "--weights", str(tmp_path / "w.pt"), "--json"]) == 0
+    assert "targets: re-using" not in capsys.readouterr().out
+    weighted = json.loads((out / "demo.json").read_text())
+    assert weighted["prior"]["weights_sha256"] and weighted["targets"]["path"] != again["targets"]["path"]
 
 
 def test_demo_several_seeds_reports_mean_curves_and_each_speedup(tmp_path, capsys, fashion_mnist_available):
