@@ -1,8 +1,8 @@
 """Compact self-supervised data sets (Yu et al. (2025)) on Fashion-MNIST at a storage budget of N images.
 
 Students pretrained by regression on (a) random real images + teacher targets, (b) KRR-ST (no
-parameterisation), (c) bases only (image and representation bases + coefficients, all trained: paper
-002's "+parameterisation" row) and (c) full (bases + rotations + approximation nets), then
+parameterisation), (c) bases only (image and representation bases + coefficients, all trained: the
+paper's "+parameterisation" row) and (c) full (bases + rotations + approximation nets), then
 linear-probed on frozen features (Fashion-MNIST test split). Reference rows: the random-init student
 and the teacher itself. Also distillation time and peak memory (RSS above the baseline), the
 approximation nets' fit (share of each rotation's target variance they miss), and the paired per-seed
@@ -19,44 +19,27 @@ Storage (every row counted the same way, targets included; N = 100 -> 78,400 flo
 (c) takes the largest m that fits next to its bases and nets: U = V = 64 -> m = 450 (bases only)
 and m = 255 (full, three H = 64 approximation nets). The paper's rule U = V = 2N, capped by the
 dimension, gives U = 196 (the whole 14x14 space: a full-rank basis that compresses nothing) and
-V = 128 (= d_y), leaving m = 62 < 85: measured (c) 80.97 +- 0.26 vs (b) 81.48 +- 0.66 with it
-(previous results, H = 4). Yu et al. (2025) gives its Random/KMeans rows N images and does not count
-their targets; here they are counted (budget.pixel_images_for_budget).
+V = 128 (= d_y), leaving m = 62 < 85. Yu et al. (2025) gives its Random/KMeans rows N images and does
+not count their targets; here they are counted (budget.pixel_images_for_budget).
 
-Choices and what each measured (single runs on 2 shared, loaded CPU cores; seed-0 student unless
-noted; random-init student 79.29 / 80.48 / 81.29 for seeds 0/1/2):
+Settings, and why:
 
-- Teacher. The Barlow Twins ConvNet 16/32/64 this script trains in 400 steps (< 1 epoch; 674 s)
-  probes 82.27 %, 1.9 points above the random-init student, and carries too little: students
-  regressing its targets on 92 / 1000 / 5000 real images reached 79.67 / 79.44 / 78.80 % (init
-  79.29), i.e. the benchmark could not rank anything. Default now: the library's shipped BYOL
-  ConvNet 32/64/128 (``accelerate_ssl/assets``, 1000 steps on unlabelled Fashion-MNIST, 128-d,
-  made by benchmarks/train_demo_prior.py): probe 85.22 %; with it a student on 20k real images
-  reaches 83.23 % (+3.9), on 85 real images 81.74 % (+2.5), on 340 real images 83.06 %.
-- Student loss: cosine regression ``1 - cos(head(f(x)), y)`` (all rows). The paper's MSE
-  (``accelerate_ssl.compact.pretrain``) on the same 85 pairs: 78.14 % (below init) vs 81.74 %.
-  Epochs: 200 (1000 epochs: 81.61, no gain); lr 0.1 (0.03: 81.40).
-- Result of the defaults (results/compact.json, ``--no-cache``: every store distilled in the same run,
-  1032 s on 2 quiet cores): (a) 80.84 +- 0.86, (b) 81.48 +- 0.66, (c) bases only 81.67 +- 0.22,
-  (c) full 82.12 +- 0.28 (random init 80.35, teacher 85.18). Goal c > b > a holds on the means; paired
-  c-b +0.64 (2/3 seeds: -0.59 / +1.06 / +1.44), b-a +0.64 (2/3), c-a +1.28 (3/3), full - bases only
-  +0.45 (3/3). A rerun with cached stores gave the same numbers to the last digit.
+- Teacher: the shipped BYOL ConvNet 32/64/128 (``shipped:fashion-mnist-byol``, label-free, 128-d).
+  A Barlow Twins teacher trained here for 400 steps (``--teacher train``) carries too little: its
+  students do not rise above the random-init student, so nothing can be ranked.
+- Student loss: cosine regression ``1 - cos(head(f(x)), y)`` for every row (``--student-loss mse``
+  is the paper's; on 85 pairs it pulls the student below its random init). 200 epochs, SGD lr 0.1.
 - Outer steps: 500 (paper: 30k), identical for (b) and (c); pool of 4 width-16 ConvNets, Z = 100,
-  real batch 256. Distillation loops (2 threads): (b) 28 s, (c) bases only 136 s, (c) full 347 s
-  (1020 pairs; one outer + inner step about 0.6 s; 1744 pairs about 1.1 s). The KRR-ST init images
-  of seed 0 are the (a) images of seed 0 (same draw).
-- How (c) got from last to first. With the paper's rules (U = 196, V = 128, H = 4; m = 62) it scored
-  80.97 +- 0.26, below (b): the full-rank bases compressed nothing. U = V = 64 fits m = 436 with
-  rotations, but with the paper's H = 4 the approximation nets miss 46-55 % of the rotated
-  targets' variance at initialisation (MSE 1.28-1.55 after distillation; now an
-  ``ApproxFitWarning``): seed 0 80.67 %, run stopped. Without
-  augmentations (the "bases only" row, m = 450) 81.67 %. With H = 64 (three nets: 24,960 floats,
-  m = 255) the nets miss 2.5-2.8 % after distillation, and the rotated pairs add +0.45 on every
-  seed. Remaining costs of the parameterisation: the x2-upsampled 14x14 images are blurred (the
-  teacher's features of a decoded image differ from the sharp original's stored target by MSE 1.87
-  on z-scored targets at U = 196). Not explained yet: undistilled stores at U = V = 64 (step 0) gave
-  seed 0 82.10 % with rotations and exact teacher targets, 82.17 % without rotations, above both
-  distilled (c) rows on that seed (81.83 / 81.39), so 500 outer steps may be too few to help.
+  real batch 256. The KRR-ST init images of seed 0 are the (a) images of seed 0 (same draw).
+- Approximation nets H = 64: the paper's H = 4 misses 46-55 % of the rotated targets' variance on
+  this teacher (an ``ApproxFitWarning``); H = 64 misses 2.5-2.8 % for 24,960 floats.
+- Probe: the library's (:class:`accelerate_ssl.recipes.Probe`: standardised features, Adam 1e-3,
+  30 epochs), 10,000 labelled train images -> the 10,000 test images.
+
+Result of the defaults (results/compact.json): (a) 76.09 +- 0.64, (b) 76.38 +- 0.33, (c) bases only
+77.15 +- 0.29, (c) full 79.11 +- 0.02 (random-init student 76.76 +- 1.16, teacher 82.47); c > b > a,
+full - bases only +1.96 on every seed. Open question: the x2-upsampled 14x14 images are blurred, so the
+teacher's features of a decoded image differ from the stored target of its sharp original.
 """
 
 from __future__ import annotations

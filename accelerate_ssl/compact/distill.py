@@ -45,8 +45,9 @@ class DistillConfig:
     """Settings of one distillation (defaults: Yu et al. (2025) App. A.1, CIFAR-100 scale).
 
     Where the benchmark measured better values the defaults stay the paper's, because those were measured on one
-    setting only (Fashion-MNIST, 28 px, a 128-d teacher, N = 100): there ``U = V = 64`` and ``approx_hidden=64``
-    beat ``U = V = min(2N, dim)`` and ``H = 4`` (82.12 vs 80.97 %; ``benchmarks/README.md``). An ``H`` too small for
+    setting only (Fashion-MNIST, 28 px, a 128-d teacher, N = 100): there ``U = V = min(2N, dim)`` makes a full-rank
+    image basis that compresses nothing and ``H = 4`` misses half the rotated targets' variance, so ``U = V = 64`` and
+    ``approx_hidden=64`` scored higher (``benchmarks/README.md``). An ``H`` too small for
     your teacher shows itself: the share of target variance the approximation nets miss is stored and printed, and
     above 20 % an ``ApproxFitWarning`` is raised.
     """
