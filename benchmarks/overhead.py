@@ -66,6 +66,7 @@ def main(argv=None) -> dict:
     p.add_argument("--prior", default="random:convnet")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache", type=Path, default=ROOT / "benchmarks" / "cache", help="where the target store is kept")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "overhead.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -79,7 +80,7 @@ def main(argv=None) -> dict:
     from accelerate_ssl.results import write_results
 
     clean = FashionMNIST("train", limit=args.store_rows)
-    store_dir = ROOT / "benchmarks" / "cache" / f"overhead-{args.prior.replace(':', '-')}-{args.store_rows}"
+    store_dir = args.cache / f"overhead-{args.prior.replace(':', '-')}-{args.store_rows}"
     if (store_dir / "metadata.json").exists():
         store = TargetStore.open(store_dir, dataset=clean)
     else:
@@ -95,7 +96,7 @@ def main(argv=None) -> dict:
     g = torch.Generator().manual_seed(args.seed)
     x0 = torch.randn(args.batch_size, 1, 28, 28, generator=g)
     x1 = torch.randn(args.batch_size, 1, 28, 28, generator=g)
-    index = torch.randperm(len(store), generator=g)[: args.batch_size]
+    rows = torch.Generator().manual_seed(args.seed)  # a fresh batch of store rows every step, as in training
 
     saved = {"bytes": 0}
 
@@ -110,7 +111,7 @@ def main(argv=None) -> dict:
             ctx.__enter__()
         loss = model.loss(x0, x1)
         if with_rela:
-            loss = rela.wrap(loss, index=index)
+            loss = rela.wrap(loss, index=torch.randperm(len(store), generator=rows)[: args.batch_size])
         else:
             rela.capture.captured.clear()  # the hook still runs (it is installed), its captures are dropped
         if measure:
