@@ -25,7 +25,7 @@ Side by side on real Fashion-MNIST, every cell a separate seeded run:
   every cell's wall time. Each cell is cached as JSON under ``--cache`` keyed by all of its settings,
   so an interrupted study resumes where it stopped and a larger one re-uses what exists.
 
-Outputs: ``benchmarks/results/budget.json`` (every cell, mean +- std over seeds, the paper-001-Table-2
+Outputs: ``benchmarks/results/budget.json`` (every cell, mean +- std over seeds, the ReLA v2 Table-2
 style table, the goals with pass/fail, the machine, the command, the time estimate of the core grid)
 and ``benchmarks/results/budget_accuracy.png`` (accuracy vs compute = steps x batch).
 

@@ -1,4 +1,4 @@
-"""Precompute throughput vs the bare prior forward, and peak RSS vs N (issue 2 benchmark).
+"""Precompute throughput vs the bare prior forward, and peak RSS vs N.
 
 On Fashion-MNIST (train) with ``random:resnet18`` (torchvision resnet18, random seeded weights, the
 prior's own preprocessing at the data's native 28 px, the data set's mean/std), in one process:
