@@ -136,7 +136,7 @@ def train_ssl(
     is given; ``optimizer`` step (``lr(step)`` set first when given); ``method.update_momentum``.
     A loss that is not finite stops the run with an error naming the step.
 
-    ``probe(backbone) -> top-1 %`` runs at every step in ``checkpoints`` (0: before training); each
+    ``probe(backbone) -> top-1 %`` runs at every step in ``checkpoints`` (``start_step``: before training); each
     checkpoint's record also holds ``checkpoint_extras()``. ``on_step(step, loss)`` runs after every step
     (e.g. to save a resumable checkpoint). ``progress``: the tqdm bar's label (None: no bar).
 
