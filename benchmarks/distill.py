@@ -120,31 +120,15 @@ def normalise(images_u8: torch.Tensor, mean, std) -> torch.Tensor:
 
 
 def train_teacher(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, seed: int) -> nn.Module:
-    """Plain supervised training (Adam 2e-3, batch 128, random 2-px shift + flip)."""
-    from tqdm.auto import tqdm
+    """Supervised training of a classifier teacher through the library's recipe (``recipes.Supervised`` on the
+    network's own logits): Adam 2e-3, 10 % warm-up then cosine, batches of 128, resized crops (area 0.8-1) + flips."""
+    from accelerate_ssl.recipes import Supervised, ViewConfig, shuffled_batches, tensor_batches, train_ssl, warmup_cosine_lr
 
-    torch.manual_seed(seed)
+    steps = epochs * (len(x) // 128)
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
-    steps = epochs * ((len(x) + 127) // 128)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps)
-    model.train()
-    bar = tqdm(total=steps, desc=f"teacher {type(model).__name__}", unit="step")
-    for _ in range(epochs):
-        perm = torch.randperm(len(x))
-        for i in range(0, len(x), 128):
-            idx = perm[i : i + 128]
-            xb = x[idx]
-            dx, dy = torch.randint(-2, 3, (2,)).tolist()
-            xb = torch.roll(xb, (dy, dx), (2, 3))
-            if torch.rand(1) < 0.5:
-                xb = xb.flip(-1)
-            loss = F.cross_entropy(model(xb), y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-            bar.update(1)
-    bar.close()
+    train_ssl(Supervised(model, None, y), tensor_batches(x, shuffled_batches(len(x), 128, seed)), steps, optimizer=opt,
+              view_generator=torch.Generator().manual_seed(seed), views=ViewConfig(scale=(0.8, 1.0), jitter=0.0),
+              lr=warmup_cosine_lr(2e-3, steps), progress=f"teacher {type(model).__name__}")
     return model.eval()
 
 
@@ -158,18 +142,19 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def cached_teacher(name, factory, x, y, epochs, seed, cache: Path):
-    key = hashlib.sha256(json.dumps([name, epochs, seed, len(x)]).encode()).hexdigest()[:12]
+    key = hashlib.sha256(json.dumps([name, epochs, seed, len(x), "recipe"]).encode()).hexdigest()[:12]
     path = cache / f"teacher_{name}_{key}.pt"
+    torch.manual_seed(seed)  # the teacher's initial weights
     model = factory()
     if path.exists():
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        return model.eval(), True
+        return model.eval(), True, path
     t0 = time.perf_counter()
     train_teacher(model, x, y, epochs, seed)
     print(f"trained {name} in {time.perf_counter() - t0:.0f} s")
     with atomic_path(path) as tmp:
         torch.save(model.state_dict(), tmp)
-    return model, False
+    return model, False, path
 
 
 # ------------------------------------------------------------------------------------------------ methods
@@ -296,17 +281,19 @@ def main(argv=None):
     x_tr, y_tr = normalise(train.data[sub], mean, std), train.targets[sub]
     x_te, y_te = normalise(test.data, mean, std), test.targets
 
-    teacher_a, cached_a = cached_teacher("resnet_small", lambda: ResNetSmall(1, 10, (16, 32, 64)), x_tr, y_tr, args.teacher_epochs, 0, cache)
-    teacher_b, cached_b = cached_teacher("convnet_bn", ConvNetClassifier, x_tr, y_tr, args.teacher_epochs, 1, cache)
+    teacher_a, cached_a, file_a = cached_teacher("resnet_small", lambda: ResNetSmall(1, 10, (16, 32, 64)), x_tr, y_tr, args.teacher_epochs, 0, cache)
+    teacher_b, cached_b, file_b = cached_teacher("convnet_bn", ConvNetClassifier, x_tr, y_tr, args.teacher_epochs, 1, cache)
     teacher_acc = {"A resnet_small(16,32,64)": accuracy(teacher_a, x_te, y_te), "B convnet_bn(16,32,64)+linear": accuracy(teacher_b, x_te, y_te),
                    f"A on test images resampled to D_ds = {args.ds_size} px": accuracy_at_size(teacher_a, x_te, y_te, args.ds_size)}
     print("teacher test accuracy:", teacher_acc, flush=True)
 
     specs = method_specs(args, teacher_a, teacher_b)
+    teacher_digest = [hashlib.sha256(f.read_bytes()).hexdigest() for f in (file_a, file_b)]
     sets, synth = {}, {}
     sets["random real"] = random_real(train, args.ipc, 0, mean, std)
     for name, (method, teachers, hp) in specs.items():
-        key = hashlib.sha256(json.dumps([SYNTH_VERSION, name, method, hp, args.ipc, args.teacher_epochs, args.teacher_train]).encode()).hexdigest()[:12]
+        # a cached set belongs to the exact teachers it was distilled from (their files' bytes are in the key)
+        key = hashlib.sha256(json.dumps([SYNTH_VERSION, name, method, hp, args.ipc, teacher_digest]).encode()).hexdigest()[:12]
         out_dir = cache / f"set_{method}_{key}"
         was_cached = (out_dir / "manifest.json").exists() and not args.fresh
         if args.fresh and out_dir.exists():

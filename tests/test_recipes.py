@@ -112,6 +112,10 @@ def test_supervised_learns_labels_and_needs_indices():
     assert loss() < 0.7 * before
     with pytest.raises(ValueError, match="indices"):
         model.step_loss([backbone(IMAGES[:2])], [IMAGES[:2]], None)
+    # a network that is a classifier already (its outputs are the logits): no extra head
+    logits_net = nn.Sequential(ConvNet(widths=(4, 8)), nn.Linear(8, 2))
+    direct = Supervised(logits_net, None, labels)
+    assert isinstance(direct.classifier, nn.Identity) and torch.equal(direct(IMAGES[:3]), logits_net(IMAGES[:3]))
 
 
 # ---------------------------------------------------------------------------------------------- curves

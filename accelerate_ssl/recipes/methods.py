@@ -18,7 +18,7 @@ ImageNet sizes to small-image backbones.
 from __future__ import annotations
 
 import copy
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -232,15 +232,18 @@ class BYOL(_Method):
 
 
 class Supervised(_Method):
-    """Cross-entropy of a linear classifier on the backbone's features of one view: the labelled
-    training of a prior (``labels[index]`` are the batch's labels)."""
+    """Cross-entropy on one view: the labelled training of a prior, or of a classifier teacher.
+
+    ``labels[index]`` are the batch's labels. With ``feature_dim`` a linear classifier is trained on the
+    backbone's features; with ``feature_dim=None`` the backbone is a classifier already (its outputs are
+    the logits)."""
 
     n_views = 1
 
-    def __init__(self, backbone: nn.Module, feature_dim: int, labels: torch.Tensor):
+    def __init__(self, backbone: nn.Module, feature_dim: Optional[int], labels: torch.Tensor):
         super().__init__()
         self.backbone = backbone
-        self.classifier = nn.Linear(feature_dim, int(labels.max()) + 1)
+        self.classifier = nn.Identity() if feature_dim is None else nn.Linear(feature_dim, int(labels.max()) + 1)
         self.register_buffer("labels", torch.as_tensor(labels).long(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
