@@ -31,7 +31,7 @@ Protocol (identical for every row):
     (tracemalloc does not see torch's CPU allocator). On CUDA also max_memory_allocated, and FADRM with
     and without mixed precision.
 
-Run:  .venv/bin/python benchmarks/distill.py              (about 25 min on 2 loaded CPU cores)
+Run:  .venv/bin/python benchmarks/distill.py              (15 min on 2 CPU cores)
       .venv/bin/python benchmarks/distill.py --quick      (a few minutes, smoke test)
 Scale up: --iterations 1000 --student-epochs 300 --teacher-epochs 10 --teacher-train 60000.
 """
