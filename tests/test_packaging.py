@@ -19,6 +19,14 @@ def test_every_module_imports_and_the_core_runs_with_every_extra_blocked(tmp_pat
     assert "missing extras name their pip install" in out.stdout
 
 
+def test_every_package_folder_is_listed_for_the_wheel():
+    """The wheel ships exactly the packages pyproject lists: a new sub-package missing there imports from the
+    source tree but not from an installed wheel."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "accelerate_ssl").rglob("__init__.py")}
+    assert folders - listed == set(), f"add {sorted(folders - listed)} to [tool.setuptools] packages in pyproject.toml"
+
+
 def test_core_dependencies_and_extras_in_pyproject_match_the_code():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     core = {d.split(">")[0].split("=")[0].strip().lower() for d in project["dependencies"]}
