@@ -341,7 +341,7 @@ def train_ssl(args, images: torch.Tensor, steps: int, seed: int, *, method: str 
         params += list(rela.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     batches = tensor_batches(images, shuffled_batches(len(images), args.batch_size, seed,
-                                                      fraction if subset != "full" else 1.0, subset))
+                                                      fraction if subset != "full" else 1.0, static=subset == "static"))
     try:
         log = recipe_loop(model, batches, steps, optimizer=opt, view_generator=torch.Generator().manual_seed(seed + 1),
                           rela=rela, rela_views=rela_views,

@@ -16,21 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-__all__ = ["Probe", "features", "steps_to_reach", "speedup", "mean_run"]
-
-
-@torch.no_grad()
-def features(backbone: nn.Module, images: torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
-    """``backbone`` features of in-memory ``images`` in eval mode, float32 ``[N, D]`` on the CPU (the
-    backbone's mode is restored)."""
-    was = backbone.training
-    backbone.eval()
-    device = next((p.device for p in backbone.parameters()), images.device)
-    try:
-        return torch.cat([backbone(images[i:i + batch_size].to(device)).flatten(1).float().cpu()
-                          for i in range(0, len(images), batch_size)])
-    finally:
-        backbone.train(was)
+__all__ = ["Probe", "steps_to_reach", "speedup", "mean_run"]
 
 
 class Probe:
@@ -49,20 +35,29 @@ class Probe:
         self.test_x, self.test_y = test_x, torch.as_tensor(test_y).long()
         self.epochs, self.seed, self.knn_k = epochs, seed, knn_k
 
+    def _features(self, backbone: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """Train and test features (:func:`accelerate_ssl.evaluate.extract_features`: eval mode, float32, CPU)."""
+        from torch.utils.data import TensorDataset
+
+        from ..evaluate import extract_features
+
+        return tuple(extract_features(backbone, TensorDataset(x, y), batch_size=1024)[0]
+                     for x, y in ((self.train_x, self.train_y), (self.test_x, self.test_y)))
+
     def _linear(self, ftr: torch.Tensor, fte: torch.Tensor) -> float:
         from ..evaluate import linear_probe
 
         return linear_probe(ftr, self.train_y, fte, self.test_y, epochs=self.epochs, seed=self.seed)["top1"]
 
     def __call__(self, backbone: nn.Module) -> float:
-        return self._linear(features(backbone, self.train_x), features(backbone, self.test_x))
+        return self._linear(*self._features(backbone))
 
     def evaluate(self, backbone: nn.Module) -> dict:
         """``{"linear_top1", "knn_top1", "probe_seconds"}`` of ``backbone``."""
         from ..evaluate import knn_accuracy
 
         t = time.perf_counter()
-        ftr, fte = features(backbone, self.train_x), features(backbone, self.test_x)
+        ftr, fte = self._features(backbone)
         return {"linear_top1": self._linear(ftr, fte),
                 "knn_top1": knn_accuracy(ftr, self.train_y, fte, self.test_y, k=self.knn_k),
                 "probe_seconds": time.perf_counter() - t}

@@ -51,12 +51,12 @@ def loader_batches(loader, to_images: Callable[[torch.Tensor], torch.Tensor] = l
             yield to_images(images), None
 
 
-def shuffled_batches(n: int, batch_size: int, seed: int, fraction: float = 1.0, subset: str = "full") -> Iterator[torch.Tensor]:
-    """Index batches forever, incomplete batches dropped.
-
-    ``subset="full"``: epoch e draws ``DynamicSubsetSampler(n, fraction, seed)`` with ``set_epoch(e)``
-    (a fresh ``fraction`` of the data each epoch; ReLA v2's dynamic data budget); ``"static"``: always
-    epoch 0, one fixed subset (ReLA v2 Fig. 4a)."""
+def shuffled_batches(n: int, batch_size: int, seed: int, fraction: float = 1.0,
+                     static: bool = False) -> Iterator[torch.Tensor]:
+    """Index batches forever, incomplete batches dropped: epoch e draws ``DynamicSubsetSampler(n, fraction,
+    seed)`` with ``set_epoch(e)``, a fresh random ``fraction`` of the data in random order (ReLA v2's dynamic
+    data budget; ``fraction=1``: a shuffled epoch). ``static=True``: always epoch 0, one fixed subset (ReLA v2
+    Fig. 4a)."""
     from ..data import DynamicSubsetSampler
 
     sampler = DynamicSubsetSampler(n, fraction, seed=seed, num_replicas=1, rank=0)
@@ -65,7 +65,7 @@ def shuffled_batches(n: int, batch_size: int, seed: int, fraction: float = 1.0, 
                          "use more images or a smaller batch.")
     epoch = 0
     while True:
-        sampler.set_epoch(0 if subset == "static" else epoch)
+        sampler.set_epoch(0 if static else epoch)
         order = torch.tensor(list(iter(sampler)), dtype=torch.long)
         for b in range(len(order) // batch_size):
             yield order[b * batch_size:(b + 1) * batch_size]
@@ -190,7 +190,7 @@ def train_ssl(
         ssl_loss = lambda: method.step_loss(fs, vs, index)  # noqa: E731
         if rela is not None:
             lambdas.append(rela.lam)
-            loss = rela.wrap(ssl_loss) if index is None else rela.wrap(ssl_loss, index=index)
+            loss = rela.wrap(ssl_loss, index=index)
         else:
             loss = ssl_loss()
         optimizer.zero_grad(set_to_none=True)
