@@ -81,29 +81,19 @@ def create_teacher(spec: str, weights: str | None = None, kwargs: dict | None = 
         if not Path(name).is_file():
             raise FileNotFoundError(f"TorchScript teacher {name} not found; pass an existing file.")
         return torch.jit.load(name, map_location="cpu")
-    from ..targets.priors import load_state_dict_file
+    from ..targets.priors import _torchvision_model, load_state_dict_file
 
     if family == "random":
         from ..backbones import BACKBONES, create_backbone
 
-        if name in BACKBONES:
-            model = create_backbone(name, **kwargs)
-        else:
-            import torchvision
-
-            if name not in torchvision.models.list_models(module=torchvision.models):
-                raise ValueError(f"Unknown architecture {name!r} in {spec!r}; use one of {sorted(BACKBONES)} or a "
-                                 "torchvision classification model (e.g. resnet18).")
-            model = torchvision.models.get_model(name, weights=None, **kwargs)
+        model = create_backbone(name, **kwargs) if name in BACKBONES else _torchvision_model(name, spec, **kwargs)
         if weights is not None:
             model.load_state_dict(load_state_dict_file(weights))
         return model
-    import torchvision
-
     from ..targets.zoo import resolve_url_file, torch_hub_file, torchvision_weights
 
     arch, _, member = name.partition("/")
-    model = torchvision.models.get_model(arch, weights=None, **kwargs)
+    model = _torchvision_model(arch, spec, **kwargs)
     if weights is None:
         url = torchvision_weights(arch, member, spec).url
         weights = str(resolve_url_file(spec, url, torch_hub_file(url), offline))

@@ -425,7 +425,9 @@ def _random_prior(arch: str, weights: Optional[str] = None, offline: Optional[bo
     return Prior(model, spec, pre, _info("random", arch, weights, dim, seed=int(seed)))
 
 
-def _torchvision_model(arch: str, spec: str) -> nn.Module:
+def _torchvision_model(arch: str, spec: str, **kwargs) -> nn.Module:
+    """A randomly initialised torchvision classification model (``kwargs`` to its constructor), or an error
+    naming the closest architecture names."""
     import torchvision
 
     names = torchvision.models.list_models(module=torchvision.models)
@@ -433,7 +435,7 @@ def _torchvision_model(arch: str, spec: str) -> nn.Module:
         close = difflib.get_close_matches(arch, names, n=5, cutoff=0.5)
         raise ValueError(f"Unknown architecture {arch!r} in {spec!r}: not in accelerate_ssl.backbones or torchvision "
                          f"classification models ({'close matches: ' + ', '.join(close) if close else 'e.g. resnet18, resnet50'}).")
-    return torchvision.models.get_model(arch, weights=None)
+    return torchvision.models.get_model(arch, weights=None, **kwargs)
 
 
 def _build_arch(arch: str, arch_kwargs: dict) -> nn.Module:
