@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_write_json"]
+__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "atomic_torch_save"]
 
 
 @contextlib.contextmanager
@@ -49,3 +49,11 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 def atomic_write_json(path: str | os.PathLike, obj: Any, **dumps_kwargs: Any) -> None:
     """Write ``json.dumps(obj, **dumps_kwargs)`` to ``path`` atomically."""
     atomic_write_text(path, json.dumps(obj, **dumps_kwargs))
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save(obj)`` to ``path`` atomically."""
+    import torch
+
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)

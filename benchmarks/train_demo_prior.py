@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from accelerate_ssl.atomic import atomic_path  # noqa: E402
+from accelerate_ssl.atomic import atomic_torch_save  # noqa: E402
 from accelerate_ssl.backbones import ConvNet  # noqa: E402
 from accelerate_ssl.data import Digits, FashionMNIST  # noqa: E402
 from accelerate_ssl.recipes import BYOL, Probe, Supervised, random_batches, tensor_batches, train_ssl  # noqa: E402
@@ -60,11 +60,6 @@ def parse_args(argv=None):
     p.add_argument("--out", default=str(ROOT / "accelerate_ssl/assets/demo_prior_convnet.safetensors"))
     p.add_argument("--results", default=str(ROOT / "benchmarks/results/train_demo_prior.json"))
     return p.parse_args(argv)
-
-
-def _atomic_torch_save(obj, path: Path) -> None:
-    with atomic_path(path) as tmp:
-        torch.save(obj, tmp)
 
 
 def main(argv=None) -> int:
@@ -106,8 +101,8 @@ def main(argv=None) -> int:
         if done % args.checkpoint_every == 0 or done == args.steps:
             state = {"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "step": done,
                      "elapsed": time.perf_counter() - t0, "args": vars(args)}
-            _atomic_torch_save(state, ckpt)
-            _atomic_torch_save({"backbone": backbone.state_dict(), "step": done}, cache / f"backbone_{done:06d}.pt")
+            atomic_torch_save(state, ckpt)
+            atomic_torch_save({"backbone": backbone.state_dict(), "step": done}, cache / f"backbone_{done:06d}.pt")
 
     # one generator for the batches and the views, saved with every checkpoint: a resumed run is the same run
     train_ssl(model, tensor_batches(images, random_batches(len(images), args.batch_size, gen)), args.steps,

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..atomic import atomic_write_json as _atomic_write_json
-from ..atomic import atomic_path
+from ..atomic import atomic_path, atomic_torch_save
 
 MANIFEST = "manifest.json"
 TENSORS = "images.pt"
@@ -31,11 +31,6 @@ FORMAT_VERSION = 1
 def atomic_write_json(path: Path, obj) -> None:
     """The manifest/run-state format of this package: sorted keys, indent 2, written atomically."""
     _atomic_write_json(path, obj, indent=2, sort_keys=True)
-
-
-def atomic_torch_save(obj, path: Path) -> None:
-    with atomic_path(path) as tmp:
-        torch.save(obj, tmp)
 
 
 def to_unit(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Relabelling and student training on a distilled set: online KD and an FKD-style soft-label store.
 
-Student loss (SRe2L / DWA DWA App. A.2 / FADRM FADRM): ``KL(softmax(t / T) || softmax(s / T))``
+Student loss (SRe2L / DWA App. A.2 / FADRM): ``KL(softmax(t / T) || softmax(s / T))``
 with ``batchmean`` reduction (as the authors' code: no ``T^2`` factor), AdamW (lr 1e-3, wd 0.01), cosine
 schedule; teachers in eval mode. Every batch gets a per-image RandomResizedCrop + flip and then CutMix or
 mixup (mixing ratio from Beta(1, 1)); the teacher labels the *augmented, mixed* image, so no label mixing is
@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dataset import DistilledSet, as_distilled_set, atomic_torch_save
+from ..atomic import atomic_torch_save
+from .dataset import as_distilled_set
 from .recover import crop_resize, frozen_teacher, sample_crop
 from .synthesize import _generator
 
@@ -153,7 +154,7 @@ def train_student(student: nn.Module, distilled, *, teachers: nn.Module | Sequen
                   lr: float = 1e-3, weight_decay: float = 0.01, temperature: float = 20.0, mix: str = "cutmix",
                   crop_scale=(0.08, 1.0), seed: int = 0, head: Optional[nn.Module] = None,
                   input_map=None, progress: bool = True) -> dict:
-    """Train ``student`` on a distilled set (DWA DWA App. A.2 / FADRM FADRM validation protocol).
+    """Train ``student`` on a distilled set (DWA App. A.2 / FADRM validation protocol).
 
     Exactly one label source: ``soft_labels`` (FKD replay), ``teachers`` (online KD, mean logits of several),
     or neither (cross-entropy on the hard labels with the same augmentation, mixing disabled).

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import shutil
 import time
 from dataclasses import fields
@@ -23,7 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .dataset import MANIFEST, DistilledSet, atomic_torch_save, atomic_write_json
+from ..atomic import atomic_torch_save
+from .dataset import MANIFEST, DistilledSet, atomic_write_json
 from .dwa import DWAConfig, dwa_batch
 from .fadrm import FADRMConfig, fadrm_batch
 from .recover import RecoverConfig, frozen_teacher, recover_batch
