@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from ..atomic import atomic_path
-from ..optional import require
 from ..recipes.views import ViewConfig
 
 
@@ -90,7 +89,6 @@ def train_teacher(images: torch.Tensor, method: str = "barlow_twins", steps: int
     names = {"barlow_twins": "barlowtwins", "byol": "byol"}
     if method not in names:
         raise ValueError(f"method must be 'barlow_twins' or 'byol', got {method!r}.")
-    require("lightly", "the compact data set's teacher")
     g = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

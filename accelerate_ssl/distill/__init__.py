@@ -1,4 +1,4 @@
-"""Distilled warm-start sets from a teacher classifier: SRe2L recover core, DWA (DWA), FADRM (FADRM).
+"""Distilled warm-start sets from a teacher classifier: SRe2L recover core, DWA, FADRM.
 
     from accelerate_ssl.distill import synthesize, warm_start
     distilled = synthesize(teacher, method="dwa", ipc=10, real=FashionMNIST(), mean=(0.286,), std=(0.353,), out_dir="distilled")

@@ -1,4 +1,4 @@
-"""DWA: Diversity-driven synthesis with Directed Weight Adjustment (DWA, Alg. 1, Eq. 12 and Eq. 16).
+"""DWA: Diversity-driven synthesis with Directed Weight Adjustment (DWA Alg. 1, Eq. 12 and Eq. 16).
 
 Before each synthetic batch is optimised, the teacher's weights are moved *up* the loss of the batch's
 real initialisation images ``B`` (Alg. 1 lines 6-9)::

@@ -1,4 +1,4 @@
-"""FADRM: data residual matching with multi-resolution optimisation and mixed precision (FADRM, Alg. 1).
+"""FADRM: data residual matching with multi-resolution optimisation and mixed precision (FADRM Alg. 1).
 
 A budget of ``B`` recover steps is split into ``k + 1`` segments of ``b = floor(B / (k + 1))`` steps (the last
 one takes the remainder ``B - k b``). After each of the first ``k`` segments the pixels are detached,

@@ -1,6 +1,6 @@
 """The shared SRe2L "recover" core: optimise pixels so a frozen BatchNorm teacher sees its training statistics.
 
-Loss (SRe2L; DWA DWA Eq. 3-4 and Eq. 16; FADRM FADRM App. B)::
+Loss (SRe2L; DWA Eq. 3-4 and Eq. 16; FADRM App. B)::
 
     CE(f(aug(x)), y) + r_bn * sum_l m_l * ( ||mu_l(x) - RM_l||_2 + r_var * ||var_l(x) - RV_l||_2 )
 
@@ -45,7 +45,7 @@ class TeacherWithoutBatchNormError(ValueError):
 
 @dataclass
 class RecoverConfig:
-    """Hyper-parameters of the recover core (defaults: SRe2L / DWA DWA Tables 6-8).
+    """Hyper-parameters of the recover core (defaults: SRe2L / DWA Tables 6-8).
 
     Args:
         iterations: optimisation steps per batch (T; 1000 CIFAR, 2000 ImageNet).
@@ -501,7 +501,7 @@ def pixel_adam(x: torch.Tensor, lr: float, betas: tuple[float, float]) -> torch.
 
 def optimise_pixels(x: torch.Tensor, state: StepState, steps: int, start: int, total: int) -> torch.Tensor:
     """Run ``steps`` Adam steps on a fresh leaf copy of ``x`` (global steps ``start .. start+steps-1`` of the
-    cosine schedule over ``total``); teachers are used round-robin by global step (FADRM+, FADRM).
+    cosine schedule over ``total``); teachers are used round-robin by global step (FADRM+).
     Returns the optimised pixels, detached. The per-step ``loss``/``ce``/``bn`` values are appended to
     ``state.history`` after the loop (kept as tensors meanwhile: no per-step conversion to Python floats)."""
     cfg = state.config
@@ -537,7 +537,7 @@ def optimise_pixels(x: torch.Tensor, state: StepState, steps: int, start: int, t
 def recover_batch(teacher: nn.Module | Sequence[nn.Module], x_init: torch.Tensor, labels: torch.Tensor,
                   config: RecoverConfig, generator: torch.Generator, mean: Sequence[float], std: Sequence[float]
                   ) -> tuple[torch.Tensor, dict]:
-    """SRe2L recover of one batch (DWA DWA Eq. 3 / Alg. 1 lines 10-12 with a fixed teacher).
+    """SRe2L recover of one batch (DWA Eq. 3 / Alg. 1 lines 10-12 with a fixed teacher).
 
     Returns ``(pixels, history)`` where history holds the per-step ``loss``, ``ce`` and ``bn`` values.
     ``generator`` may be a list: a group of that many equal batches stacked in ``x_init`` / ``labels``
