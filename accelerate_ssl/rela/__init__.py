@@ -176,7 +176,8 @@ class ReLA:
         self.sync_every = sync_every
         self._pending_losses: list[torch.Tensor] = []  # per-step mean ReLA losses not yet read on the host
         self.n_components = n_components
-        self._current_index: Optional[torch.Tensor] = None
+        self._current_index: Optional[torch.Tensor] = None  # the indices of the batch the loop holds now
+        self._index_fresh = False  # ... not yet used by a wrap (each published batch is consumed once)
         self._trackers: list[IndexTracker] = []
         self._window_sum: Optional[torch.Tensor] = None
         self._window_count = 0
@@ -248,11 +249,16 @@ class ReLA:
             def listener(idx, ref=ref):
                 r = ref()
                 if r is not None:
-                    r._current_index = idx
+                    r._publish_index(idx)
 
             tracker.add_listener(listener)
             self._trackers.append(tracker)
         return dataloader
+
+    def _publish_index(self, index: torch.Tensor) -> None:
+        """The dataset indices of the batch the loop now holds (from a tracked loader, or an integration that
+        knows which batch the loop body receives); the next ``wrap`` without ``index=`` consumes them, once."""
+        self._current_index, self._index_fresh = index, True
 
     def set_total_steps(self, total_steps: int) -> None:
         """Plan a schedule given by name for ``total_steps`` optimiser steps (e.g. Lightning's
@@ -358,13 +364,7 @@ class ReLA:
         if index is not None:
             self.targets.check_not_placeholder(index)
         if index is None:
-            index = self._current_index
-            if index is None:
-                raise RuntimeError(
-                    "ReLA.wrap: this batch has no recoverable sample indices. Call rela.track(dataloader) (or "
-                    "ReLA(..., dataloader=loader)) before iterating the loader, or pass index= to wrap "
-                    "(e.g. solo-learn's batch[0])."
-                )
+            index = self._take_published_index()
         l_rela = self._rela_term(feats, index)
 
         if lam >= 1.0:
@@ -378,6 +378,25 @@ class ReLA:
         self._window_count += 1
         self._last = {"lambda": lam, "loss_rela": d, "loss_ssl": None if l_ssl is None else l_ssl.detach()}
         return out
+
+    def _take_published_index(self) -> torch.Tensor:
+        """The tracked batch's indices, consumed: a second wrap on the same published batch is refused, since it
+        means the loop's batch did not come from a tracked loader (e.g. a DataLoader rebuilt each epoch)."""
+        if self._current_index is None:
+            raise RuntimeError(
+                "ReLA.wrap: this batch has no recoverable sample indices. Call rela.track(dataloader) (or "
+                "ReLA(..., dataloader=loader)) before iterating the loader, or pass index= to wrap "
+                "(e.g. solo-learn's batch[0])."
+            )
+        if not self._index_fresh:
+            raise RuntimeError(
+                "ReLA.wrap: no tracked loader has yielded a batch since the last wrap, so this batch's sample indices "
+                "are unknown (the last tracked batch's would be the wrong rows). A DataLoader created after ReLA (e.g. "
+                "one rebuilt every epoch) must be tracked too: `loader = rela.track(loader)` before iterating it. Call "
+                "wrap once per batch, or pass index= to wrap."
+            )
+        self._index_fresh = False
+        return self._current_index
 
     # ------------------------------------------------------------------ optimiser steps
     def _is_user_optimizer(self, opt) -> bool:
