@@ -83,9 +83,36 @@ from ..schedules import Constant, Schedule, create_schedule, needs_run_length, t
 from .capture import MAX_CAPTURED, FeatureCapture, flatten_features, infer_feature_dim
 from .distributed import average_gradients, mean_over_processes
 from .head import TransportHead, fit_transport_head, full_precision, rela_loss
-from .lookup import INDEX_CHECK_STEPS, TargetLookup, open_targets
+from .lookup import INDEX_CHECK_STEPS, TargetLookup, as_index, open_targets
 
 __all__ = ["ReLA", "fit_transport_head", "rela_loss", "full_precision", "INDEX_CHECK_STEPS", "MAX_CAPTURED"]
+
+
+# ---------------------------------------------------------------------------------------------- store identity
+def store_identity(store) -> dict:
+    """What a checkpoint records of the targets its head was trained on: rows, dim, the targets file's sha256, the
+    prior and its weights, the data set's fingerprint (a TargetStore), or the rows' sha256 (in-memory targets)."""
+    if hasattr(store, "identity"):
+        return store.identity()
+    return {"rows": len(store), "dim": int(store.dim)}
+
+
+def check_store_identity(saved: Optional[dict], current: dict) -> None:
+    """Refuse a checkpoint whose head was trained on other targets (a head maps into its own store's space)."""
+    if saved is None:
+        warnings.warn("ReLA: this checkpoint does not record which target store it was trained on (an older "
+                      "accelerate-ssl), so it cannot be checked against this store; make sure it is the same one.",
+                      UserWarning, stacklevel=3)
+        return
+    differ = [k for k in sorted(set(saved) & set(current)) if saved[k] is not None and current[k] is not None
+              and saved[k] != current[k]]
+    if differ:
+        shown = "; ".join(f"{k}: checkpoint {str(saved[k])[:24]!s}, this store {str(current[k])[:24]!s}" for k in differ)
+        raise ValueError(
+            f"This ReLA checkpoint was trained on another target store ({shown}): its transport head maps into that "
+            "store's target space, so resuming on this one would train toward the wrong targets. Open the store the "
+            "run started with, or start a fresh ReLA (do not load this state) for a new store."
+        )
 
 
 # ---------------------------------------------------------------------------------------------- ReLA
@@ -362,6 +389,7 @@ class ReLA:
                 )
             feats = captured
         if index is not None:
+            index = as_index(index)
             self.targets.check_not_placeholder(index)
         if index is None:
             index = self._take_published_index()
@@ -470,6 +498,7 @@ class ReLA:
             "steps": self.steps,
             "n_components": self.n_components,
             "store_rows": len(self.store),
+            "store": store_identity(self.store),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -482,6 +511,7 @@ class ReLA:
                 f"This checkpoint's ReLA used the {kind} controller but this ReLA has {type(self.schedule).__name__}; "
                 f"create ReLA with schedule={kind.lower()!r}."
             )
+        check_store_identity(state.get("store"), store_identity(self.store))
         if state.get("store_rows") not in (None, len(self.store)):
             raise ValueError(
                 f"This checkpoint was trained with a {state['store_rows']}-row target store, this ReLA has "
