@@ -387,6 +387,136 @@ def test_data_fraction_is_reproduced_by_the_cli_and_by_precompute_dataset(tmp_pa
     assert np.array_equal(via_python.array, TargetStore.open(tmp_path / "half").array)
 
 
+# ---------------------------------------------------------------------------------------------- any spelling of the folder
+def _gray_images(folder, names, first=0):
+    """Image k of ``names`` is a flat gray of value ``10 + 5 * (first + k)``: a sample is known from its pixels."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for k, name in enumerate(names):
+        Image.new("L", (12, 12), color=10 + 5 * (first + k)).save(folder / name)
+
+
+def _reference_rows(tmp_path, folder, name):
+    """{gray value: store row} from a store computed over ``folder:<folder>`` (sorted file names), by reading each
+    file's pixels: what row each image must get, independently of solo-learn's order."""
+    from accelerate_ssl import TargetStore
+    from accelerate_ssl.data.spec import open_data
+
+    _precompute(["--data", f"folder:{folder}", "--out", str(tmp_path / name)])
+    rows = TargetStore.open(tmp_path / name).array
+    images = open_data(f"folder:{folder}")
+    grays = [int(np.asarray(images[i][0].convert("L"))[0, 0]) for i in range(len(images))]
+    assert len(set(grays)) == len(grays)
+    return {g: rows[i] for i, g in enumerate(grays)}
+
+
+def _fit_checking_rows(tmp_path, train_dataset, store, reference, cfg=None, steps=3):
+    """Train with a real Trainer; at every step, the store row read for each index in ``batch[0]`` must be the row of
+    the image actually in the batch (known from its gray value)."""
+    import lightning.pytorch as pl
+
+    from accelerate_ssl import TargetStore
+
+    rows = TargetStore.open(store).array
+    checked = []
+
+    class OwnRows(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            for index, view in zip(batch[0].tolist(), batch[1][1]):  # view 2 is the image flipped, without noise
+                gray = int(round(float(view.mean()) * 255))
+                assert np.array_equal(rows[index], reference[gray]), (index, gray)
+                checked.append(index)
+
+    _, _, BYOLReLA = make_methods(pl)
+    model = BYOLReLA({"lr": 0.05, **(cfg or {})}, rela_targets=str(store), rela_n_components=8)
+    trainer = _trainer(pl, tmp_path / "run", max_steps=steps, callbacks=[OwnRows()], enable_checkpointing=False)
+    trainer.fit(model, DataLoader(train_dataset, batch_size=8, shuffle=True))
+    assert model.rela.steps == steps and len(checked) == 8 * steps
+    return model
+
+
+def _refused(tmp_path, train_dataset, store, match="different content"):
+    import lightning.pytorch as pl
+
+    _, _, BYOLReLA = make_methods(pl)
+    model = BYOLReLA({"lr": 0.05}, rela_targets=str(store), rela_n_components=8)
+    with pytest.raises(TargetStoreMismatchError, match=match):
+        _trainer(pl, tmp_path / "run", max_steps=1, enable_checkpointing=False).fit(
+            model, DataLoader(train_dataset, batch_size=8, shuffle=True))
+    assert model.rela.steps == 0
+
+
+@pytest.mark.parametrize("store_path, train_path", [("absolute", "./datasets/train"), ("./datasets/train", "absolute"),
+                                                    ("datasets//train/", "./datasets/../datasets/train")])
+def test_labelled_train_path_spelled_relative_or_absolute_matches_and_every_row_is_the_samples_own(
+        tmp_path, monkeypatch, store_path, train_path):
+    from torchvision.datasets import ImageFolder
+
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "datasets" / "train"
+    _gray_images(folder / "a", [f"{k}.png" for k in range(12)])
+    _gray_images(folder / "b", [f"{k}.png" for k in range(12)], first=12)
+    reference = _reference_rows(tmp_path, folder, "reference")
+    spell = lambda p: str(folder) if p == "absolute" else p  # noqa: E731
+    _precompute(["--data", f"solo:{spell(store_path)}", "--out", str(tmp_path / "store")])
+
+    train = dataset_with_index(ImageFolder)(spell(train_path), transform=_two_views)  # as solo-learn builds it
+    _fit_checking_rows(tmp_path, train, tmp_path / "store", reference)
+
+    # the same names in another order are still another data set
+    swapped = dataset_with_index(ImageFolder)(spell(train_path), transform=_two_views)
+    swapped.samples[1], swapped.samples[2] = swapped.samples[2], swapped.samples[1]
+    _refused(tmp_path, swapped, tmp_path / "store")
+
+
+@pytest.mark.parametrize("store_path, train_path", [("./datasets/flat", "absolute"), ("absolute", "datasets//flat/"),
+                                                    ("./datasets//flat/", "datasets/flat")])
+def test_no_labels_bare_names_match_a_store_over_any_spelling_of_the_folder_and_every_row_is_the_samples_own(
+        tmp_path, monkeypatch, store_path, train_path):
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "datasets" / "flat"
+    _gray_images(folder, [f"img_{k:03d}.png" for k in range(24)])
+    reference = _reference_rows(tmp_path, folder, "reference")
+    spell = lambda p: str(folder) if p == "absolute" else p  # noqa: E731
+    _precompute(["--data", f"solo-no-labels:{spell(store_path)}", "--out", str(tmp_path / "store")])
+
+    train = dataset_with_index(CustomDatasetWithoutLabels)(spell(train_path), transform=_two_views)
+    assert all(os.sep not in name for name in train.images)  # solo-learn's .images: bare names under .root
+    _fit_checking_rows(tmp_path, train, tmp_path / "store", reference)
+
+    reordered = dataset_with_index(CustomDatasetWithoutLabels)(spell(train_path), transform=_two_views)
+    reordered.images = reordered.images[1:] + reordered.images[:1]
+    _refused(tmp_path, reordered, tmp_path / "store")
+    other = dataset_with_index(CustomDatasetWithoutLabels)(spell(train_path), transform=_two_views)
+    other.images = [name.replace("img_000", "img_zzz") for name in other.images]  # one file renamed
+    _refused(tmp_path, other, tmp_path / "store")
+
+
+def test_file_name_fingerprints_are_the_same_for_every_spelling_and_differ_for_another_order(tmp_path, monkeypatch):
+    from torchvision.datasets import ImageFolder
+
+    from accelerate_ssl.data.datasets import ImageFiles
+    from accelerate_ssl.data.fingerprint import dataset_fingerprint
+
+    monkeypatch.chdir(tmp_path)
+    _gray_images(tmp_path / "data" / "train" / "a", ["0.png", "1.png", "2.png"])
+    _gray_images(tmp_path / "data" / "flat", ["0.png", "1.png", "2.png"])
+    (tmp_path / "data" / "x").mkdir()
+    spellings = [str(tmp_path / "data" / "train"), "data/train", "./data/train/", "data//train", "data/x/../train",
+                 tmp_path / "data" / "train"]
+    prints = {json.dumps(dataset_fingerprint(ImageFolder(s))) for s in spellings}
+    assert len(prints) == 1
+    flat = [ImageFiles(s, order="sorted") for s in ("data/flat", str(tmp_path / "data/flat"), "./data/flat/")]
+    flat += [CustomDatasetWithoutLabels(s) for s in ("data/flat", str(tmp_path / "data/flat"), "./data//flat")]
+    for d in flat[3:]:
+        d.images = sorted(d.images)
+    assert len({json.dumps(dataset_fingerprint(d)) for d in flat}) == 1
+    reordered = CustomDatasetWithoutLabels("./data/flat")
+    reordered.images = sorted(reordered.images)[::-1]
+    assert dataset_fingerprint(reordered) != dataset_fingerprint(flat[0])
+    other_folder = ImageFolder("data/train")  # same names relative to the root, but in a sub-folder 'a' vs none
+    assert dataset_fingerprint(other_folder)["sha256"] != dataset_fingerprint(flat[0])["sha256"]
+
+
 # ---------------------------------------------------------------------------------------------- DDP to the end
 def test_two_process_ddp_without_unused_parameters_runs_past_the_end_of_every_schedule(tmp_path):
     out = tmp_path / "ddp.json"
