@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import warnings
@@ -515,6 +516,82 @@ def test_file_name_fingerprints_are_the_same_for_every_spelling_and_differ_for_a
     assert dataset_fingerprint(reordered) != dataset_fingerprint(flat[0])
     other_folder = ImageFolder("data/train")  # same names relative to the root, but in a sub-folder 'a' vs none
     assert dataset_fingerprint(other_folder)["sha256"] != dataset_fingerprint(flat[0])["sha256"]
+
+
+# ---------------------------------------------------------------------------------------------- data.fraction, both kinds
+def test_no_labels_fraction_reproduces_solos_split_from_the_cli_and_python_and_the_fix_message_works(tmp_path):
+    from sklearn.model_selection import train_test_split
+
+    from accelerate_ssl import TargetStore, create_prior, precompute_targets
+    from accelerate_ssl.cli import main
+    from accelerate_ssl.data.solo import solo_image_dataset
+    from accelerate_ssl.data.spec import open_data
+
+    flat = tmp_path / "flat"
+    _gray_images(flat, [f"img_{k:03d}.png" for k in range(40)])
+    reference = _reference_rows(tmp_path, flat, "reference")
+    # solo-learn, solo/data/pretrain_dataloader.py, prepare_datasets(): data_fraction > 0 on a CustomDatasetWithoutLabels
+    # (whose .images is os.listdir(root)) splits its names exactly so
+    expected, _ = train_test_split(os.listdir(flat), train_size=0.4, random_state=42)
+    assert len(expected) == 16 and expected != sorted(expected)
+
+    for ours in (solo_image_dataset(flat, no_labels=True, fraction=0.4), open_data(f"solo-no-labels:{flat}", fraction=0.4)):
+        assert [os.path.basename(path) for path, _ in ours.samples] == expected
+
+    train = dataset_with_index(CustomDatasetWithoutLabels)(flat, transform=_two_views)
+    train.images = expected  # what solo-learn trains on
+    cfg = {"data": {"dataset": "custom", "train_path": str(flat), "no_labels": True, "fraction": 0.4}}
+    _precompute(["--data", f"solo-no-labels:{flat}", "--fraction", "0.4", "--out", str(tmp_path / "cli")])
+    assert len(TargetStore.open(tmp_path / "cli")) == 16
+    _fit_checking_rows(tmp_path, train, tmp_path / "cli", reference, cfg=cfg)
+    via_python = precompute_targets(create_prior("random:convnet", in_channels=3), precompute_dataset(train),
+                                    tmp_path / "py", progress=False)
+    assert np.array_equal(via_python.array, TargetStore.open(tmp_path / "cli").array)
+
+    # a store over the whole folder is refused, and the command the message offers builds the right one
+    import lightning.pytorch as pl
+
+    _precompute(["--data", f"solo-no-labels:{flat}", "--out", str(tmp_path / "all")])
+    _, _, BYOLReLA = make_methods(pl)
+    model = BYOLReLA({"lr": 0.05, **cfg}, rela_targets=str(tmp_path / "all"), rela_n_components=8)
+    with pytest.raises(TargetStoreMismatchError, match="16 samples but the target store has 40 rows") as refused:
+        _trainer(pl, tmp_path / "run", max_steps=1, enable_checkpointing=False).fit(model, DataLoader(train, batch_size=8))
+    command = str(refused.value).split("`")[1]
+    assert command == (f"accelerate-ssl precompute --prior random:convnet --data solo-no-labels:{flat} --fraction 0.4 "
+                       "--out DIR")
+    assert main([*shlex.split(command.replace("DIR", str(tmp_path / "fixed")))[1:], "--no-progress"]) == 0
+    _fit_checking_rows(tmp_path, train, tmp_path / "fixed", reference, cfg=cfg)
+
+
+def test_a_fraction_of_zero_or_below_is_all_data_and_one_or_more_is_refused(tmp_path, capsys):
+    from accelerate_ssl import TargetStore
+    from accelerate_ssl.cli import main
+    from accelerate_ssl.data.solo import solo_image_dataset
+
+    flat, labelled = tmp_path / "flat", tmp_path / "labelled"
+    _gray_images(flat, [f"{k}.png" for k in range(10)])
+    _gray_images(labelled / "a", [f"{k}.png" for k in range(5)])
+    _gray_images(labelled / "b", [f"{k}.png" for k in range(5)], first=5)
+    # solo-learn, solo/data/pretrain_dataloader.py, prepare_datasets(): `if data_fraction > 0:` splits; else all data
+    for fraction in (-1, -0.5, 0, 0.0):
+        assert [p for p, _ in solo_image_dataset(flat, no_labels=True, fraction=fraction).samples] == \
+            [str(flat / name) for name in os.listdir(flat)]
+        assert len(solo_image_dataset(labelled, fraction=fraction)) == 10
+    _precompute(["--data", f"solo-no-labels:{flat}", "--out", str(tmp_path / "none")])
+    for fraction in ("-1", "0"):
+        _precompute(["--data", f"solo-no-labels:{flat}", f"--fraction={fraction}", "--out", str(tmp_path / fraction)])
+        a, b = TargetStore.open(tmp_path / "none"), TargetStore.open(tmp_path / fraction)
+        assert np.array_equal(a.array, b.array)
+        assert a.metadata["dataset"] == b.metadata["dataset"]  # the same data set, name and fingerprint
+    _precompute(["--data", f"solo:{labelled}", "--fraction", "0", "--out", str(tmp_path / "labelled")])
+    assert len(TargetStore.open(tmp_path / "labelled")) == 10
+    for bad in ("1", "1.5", "nan", "half"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["precompute", "--prior", "random:convnet", "--data", f"solo-no-labels:{flat}", "--fraction", bad,
+                  "--out", str(tmp_path / "bad")])
+        assert exit_.value.code == 2 and "--fraction must be a number below 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="must be below 1"):
+        solo_image_dataset(flat, no_labels=True, fraction=1)
 
 
 # ---------------------------------------------------------------------------------------------- DDP to the end
