@@ -45,8 +45,10 @@ What the mixin guarantees on solo-learn's contract:
   ``data.no_labels``; ``--fraction`` for ``data.fraction``) rebuilds it exactly
   (:mod:`accelerate_ssl.data.solo`), and :func:`precompute_dataset` takes the very data set solo-learn
   built (its augmentation removed). At train start the store's fingerprint is checked against
-  solo-learn's training data set (file names in order, or sampled pixels): another order, another
-  fraction or another folder is refused with the command that fixes it.
+  solo-learn's training data set (file names relative to the folder, in order, however the folder is
+  spelled; or sampled pixels): another order, another fraction or another folder is refused with the
+  command that fixes it, written for this run's ``cfg.data`` (solo-learn's ``BaseMethod`` keeps
+  ``self.cfg``).
 - **Real indexes only.** solo-learn's DALI loaders put ``arange(B) + rank * B`` in ``batch[0]``: distinct and
   in range, but the same on every step. ReLA refuses index vectors that repeat on consecutive steps, and
   the mixin refuses all-equal or out-of-range ones; use solo-learn's torchvision pipeline

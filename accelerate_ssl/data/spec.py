@@ -81,6 +81,6 @@ def open_data(spec: str, split: str = "train", *, root: Optional[str] = None, li
         fraction = solo_fraction(fraction)  # <= 0 keeps every sample, as in solo-learn: the same data set as no fraction
         ds = solo_image_dataset(folder, no_labels=kind == "solo-no-labels", fraction=fraction)
         if transform is not None:
-            getattr(ds, "dataset", ds).transform = transform  # through solo-learn's fraction Subset
+            ds.transform = transform
     ds.name = f"{kind}:{Path(folder).resolve()}" + (f"?fraction={fraction}" if fraction is not None else "")
     return ds
