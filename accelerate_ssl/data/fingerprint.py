@@ -130,18 +130,41 @@ def _hash_array(h, data) -> None:
 
 
 def _file_names(dataset) -> list[str] | None:
+    """Every file name of a file-list data set, relative to its folder (``.root``, lightly's ``.input_dir``), in
+    order, whatever the spelling: ``/data/train/a/0.png``, ``./data/train/a/0.png`` (root ``./data/train``) and
+    ``a/0.png`` (a bare name under ``.images``, root ``data/train``) all give ``a/0.png``.
+
+    ``.samples`` / ``.imgs`` (torchvision's ImageFolder and ours) hold paths joined with the root, absolute or
+    relative to the working directory; ``.images`` (solo-learn's no_labels data set) and lightly's
+    ``get_filenames()`` hold names relative to the root. Only the spelling is normalised (lexically: ``.``,
+    ``..``, doubled and trailing separators, relative vs absolute); the names and their order are kept, so another
+    list or another order still fingerprints differently. A path outside the root stays absolute."""
     if hasattr(dataset, "samples") and isinstance(dataset.samples, (list, tuple)):
-        paths = [s[0] if isinstance(s, (list, tuple)) else s for s in dataset.samples]
+        paths, joined = [s[0] if isinstance(s, (list, tuple)) else s for s in dataset.samples], True
     elif hasattr(dataset, "imgs") and isinstance(dataset.imgs, (list, tuple)):
-        paths = [s[0] if isinstance(s, (list, tuple)) else s for s in dataset.imgs]
-    elif callable(getattr(dataset, "get_filenames", None)):  # lightly's LightlyDataset
-        paths = list(dataset.get_filenames())
+        paths, joined = [s[0] if isinstance(s, (list, tuple)) else s for s in dataset.imgs], True
+    elif callable(getattr(dataset, "get_filenames", None)):  # lightly's LightlyDataset: names under .input_dir
+        paths, joined = list(dataset.get_filenames()), False
     elif isinstance(getattr(dataset, "images", None), list) and all(isinstance(p, str) for p in dataset.images):
-        paths = list(dataset.images)  # solo-learn's no_labels data set: file names under .root
+        paths, joined = list(dataset.images), False  # solo-learn's no_labels data set: names under .root
     else:
         return None
-    root = str(getattr(dataset, "root", "") or "")
-    return [os.path.relpath(p, root) if root and os.path.isabs(p) else str(p) for p in paths]
+    root = getattr(dataset, "root", None) or getattr(dataset, "input_dir", None)
+    root = os.path.abspath(os.fspath(root)) if isinstance(root, (str, os.PathLike)) and os.fspath(root) else None
+    inside = None if root is None else root.rstrip(os.sep) + os.sep
+
+    def relative(path) -> str:
+        path = os.fspath(path)
+        if root is not None and (joined or os.path.isabs(path)):
+            full = os.path.abspath(path)  # a relative path joined with the root is relative to the working directory
+            if full.startswith(inside):
+                path = os.path.relpath(full, root)
+            elif os.path.isabs(path):
+                path = full
+            # else: a relative name not under the root as spelled: a name relative to the root
+        return os.path.normpath(path).replace(os.sep, "/")
+
+    return [relative(p) for p in paths]
 
 
 def _kind(base) -> str:

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ..atomic import atomic_path
+from ..data.solo import solo_fraction
 from ..data.spec import DATA_SPEC_HELP, data_spec, open_data
 from .store import (CHUNKS, FORMAT, FORMAT_VERSION, IDENTITY, MANIFEST, METADATA, TARGETS, TargetStore, atomic_write_text, file_sha256,
                     read_json)
@@ -408,12 +409,12 @@ def _short(value, limit: int = 80) -> str:
 # ------------------------------------------------------------------------------------------------
 def _fraction_arg(value: str) -> float:
     try:
-        f = float(value)
+        fraction = float(value)
+        solo_fraction(fraction)
     except ValueError:
-        f = float("nan")
-    if not 0 < f < 1:
-        raise argparse.ArgumentTypeError(f"--fraction must be a number in (0, 1) (solo-learn's data.fraction), got {value!r}")
-    return f
+        raise argparse.ArgumentTypeError(f"--fraction must be a number below 1 (solo-learn's data.fraction: in (0, 1) for "
+                                         f"its split, <= 0 such as -1 for all samples), got {value!r}") from None
+    return fraction
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -425,7 +426,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="never download zoo weights, use the local cache only (also: HF_HUB_OFFLINE=1)")
     parser.add_argument("--data", "--dataset", dest="data", required=True, type=data_spec, help=DATA_SPEC_HELP)
     parser.add_argument("--fraction", type=_fraction_arg, default=None,
-                        help="with solo:<path>: solo-learn's data.fraction (its class-stratified split, random_state 42)")
+                        help="solo-learn's data.fraction, with solo:<path> (its class-stratified split of the class "
+                        "folders) or solo-no-labels:<path> (its unstratified split of the folder's listing), both "
+                        "train_test_split(..., random_state=42); <= 0 (its default -1) keeps every image")
     parser.add_argument("--split", default="train", help="train / test (fashion-mnist, digits), or all (digits)")
     parser.add_argument("--data-root", default=None, help="folder with the Fashion-MNIST idx files (default: system package)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N images (fashion-mnist)")
