@@ -93,6 +93,7 @@ def open_targets(targets, dataset, dataloader):
                     f"The targets hold {len(store)} rows but the dataset has {len(ref)} samples; row i must be the "
                     "target of dataset item i. Pass targets computed on this exact dataset (same split, no subset)."
                 )
+        _refuse_identical_rows(store)
         return store
     if isinstance(targets, (str, os.PathLike)):
         from ..targets.store import TargetStore
@@ -120,7 +121,17 @@ def open_targets(targets, dataset, dataloader):
                 f"The target store holds {len(store)} rows but {which} has {len(ref)} samples; "
                 "precompute targets for this dataset (accelerate-ssl precompute)."
             )
+    _refuse_identical_rows(store)
     return store
+
+
+def _refuse_identical_rows(store, sample: int = 4096) -> None:
+    """Up to ``sample`` evenly spaced rows all equal: the targets say nothing about the samples (the PCA fit checks
+    every row; this catches raw targets too, at open time)."""
+    n = len(store)
+    rows = torch.as_tensor(store[np.linspace(0, n - 1, min(n, sample)).astype(np.int64)])
+    if len(rows) > 1 and bool((rows == rows[0]).all()):
+        raise ValueError(IDENTICAL_ROWS)
 
 
 class TargetLookup:
@@ -149,9 +160,6 @@ class TargetLookup:
             self.pca = self.store.pca(int(n_components))
         else:
             self.pca = None
-            rows = torch.as_tensor(self.store[np.linspace(0, len(self.store) - 1, min(len(self.store), 4096)).astype(np.int64)])
-            if len(rows) > 1 and bool((rows == rows[0]).all()):
-                raise ValueError(IDENTICAL_ROWS)
         self._table = None
         return int(self.store.dim if self.pca is None else self.pca.n_components)
 
