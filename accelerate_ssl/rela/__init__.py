@@ -367,7 +367,8 @@ class ReLA:
             warnings.warn(
                 f"ReLA: the {self._schedule_name!r} schedule was not told the run length, so it keeps the papers' "
                 "ImageNet constants: lambda stays near its start for the first ~600 optimiser steps. Pass "
-                "ReLA(..., total_steps=<optimiser steps of the whole run>) (epochs * len(loader) / accumulation steps, len of the loader this process iterates; Lightning: ReLACallback does it), or call "
+                "ReLA(..., total_steps=<optimiser steps of the whole run>) (epochs * len(loader) / accumulation "
+                "steps, with the loader this process iterates; Lightning's ReLACallback plans it), or call "
                 "rela.set_total_steps(n) before training.", UserWarning, stacklevel=2)
         lam = float(self.schedule.value)
         captured, capture_error = self.capture.take()
