@@ -187,6 +187,23 @@ class TargetLookup:
         rows = rows.to(device, non_blocking=True)
         return rows if self.pca is None else self.pca.transform(rows)
 
+    def reduce_rows(self, rows: torch.Tensor, device) -> torch.Tensor:
+        """Raw prior targets carried by the batch (``wrap(targets=)``) -> the rows the loss uses: the store's width,
+        finite (checked on the device, no host wait), then the same PCA / z-scoring as stored rows (Eq. 41)."""
+        if not isinstance(rows, torch.Tensor) or rows.ndim != 2 or not rows.is_floating_point():
+            raise ValueError(f"ReLA.wrap(targets=) needs a float tensor [B, {self.store.dim}] of raw prior targets, got "
+                             f"{type(rows).__name__} {tuple(getattr(rows, 'shape', ()))}.")
+        if rows.shape[1] != self.store.dim:
+            raise ValueError(
+                f"ReLA.wrap(targets=) rows have dim {rows.shape[1]} but the targets ReLA was opened on have dim "
+                f"{self.store.dim}: they come from another prior (or were PCA-reduced already). Pass the raw rows the "
+                "precompute wrote, from the same prior as the store ReLA holds."
+            )
+        rows = rows.detach().to(device=device, dtype=torch.float32, non_blocking=True)
+        torch._assert_async(torch.isfinite(rows).all(), "ReLA.wrap(targets=): NaN/Inf in the batch's target rows; the "
+                            "sidecar holding them is broken: recompute it")
+        return rows if self.pca is None else self.pca.transform(rows)
+
     def _device_table(self, device) -> torch.Tensor:
         """Every target row, reduced, on ``device`` (built once per device; one finiteness check then)."""
         if self._table is None:
