@@ -149,3 +149,38 @@ def test_refused_without_a_trackable_loader():
 
     with pytest.raises(ValueError, match="iterates 2 training loaders"):
         _trainer(max_epochs=1, callbacks=[ReLACallback(target_rows(), dataset=IndexImages())]).fit(Listed())
+
+
+def test_the_loader_lightning_iterates_is_checked_against_the_store(tmp_path):
+    """dataset= is the clean set, but train_dataloader() serves another order: refused before the first step."""
+    import numpy as np
+
+    from accelerate_ssl.data import ArrayImageDataset
+    from accelerate_ssl.targets.precompute import precompute_targets
+    from accelerate_ssl.targets.priors import create_prior
+    from accelerate_ssl.targets.store import TargetStoreMismatchError
+
+    rng = np.random.default_rng(0)
+    images, labels = rng.integers(0, 256, (40, 8, 8), dtype=np.uint8), np.zeros(40, dtype=np.int64)
+    clean = ArrayImageDataset(images, labels)
+    store = precompute_targets(create_prior("random:convnet"), clean, tmp_path / "store", batch_size=16, progress=False)
+    to_tensor = lambda im: torch.from_numpy(np.asarray(im, dtype=np.float32) / 255).unsqueeze(0)  # noqa: E731
+    reordered = ArrayImageDataset(images[::-1].copy(), labels, transform=to_tensor)
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.backbone = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 8))
+
+        def training_step(self, batch, batch_idx):
+            return self.rela.wrap(self.backbone(batch[0]).pow(2).mean())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.backbone.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            return DataLoader(reordered, batch_size=8)
+
+    trainer = _trainer(max_epochs=1, callbacks=[ReLACallback(store, dataset=clean, feature_dim=8, total_steps=5)])
+    with pytest.raises(TargetStoreMismatchError, match="different content or another order"):
+        trainer.fit(Module())

@@ -108,21 +108,26 @@ def open_targets(targets, dataset, dataloader):
             )
         store = targets
     for ref in checked:
-        which = "dataset=" if ref is dataset else "the DataLoader's dataset"
-        if hasattr(store, "check_dataset"):
-            try:
-                store.check_dataset(ref)
-            except ValueError as err:
-                if ref is dataset or "Cannot identify" not in str(err):
-                    raise
-                raise ValueError(f"ReLA checks the data set the loader iterates against the store too, and {err}") from err
-        elif len(ref) != len(store):  # stores without check_dataset()
-            raise ValueError(
-                f"The target store holds {len(store)} rows but {which} has {len(ref)} samples; "
-                "precompute targets for this dataset (accelerate-ssl precompute)."
-            )
+        check_trained_dataset(store, ref, "dataset=" if ref is dataset else "the DataLoader's dataset")
     _refuse_identical_rows(store)
     return store
+
+
+def check_trained_dataset(store, dataset, which: str) -> None:
+    """Refuse ``dataset`` (a data set ReLA will train on, named ``which`` in the message) unless the store was computed
+    on it: the store's fingerprint check, or its length for stores without one."""
+    if hasattr(store, "check_dataset"):
+        try:
+            store.check_dataset(dataset)
+        except ValueError as err:
+            if which == "dataset=" or "Cannot identify" not in str(err):
+                raise
+            raise ValueError(f"ReLA checks {which} against the store too, and {err}") from err
+    elif len(dataset) != len(store):
+        raise ValueError(
+            f"The target store holds {len(store)} rows but {which} has {len(dataset)} samples; "
+            "precompute targets for this dataset (accelerate-ssl precompute)."
+        )
 
 
 def _refuse_identical_rows(store, sample: int = 4096) -> None:
