@@ -7,7 +7,8 @@ yields clean images (precompute) or augmented views (training):
 - ``"array"``: data sets holding their samples in ``.data`` (ours, torchvision MNIST/CIFAR): the
   bytes of ``num_samples`` evenly spaced rows plus the full shape;
 - ``"files"``: data sets listing files in ``.samples`` / ``.imgs`` (ImageFolder), lightly's
-  ``get_filenames()`` or solo-learn's ``.images``: every file name, relative, in order;
+  ``get_filenames()``, solo-learn's ``.images`` or timm's ``ImageDataset`` (``.reader.samples``): every
+  file name, relative, in order;
 - ``"items"``: anything else: ``num_samples`` evenly spaced items read with the transform as it is;
   if two reads of one item differ (a random transform), a ``ValueError`` asks for a clean dataset.
 
@@ -57,6 +58,8 @@ def _file_names(dataset) -> list[str] | None:
         paths = list(dataset.get_filenames())
     elif isinstance(getattr(dataset, "images", None), list) and all(isinstance(p, str) for p in dataset.images):
         paths = list(dataset.images)  # solo-learn's no_labels data set: file names under .root
+    elif isinstance(getattr(getattr(dataset, "reader", None), "samples", None), (list, tuple)):
+        return _file_names(dataset.reader)  # timm's ImageDataset: its folder reader's (path, class) list, in order
     else:
         return None
     root = str(getattr(dataset, "root", "") or "")
