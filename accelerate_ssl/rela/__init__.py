@@ -26,8 +26,9 @@ What ReLA does behind those two lines:
   flattened to ``[B, D]``. All views of a step share the sample's target; their ReLA terms are
   averaged. ``wrap(..., features=)`` overrides the hook.
 - **Indices**: ``dataloader=`` / ``rela.track(loader)`` makes the loader record the dataset indices of
-  each batch it yields (:mod:`accelerate_ssl.data.indexing`), so batches stay as they are.
-  ``wrap(..., index=)`` overrides (frameworks that carry indices, e.g. solo-learn's ``batch[0]``); an
+  each batch it yields (:mod:`accelerate_ssl.data.indexing`), so batches stay as they are; a wrapper that
+  yields a DataLoader's batches one-to-one and in order (timm's prefetcher, Accelerate's prepared loader, or
+  ``rela.track(w, inner=w.loader)``) is iterated through what ``track`` returns. ``wrap(..., index=)`` overrides (frameworks that carry indices, e.g. solo-learn's ``batch[0]``); an
   explicit index vector that repeats on consecutive optimiser steps (checked on the first few) is refused as
   placeholders.
 - **Transport head** ``nn.Linear(student_dim, target_dim)`` is always trained. If your optimiser holds

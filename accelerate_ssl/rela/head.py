@@ -1,8 +1,8 @@
 """The transport head (ReLA v1 Eq. 9 / ReLA v2 Eq. 9) and who trains it.
 
 ``W phi(x) + b``: a linear map from the student's features to the (reduced) target space, trained with
-the student. It starts either from the ridge-regression fit on the first batch (:func:`fit_transport_head`,
-our default) or from PyTorch's random initialisation (the papers). It is trained by the user's optimiser
+the student. It starts either from the ridge-regression fit on half of the first batch's samples, that step's
+loss being scored on the other half (:func:`fit_transport_head`, :meth:`TransportHead.fit_held_out`, our default) or from PyTorch's random initialisation (the papers). It is trained by the user's optimiser
 when that holds ``rela.parameters()``, otherwise by ReLA's own AdamW (``head_lr=1e-3``,
 ``head_weight_decay=0.01``, the papers' settings) stepped right after each step of the user's optimiser.
 The choice is made at the user's first optimiser step (``"auto"``) or forced (``"user"`` / ``"own"``);
