@@ -9,6 +9,7 @@ torch, torchvision, safetensors, numpy, tqdm and pillow. Everything else is an e
     pip install "accelerate-ssl[accelerate]"  # multi-process precompute under `accelerate launch`
     pip install "accelerate-ssl[plots]"       # PNGs of the demo and benchmarks
     pip install "accelerate-ssl[sklearn]"     # the digits data set, solo-learn's data.fraction split
+    pip install "accelerate-ssl[lightning]"   # ReLACallback for a Lightning Trainer
     pip install "accelerate-ssl[all]"         # all of the above
 """
 
@@ -26,6 +27,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "accelerate": ("accelerate", "accelerate"),
     "matplotlib": ("plots", "matplotlib"),
     "sklearn": ("sklearn", "scikit-learn"),
+    "lightning": ("lightning", "lightning"),
 }
 
 

@@ -45,8 +45,10 @@ What the mixin guarantees on solo-learn's contract:
   ``data.no_labels``; ``--fraction`` for ``data.fraction``) rebuilds it exactly
   (:mod:`accelerate_ssl.data.solo`), and :func:`precompute_dataset` takes the very data set solo-learn
   built (its augmentation removed). At train start the store's fingerprint is checked against
-  solo-learn's training data set (file names in order, or sampled pixels): another order, another
-  fraction or another folder is refused with the command that fixes it.
+  solo-learn's training data set (file names relative to the folder, in order, however the folder is
+  spelled; or sampled pixels): another order, another fraction or another folder is refused with the
+  command that fixes it, written for this run's ``cfg.data`` (solo-learn's ``BaseMethod`` keeps
+  ``self.cfg``).
 - **Real indexes only.** solo-learn's DALI loaders put ``arange(B) + rank * B`` in ``batch[0]``: distinct and
   in range, but the same on every step. ReLA refuses index vectors that repeat on consecutive steps, and
   the mixin refuses all-equal or out-of-range ones; use solo-learn's torchvision pipeline
@@ -66,6 +68,8 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import shlex
 import warnings
 from typing import Any, Optional
 
@@ -79,8 +83,44 @@ __all__ = ["ReLAMixin", "precompute_dataset"]
 
 _OPTIONS = ("targets", "schedule", "n_components", "head_lr", "head_weight_decay", "sync_every", "targets_on_device")
 _SOLO_FIX = ("compute the targets over the data set solo-learn trains on: `accelerate-ssl precompute --prior SPEC "
-             "--data solo:<data.train_path> [--fraction <data.fraction>] --out DIR` (solo-no-labels:<path> with "
-             "data.no_labels), or precompute_targets(prior, precompute_dataset(train_dataset), DIR) in Python")
+             "--data solo:<data.train_path> [--fraction <data.fraction>] --out DIR` (--data "
+             "solo-no-labels:<data.train_path> with data.no_labels), or precompute_targets(prior, "
+             "precompute_dataset(train_dataset), DIR) in Python")
+
+
+def _solo_fix(cfg, store) -> str:
+    """The fix for a store that does not match solo-learn's training data set: the precompute command for this very
+    run when its cfg names an image folder (``data.train_path`` made absolute, ``data.no_labels``,
+    ``data.fraction``, the store's prior), else the general recipe."""
+    data = _get(cfg, "data")
+    train_path = _get(data, "train_path")
+    dataset = _get(data, "dataset") or "custom"
+    if not isinstance(train_path, (str, os.PathLike)) or dataset not in ("custom", "imagenet", "imagenet100") \
+            or (_get(data, "format") or "image_folder") != "image_folder":
+        return _SOLO_FIX
+    kind = "solo-no-labels" if dataset == "custom" and _get(data, "no_labels") else "solo"
+    metadata = getattr(store, "metadata", None)
+    prior = (metadata.get("prior") or {}).get("spec") if isinstance(metadata, dict) else None
+    parts = ["accelerate-ssl", "precompute", "--prior", prior or "SPEC", "--data", f"{kind}:{os.path.abspath(train_path)}"]
+    fraction = _get(data, "fraction")
+    if isinstance(fraction, (int, float)) and fraction > 0:
+        parts += ["--fraction", str(fraction)]
+    parts += ["--out", "DIR"]
+    return (f"compute the targets over the data set solo-learn trains on: `{shlex.join(parts)}`"
+            f"{'' if prior else ' (SPEC: your prior)'}, or precompute_targets(prior, precompute_dataset(train_dataset), "
+            "DIR) in Python")
+
+
+def _get(section, key: str):
+    """``section[key]`` of a solo-learn cfg (OmegaConf DictConfig, dict or namespace), ``None`` when absent."""
+    if section is None:
+        return None
+    if hasattr(section, "get"):
+        try:
+            return section.get(key, None)
+        except (TypeError, KeyError):
+            return None
+    return getattr(section, key, None)
 
 
 class _CleanImages(Dataset):
@@ -244,7 +284,7 @@ class ReLAMixin:
         if lo < 0 or hi >= n:
             raise ValueError(
                 f"ReLAMixin: sample indexes span [{lo}, {hi}] but the target store has {n} rows. The targets must be "
-                f"computed over solo-learn's exact training data set (data.fraction included): {_SOLO_FIX}.")
+                f"computed over solo-learn's exact training data set (data.fraction included): {self._rela_fix()}.")
         return indexes
 
     def training_step(self, batch, batch_idx):
@@ -297,6 +337,9 @@ class ReLAMixin:
                           f"so the {type(self.rela.schedule).__name__} schedule keeps its default constants.", stacklevel=2)
 
     # ------------------------------------------------------------------ the data set matches the store
+    def _rela_fix(self) -> str:
+        return _solo_fix(getattr(self, "cfg", None), self.rela.store)
+
     def on_train_start(self):
         parent = getattr(super(), "on_train_start", None)
         if parent is not None:
@@ -309,13 +352,13 @@ class ReLAMixin:
         if len(dataset) != len(store):
             raise TargetStoreMismatchError(
                 f"ReLAMixin: the training dataset has {len(dataset)} samples but the target store has {len(store)} rows "
-                f"(data.fraction or another folder?); {_SOLO_FIX}.")
+                f"(data.fraction or another folder?); {self._rela_fix()}.")
         if not hasattr(store, "check_dataset"):  # Tensor targets: no fingerprint to compare
             return
         try:
             store.check_dataset(precompute_dataset(dataset))
         except TargetStoreMismatchError as err:
-            raise TargetStoreMismatchError(f"ReLAMixin: {err} For solo-learn, {_SOLO_FIX}.") from err
+            raise TargetStoreMismatchError(f"ReLAMixin: {err} For solo-learn, {self._rela_fix()}.") from err
         except (ValueError, TypeError, OSError) as err:  # a data set that cannot be fingerprinted
             warnings.warn(f"ReLAMixin: could not fingerprint solo-learn's training data set ({err}); only its length was "
                           "checked against the target store. Make sure the targets were computed over this data set "

@@ -41,6 +41,7 @@ def make_methods(pl):
     class BaseMethod(pl.LightningModule):
         def __init__(self, cfg):
             super().__init__()
+            self.cfg = cfg  # solo-learn's BaseMethod keeps its cfg (data.train_path, data.no_labels, data.fraction)
             self.lr = cfg["lr"]
             self.backbone = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
                                           nn.Flatten(), nn.Linear(32, DIM))

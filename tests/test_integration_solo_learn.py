@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import warnings
@@ -386,6 +387,212 @@ def test_data_fraction_is_reproduced_by_the_cli_and_by_precompute_dataset(tmp_pa
     via_python = precompute_targets(create_prior("random:convnet", in_channels=3), precompute_dataset(train), tmp_path / "py",
                                     progress=False)
     assert np.array_equal(via_python.array, TargetStore.open(tmp_path / "half").array)
+
+
+# ---------------------------------------------------------------------------------------------- any spelling of the folder
+def _gray_images(folder, names, first=0):
+    """Image k of ``names`` is a flat gray of value ``10 + 5 * (first + k)``: a sample is known from its pixels."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for k, name in enumerate(names):
+        Image.new("L", (12, 12), color=10 + 5 * (first + k)).save(folder / name)
+
+
+def _reference_rows(tmp_path, folder, name):
+    """{gray value: store row} from a store computed over ``folder:<folder>`` (sorted file names), by reading each
+    file's pixels: what row each image must get, independently of solo-learn's order."""
+    from accelerate_ssl import TargetStore
+    from accelerate_ssl.data.spec import open_data
+
+    _precompute(["--data", f"folder:{folder}", "--out", str(tmp_path / name)])
+    rows = TargetStore.open(tmp_path / name).array
+    images = open_data(f"folder:{folder}")
+    grays = [int(np.asarray(images[i][0].convert("L"))[0, 0]) for i in range(len(images))]
+    assert len(set(grays)) == len(grays)
+    return {g: rows[i] for i, g in enumerate(grays)}
+
+
+def _fit_checking_rows(tmp_path, train_dataset, store, reference, cfg=None, steps=3):
+    """Train with a real Trainer; at every step, the store row read for each index in ``batch[0]`` must be the row of
+    the image actually in the batch (known from its gray value)."""
+    import lightning.pytorch as pl
+
+    from accelerate_ssl import TargetStore
+
+    rows = TargetStore.open(store).array
+    checked = []
+
+    class OwnRows(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            for index, view in zip(batch[0].tolist(), batch[1][1]):  # view 2 is the image flipped, without noise
+                gray = int(round(float(view.mean()) * 255))
+                assert np.array_equal(rows[index], reference[gray]), (index, gray)
+                checked.append(index)
+
+    _, _, BYOLReLA = make_methods(pl)
+    model = BYOLReLA({"lr": 0.05, **(cfg or {})}, rela_targets=str(store), rela_n_components=8)
+    trainer = _trainer(pl, tmp_path / "run", max_steps=steps, callbacks=[OwnRows()], enable_checkpointing=False)
+    trainer.fit(model, DataLoader(train_dataset, batch_size=8, shuffle=True))
+    assert model.rela.steps == steps and len(checked) == 8 * steps
+    return model
+
+
+def _refused(tmp_path, train_dataset, store, match="different content"):
+    import lightning.pytorch as pl
+
+    _, _, BYOLReLA = make_methods(pl)
+    model = BYOLReLA({"lr": 0.05}, rela_targets=str(store), rela_n_components=8)
+    with pytest.raises(TargetStoreMismatchError, match=match):
+        _trainer(pl, tmp_path / "run", max_steps=1, enable_checkpointing=False).fit(
+            model, DataLoader(train_dataset, batch_size=8, shuffle=True))
+    assert model.rela.steps == 0
+
+
+@pytest.mark.parametrize("store_path, train_path", [("absolute", "./datasets/train"), ("./datasets/train", "absolute"),
+                                                    ("datasets//train/", "./datasets/../datasets/train")])
+def test_labelled_train_path_spelled_relative_or_absolute_matches_and_every_row_is_the_samples_own(
+        tmp_path, monkeypatch, store_path, train_path):
+    from torchvision.datasets import ImageFolder
+
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "datasets" / "train"
+    _gray_images(folder / "a", [f"{k}.png" for k in range(12)])
+    _gray_images(folder / "b", [f"{k}.png" for k in range(12)], first=12)
+    reference = _reference_rows(tmp_path, folder, "reference")
+    spell = lambda p: str(folder) if p == "absolute" else p  # noqa: E731
+    _precompute(["--data", f"solo:{spell(store_path)}", "--out", str(tmp_path / "store")])
+
+    train = dataset_with_index(ImageFolder)(spell(train_path), transform=_two_views)  # as solo-learn builds it
+    _fit_checking_rows(tmp_path, train, tmp_path / "store", reference)
+
+    # the same names in another order are still another data set
+    swapped = dataset_with_index(ImageFolder)(spell(train_path), transform=_two_views)
+    swapped.samples[1], swapped.samples[2] = swapped.samples[2], swapped.samples[1]
+    _refused(tmp_path, swapped, tmp_path / "store")
+
+
+@pytest.mark.parametrize("store_path, train_path", [("./datasets/flat", "absolute"), ("absolute", "datasets//flat/"),
+                                                    ("./datasets//flat/", "datasets/flat")])
+def test_no_labels_bare_names_match_a_store_over_any_spelling_of_the_folder_and_every_row_is_the_samples_own(
+        tmp_path, monkeypatch, store_path, train_path):
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "datasets" / "flat"
+    _gray_images(folder, [f"img_{k:03d}.png" for k in range(24)])
+    reference = _reference_rows(tmp_path, folder, "reference")
+    spell = lambda p: str(folder) if p == "absolute" else p  # noqa: E731
+    _precompute(["--data", f"solo-no-labels:{spell(store_path)}", "--out", str(tmp_path / "store")])
+
+    train = dataset_with_index(CustomDatasetWithoutLabels)(spell(train_path), transform=_two_views)
+    assert all(os.sep not in name for name in train.images)  # solo-learn's .images: bare names under .root
+    _fit_checking_rows(tmp_path, train, tmp_path / "store", reference)
+
+    reordered = dataset_with_index(CustomDatasetWithoutLabels)(spell(train_path), transform=_two_views)
+    reordered.images = reordered.images[1:] + reordered.images[:1]
+    _refused(tmp_path, reordered, tmp_path / "store")
+    other = dataset_with_index(CustomDatasetWithoutLabels)(spell(train_path), transform=_two_views)
+    other.images = [name.replace("img_000", "img_zzz") for name in other.images]  # one file renamed
+    _refused(tmp_path, other, tmp_path / "store")
+
+
+def test_file_name_fingerprints_are_the_same_for_every_spelling_and_differ_for_another_order(tmp_path, monkeypatch):
+    from torchvision.datasets import ImageFolder
+
+    from accelerate_ssl.data.datasets import ImageFiles
+    from accelerate_ssl.data.fingerprint import dataset_fingerprint
+
+    monkeypatch.chdir(tmp_path)
+    _gray_images(tmp_path / "data" / "train" / "a", ["0.png", "1.png", "2.png"])
+    _gray_images(tmp_path / "data" / "flat", ["0.png", "1.png", "2.png"])
+    (tmp_path / "data" / "x").mkdir()
+    spellings = [str(tmp_path / "data" / "train"), "data/train", "./data/train/", "data//train", "data/x/../train",
+                 tmp_path / "data" / "train"]
+    prints = {json.dumps(dataset_fingerprint(ImageFolder(s))) for s in spellings}
+    assert len(prints) == 1
+    flat = [ImageFiles(s, order="sorted") for s in ("data/flat", str(tmp_path / "data/flat"), "./data/flat/")]
+    flat += [CustomDatasetWithoutLabels(s) for s in ("data/flat", str(tmp_path / "data/flat"), "./data//flat")]
+    for d in flat[3:]:
+        d.images = sorted(d.images)
+    assert len({json.dumps(dataset_fingerprint(d)) for d in flat}) == 1
+    reordered = CustomDatasetWithoutLabels("./data/flat")
+    reordered.images = sorted(reordered.images)[::-1]
+    assert dataset_fingerprint(reordered) != dataset_fingerprint(flat[0])
+    other_folder = ImageFolder("data/train")  # same names relative to the root, but in a sub-folder 'a' vs none
+    assert dataset_fingerprint(other_folder)["sha256"] != dataset_fingerprint(flat[0])["sha256"]
+
+
+# ---------------------------------------------------------------------------------------------- data.fraction, both kinds
+def test_no_labels_fraction_reproduces_solos_split_from_the_cli_and_python_and_the_fix_message_works(tmp_path):
+    from sklearn.model_selection import train_test_split
+
+    from accelerate_ssl import TargetStore, create_prior, precompute_targets
+    from accelerate_ssl.cli import main
+    from accelerate_ssl.data.solo import solo_image_dataset
+    from accelerate_ssl.data.spec import open_data
+
+    flat = tmp_path / "flat"
+    _gray_images(flat, [f"img_{k:03d}.png" for k in range(40)])
+    reference = _reference_rows(tmp_path, flat, "reference")
+    # solo-learn, solo/data/pretrain_dataloader.py, prepare_datasets(): data_fraction > 0 on a CustomDatasetWithoutLabels
+    # (whose .images is os.listdir(root)) splits its names exactly so
+    expected, _ = train_test_split(os.listdir(flat), train_size=0.4, random_state=42)
+    assert len(expected) == 16 and expected != sorted(expected)
+
+    for ours in (solo_image_dataset(flat, no_labels=True, fraction=0.4), open_data(f"solo-no-labels:{flat}", fraction=0.4)):
+        assert [os.path.basename(path) for path, _ in ours.samples] == expected
+
+    train = dataset_with_index(CustomDatasetWithoutLabels)(flat, transform=_two_views)
+    train.images = expected  # what solo-learn trains on
+    cfg = {"data": {"dataset": "custom", "train_path": str(flat), "no_labels": True, "fraction": 0.4}}
+    _precompute(["--data", f"solo-no-labels:{flat}", "--fraction", "0.4", "--out", str(tmp_path / "cli")])
+    assert len(TargetStore.open(tmp_path / "cli")) == 16
+    _fit_checking_rows(tmp_path, train, tmp_path / "cli", reference, cfg=cfg)
+    via_python = precompute_targets(create_prior("random:convnet", in_channels=3), precompute_dataset(train),
+                                    tmp_path / "py", progress=False)
+    assert np.array_equal(via_python.array, TargetStore.open(tmp_path / "cli").array)
+
+    # a store over the whole folder is refused, and the command the message offers builds the right one
+    import lightning.pytorch as pl
+
+    _precompute(["--data", f"solo-no-labels:{flat}", "--out", str(tmp_path / "all")])
+    _, _, BYOLReLA = make_methods(pl)
+    model = BYOLReLA({"lr": 0.05, **cfg}, rela_targets=str(tmp_path / "all"), rela_n_components=8)
+    with pytest.raises(TargetStoreMismatchError, match="16 samples but the target store has 40 rows") as refused:
+        _trainer(pl, tmp_path / "run", max_steps=1, enable_checkpointing=False).fit(model, DataLoader(train, batch_size=8))
+    command = str(refused.value).split("`")[1]
+    assert command == (f"accelerate-ssl precompute --prior random:convnet --data solo-no-labels:{flat} --fraction 0.4 "
+                       "--out DIR")
+    assert main([*shlex.split(command.replace("DIR", str(tmp_path / "fixed")))[1:], "--no-progress"]) == 0
+    _fit_checking_rows(tmp_path, train, tmp_path / "fixed", reference, cfg=cfg)
+
+
+def test_a_fraction_of_zero_or_below_is_all_data_and_one_or_more_is_refused(tmp_path, capsys):
+    from accelerate_ssl import TargetStore
+    from accelerate_ssl.cli import main
+    from accelerate_ssl.data.solo import solo_image_dataset
+
+    flat, labelled = tmp_path / "flat", tmp_path / "labelled"
+    _gray_images(flat, [f"{k}.png" for k in range(10)])
+    _gray_images(labelled / "a", [f"{k}.png" for k in range(5)])
+    _gray_images(labelled / "b", [f"{k}.png" for k in range(5)], first=5)
+    # solo-learn, solo/data/pretrain_dataloader.py, prepare_datasets(): `if data_fraction > 0:` splits; else all data
+    for fraction in (-1, -0.5, 0, 0.0):
+        assert [p for p, _ in solo_image_dataset(flat, no_labels=True, fraction=fraction).samples] == \
+            [str(flat / name) for name in os.listdir(flat)]
+        assert len(solo_image_dataset(labelled, fraction=fraction)) == 10
+    _precompute(["--data", f"solo-no-labels:{flat}", "--out", str(tmp_path / "none")])
+    for fraction in ("-1", "0"):
+        _precompute(["--data", f"solo-no-labels:{flat}", f"--fraction={fraction}", "--out", str(tmp_path / fraction)])
+        a, b = TargetStore.open(tmp_path / "none"), TargetStore.open(tmp_path / fraction)
+        assert np.array_equal(a.array, b.array)
+        assert a.metadata["dataset"] == b.metadata["dataset"]  # the same data set, name and fingerprint
+    _precompute(["--data", f"solo:{labelled}", "--fraction", "0", "--out", str(tmp_path / "labelled")])
+    assert len(TargetStore.open(tmp_path / "labelled")) == 10
+    for bad in ("1", "1.5", "nan", "half"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["precompute", "--prior", "random:convnet", "--data", f"solo-no-labels:{flat}", "--fraction", bad,
+                  "--out", str(tmp_path / "bad")])
+        assert exit_.value.code == 2 and "--fraction must be a number below 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="must be below 1"):
+        solo_image_dataset(flat, no_labels=True, fraction=1)
 
 
 # ---------------------------------------------------------------------------------------------- DDP to the end

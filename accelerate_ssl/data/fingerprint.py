@@ -1,22 +1,31 @@
-"""Dataset fingerprints: what a TargetStore records so that row i is never matched to the wrong sample.
+"""Dataset identity: what a TargetStore records so that row i is never matched to the wrong sample.
 
-A fingerprint is ``{"length": N, "kind": ..., "sha256": ...}``. It hashes what identifies the data,
-never what the user's transform does to it, so the same data set fingerprints the same whether it
-yields clean images (precompute) or augmented views (training):
+Two levels, both over the *sample* (the image, or the file name), never over labels or what the user's
+transform does to it, so the same data set is recognised whether it yields clean images (precompute) or
+augmented views (training), with or without labels:
 
-- ``"array"``: data sets holding their samples in ``.data`` (ours, torchvision MNIST/CIFAR): the
-  bytes of ``num_samples`` evenly spaced rows plus the full shape;
-- ``"files"``: data sets listing files in ``.samples`` / ``.imgs`` (ImageFolder), lightly's
-  ``get_filenames()``, solo-learn's ``.images`` or timm's ``ImageDataset`` (``.reader.samples``): every
-  file name, relative, in order;
-- ``"items"``: anything else: ``num_samples`` evenly spaced items read with the transform as it is;
-  if two reads of one item differ (a random transform), a ``ValueError`` asks for a clean dataset.
+- :func:`dataset_fingerprint` (checked whenever a store meets a data set): ``{"scheme", "length", "kind",
+  "sha256", "coverage"}`` where ``kind`` is
 
-``torch.utils.data.Subset`` is unwrapped and its indices hashed too.
+  - ``"files"``: data sets listing files in ``.samples`` / ``.imgs`` (ImageFolder), lightly's
+    ``get_filenames()``, solo-learn's ``.images`` or timm's ``ImageDataset`` (``.reader.samples``): every
+    file name, relative to the root, in order;
+  - ``"array"``: data sets holding their samples in ``.data`` (ours, torchvision MNIST/CIFAR): every byte of
+    the array, in order (one hash pass), plus its shape;
+  - ``"items"``: anything else: ``num_samples`` evenly spaced samples (the image of each item, read with the
+    data set's ``.transform`` switched off), so ``coverage`` is ``"sampled k of N"``: a reordering that
+    misses those positions is not seen at open time (``accelerate-ssl store verify PATH --data SPEC`` checks
+    every item). If two reads of one sample still differ, a ``ValueError`` asks for a clean dataset.
+
+  ``torch.utils.data.Subset`` is unwrapped and its indices hashed too, in order.
+- :class:`RowIdentity`: one 64-bit digest per row (the file name, the array row, or the item's image),
+  written beside the targets at precompute (``identity.npy``) and compared row by row by
+  ``accelerate-ssl store verify PATH --data SPEC``, which names the rows that differ.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from typing import Any
@@ -26,6 +35,8 @@ import torch
 from torch.utils.data import Subset
 
 DEFAULT_NUM_SAMPLES = 64
+#: the fingerprint's definition; stores fingerprinted under another scheme must be recomputed
+SCHEME = 2
 
 
 def _sample_positions(n: int, num_samples: int) -> list[int]:
@@ -35,13 +46,36 @@ def _sample_positions(n: int, num_samples: int) -> list[int]:
     return sorted({int(round(i * (n - 1) / max(k - 1, 1))) for i in range(k)})
 
 
+def _is_sample(x: Any) -> bool:
+    return isinstance(x, (torch.Tensor, np.ndarray, bytes, str)) or (hasattr(x, "tobytes") and hasattr(x, "mode"))
+
+
+def sample_of(item: Any) -> Any:
+    """The sample an item holds, without its label: the item itself if it is an image / array / tensor, else
+    the first such value found depth-first in a tuple, list or dict (``(img, label)`` -> ``img``,
+    ``{"image": img, "label": 3}`` -> ``img``); the whole item when it holds none."""
+    if _is_sample(item):
+        return item
+    values = item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple)) else ()
+    for x in values:
+        found = sample_of(x)
+        if _is_sample(found):
+            return found
+    return item
+
+
 def _to_bytes(item: Any) -> bytes:
     if isinstance(item, torch.Tensor):
-        return item.detach().cpu().contiguous().numpy().tobytes()
+        t = item.detach().cpu().contiguous()
+        return repr((str(t.dtype), tuple(t.shape))).encode() + t.numpy().tobytes()
     if isinstance(item, np.ndarray):
-        return np.ascontiguousarray(item).tobytes()
+        return repr((str(item.dtype), item.shape)).encode() + np.ascontiguousarray(item).tobytes()
+    if isinstance(item, bytes):
+        return item
+    if isinstance(item, str):
+        return item.encode()
     if hasattr(item, "tobytes"):  # PIL images
-        return item.tobytes()
+        return repr((getattr(item, "mode", None), getattr(item, "size", None))).encode() + item.tobytes()
     if isinstance(item, (list, tuple)):
         return b"|".join(_to_bytes(x) for x in item)
     if isinstance(item, dict):
@@ -49,76 +83,190 @@ def _to_bytes(item: Any) -> bytes:
     return repr(item).encode()
 
 
+def _unwrap(dataset) -> tuple[Any, list]:
+    """The data set under any chain of Subsets, and the Subsets' index arrays (outermost first)."""
+    chain = []
+    while isinstance(dataset, Subset):
+        chain.append(np.asarray(dataset.indices, dtype=np.int64))
+        dataset = dataset.dataset
+    return dataset, chain
+
+
+@contextlib.contextmanager
+def _transform_off(dataset):
+    """Read items as the data set holds them: its ``.transform`` (torchvision's convention) switched off."""
+    base, _ = _unwrap(dataset)
+    if getattr(base, "transform", None) is None:
+        yield
+        return
+    saved = base.transform
+    base.transform = None
+    try:
+        yield
+    finally:
+        base.transform = saved
+
+
+def read_sample(dataset, i: int) -> bytes:
+    """The bytes of item ``i``'s sample (:func:`sample_of`), read with the transform off; refused when two
+    reads differ (a random transform the data set does not expose as ``.transform``)."""
+    with _transform_off(dataset):
+        first, second = _to_bytes(sample_of(dataset[i])), _to_bytes(sample_of(dataset[i]))
+    if first != second:
+        raise ValueError(
+            f"Cannot identify the samples of {type(dataset).__name__}: item {i} differs between two reads (a random "
+            "transform?). Pass the dataset without its augmentation, keep the augmentation in its `.transform` "
+            "attribute, or give it a `.data` array or a `.samples` file list."
+        )
+    return first
+
+
+def _hash_array(h, data) -> None:
+    """Every byte of ``data`` (tensor or ndarray), in row order, in blocks (one pass, no full copy)."""
+    arr = data.detach().cpu().numpy() if isinstance(data, torch.Tensor) else np.asarray(data)
+    h.update(repr((str(arr.dtype), tuple(arr.shape))).encode())
+    rows = max(1, (1 << 24) // max(1, arr[:1].nbytes))
+    for a in range(0, len(arr), rows):
+        h.update(np.ascontiguousarray(arr[a : a + rows]).tobytes())
+
+
 def _file_names(dataset) -> list[str] | None:
+    """Every file name of a file-list data set, relative to its folder (``.root``, lightly's ``.input_dir``), in
+    order, whatever the spelling: ``/data/train/a/0.png``, ``./data/train/a/0.png`` (root ``./data/train``) and
+    ``a/0.png`` (a bare name under ``.images``, root ``data/train``) all give ``a/0.png``.
+
+    ``.samples`` / ``.imgs`` (torchvision's ImageFolder and ours) hold paths joined with the root, absolute or
+    relative to the working directory; ``.images`` (solo-learn's no_labels data set) and lightly's
+    ``get_filenames()`` hold names relative to the root. Only the spelling is normalised (lexically: ``.``,
+    ``..``, doubled and trailing separators, relative vs absolute); the names and their order are kept, so another
+    list or another order still fingerprints differently. A path outside the root stays absolute."""
     if hasattr(dataset, "samples") and isinstance(dataset.samples, (list, tuple)):
-        paths = [s[0] if isinstance(s, (list, tuple)) else s for s in dataset.samples]
+        paths, joined = [s[0] if isinstance(s, (list, tuple)) else s for s in dataset.samples], True
     elif hasattr(dataset, "imgs") and isinstance(dataset.imgs, (list, tuple)):
-        paths = [s[0] if isinstance(s, (list, tuple)) else s for s in dataset.imgs]
-    elif callable(getattr(dataset, "get_filenames", None)):  # lightly's LightlyDataset
-        paths = list(dataset.get_filenames())
+        paths, joined = [s[0] if isinstance(s, (list, tuple)) else s for s in dataset.imgs], True
+    elif callable(getattr(dataset, "get_filenames", None)):  # lightly's LightlyDataset: names under .input_dir
+        paths, joined = list(dataset.get_filenames()), False
     elif isinstance(getattr(dataset, "images", None), list) and all(isinstance(p, str) for p in dataset.images):
-        paths = list(dataset.images)  # solo-learn's no_labels data set: file names under .root
+        paths, joined = list(dataset.images), False  # solo-learn's no_labels data set: names under .root
     elif isinstance(getattr(getattr(dataset, "reader", None), "samples", None), (list, tuple)):
         return _file_names(dataset.reader)  # timm's ImageDataset: its folder reader's (path, class) list, in order
     else:
         return None
-    root = str(getattr(dataset, "root", "") or "")
-    return [os.path.relpath(p, root) if root and os.path.isabs(p) else str(p) for p in paths]
+    root = getattr(dataset, "root", None) or getattr(dataset, "input_dir", None)
+    root = os.path.abspath(os.fspath(root)) if isinstance(root, (str, os.PathLike)) and os.fspath(root) else None
+    inside = None if root is None else root.rstrip(os.sep) + os.sep
+
+    def relative(path) -> str:
+        path = os.fspath(path)
+        if root is not None and (joined or os.path.isabs(path)):
+            full = os.path.abspath(path)  # a relative path joined with the root is relative to the working directory
+            if full.startswith(inside):
+                path = os.path.relpath(full, root)
+            elif os.path.isabs(path):
+                path = full
+            # else: a relative name not under the root as spelled: a name relative to the root
+        return os.path.normpath(path).replace(os.sep, "/")
+
+    return [relative(p) for p in paths]
+
+
+def _kind(base) -> str:
+    if _file_names(base) is not None:
+        return "files"
+    data = getattr(base, "data", None)
+    if isinstance(data, (torch.Tensor, np.ndarray)) and len(data) == len(base):
+        return "array"
+    return "items"
 
 
 def dataset_fingerprint(dataset, num_samples: int = DEFAULT_NUM_SAMPLES) -> dict:
-    """Fingerprint ``dataset`` (see module docstring). Cheap: reads at most ``num_samples`` items."""
+    """Fingerprint ``dataset`` (see module docstring): every file name or array byte; ``num_samples`` items
+    otherwise."""
     from .views import ReplayViews
 
     if isinstance(dataset, ReplayViews):  # the images underneath + the recorded views (random crops by design)
         return dataset.fingerprint()
     h = hashlib.sha256()
     base_h = hashlib.sha256()  # the content underneath any Subset, so a mismatch can say which of the two differs
-    base = dataset
-    outer_indices = None  # the indices of the outermost Subset: what the dataset's positions map to
-    while isinstance(base, Subset):
-        indices = np.asarray(base.indices, dtype=np.int64)
-        outer_indices = indices if outer_indices is None else outer_indices
+    base, chain = _unwrap(dataset)
+    for indices in chain:
         h.update(b"subset:" + indices.tobytes())
-        base = base.dataset
     n = len(dataset)
-    files = _file_names(base)
-    data = getattr(base, "data", None)
+    kind = _kind(base)
 
     def both(chunk: bytes) -> None:
         h.update(chunk)
         base_h.update(chunk)
 
-    if files is not None:
-        kind = "files"
-        both("\n".join(files).encode())
-    elif isinstance(data, (torch.Tensor, np.ndarray)) and len(data) == len(base):
-        kind = "array"
-        both(repr(tuple(data.shape)).encode())
-        for i in _sample_positions(len(base), num_samples):
-            both(_to_bytes(data[i]))
+    if kind == "files":
+        both("\n".join(_file_names(base)).encode())
+        coverage = "every file name"
+    elif kind == "array":
+        rows = hashlib.sha256()
+        _hash_array(rows, base.data)
+        both(rows.digest())
+        coverage = "every array row"
     else:
-        kind = "items"
         base_h = None  # items are read through the Subset: no separate view of the content underneath
-        for i in _sample_positions(n, num_samples):
-            first, second = _to_bytes(dataset[i]), _to_bytes(dataset[i])
-            if first != second:
-                raise ValueError(
-                    f"Cannot fingerprint {type(dataset).__name__}: item {i} differs between two reads "
-                    "(a random transform?). Pass the dataset without its augmentation, or give it a "
-                    "`.data` array or `.samples` file list."
-                )
-            h.update(first)
-    out = {"length": n, "kind": kind, "sha256": h.hexdigest()}
-    if outer_indices is not None:
-        out["subset"] = {"length": int(len(outer_indices)), "unique": int(len(np.unique(outer_indices)))}
+        positions = _sample_positions(n, num_samples)
+        for i in positions:
+            h.update(read_sample(dataset, i))
+        coverage = "every item" if len(positions) == n else f"sampled {len(positions)} of {n} items"
+    out = {"scheme": SCHEME, "length": n, "kind": kind, "sha256": h.hexdigest(), "coverage": coverage}
+    if chain:
+        outer = chain[0]
+        out["subset"] = {"length": int(len(outer)), "unique": int(len(np.unique(outer)))}
         if base_h is not None:
             out["base_sha256"] = base_h.hexdigest()
     return out
 
 
+class RowIdentity:
+    """One 64-bit digest per row of ``dataset``: its file name (relative to the root), its ``.data`` row, or its
+    item's sample read with the transform off (:func:`read_sample`); Subsets map through their indices.
+    Picklable, so a DataLoader's workers can compute digests; ``rela``-free and label-free.
+
+    ``RowIdentity(dataset)(i)`` -> int; :meth:`all` -> ``uint64 [N]`` with a progress bar.
+    """
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.base, chain = _unwrap(dataset)
+        self.kind = _kind(self.base)
+        self._map = None
+        for indices in reversed(chain):  # innermost first: position -> base row
+            self._map = indices if self._map is None else self._map[indices]
+        self._names = _file_names(self.base) if self.kind == "files" else None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __call__(self, i: int, item: Any = None) -> int:
+        """Row ``i``'s digest (a signed 64-bit int). ``item``: ``dataset[i]`` when the caller has read it already
+        (precompute does), used for items-kind data sets read without a transform instead of reading again."""
+        if self.kind == "items":
+            if item is not None and getattr(self.base, "transform", None) is None:
+                raw = _to_bytes(sample_of(item))
+            else:
+                raw = read_sample(self.dataset, i)
+        else:
+            j = int(i if self._map is None else self._map[i])
+            raw = self._names[j].encode() if self.kind == "files" else _to_bytes(self.base.data[j])
+        return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)
+
+    def all(self, progress: bool = False) -> np.ndarray:
+        """Every row's digest, ``int64 [N]``."""
+        from tqdm.auto import tqdm
+
+        return np.fromiter((self(i) for i in tqdm(range(len(self)), desc=f"identify {self.kind}", unit="row",
+                                                  disable=not progress)), dtype=np.int64, count=len(self))
+
+
 def describe_fingerprint_mismatch(expected: dict, actual: dict) -> str | None:
     """A sentence naming what differs between two fingerprints, or ``None`` when they agree."""
+    if "sha256" in actual and expected.get("scheme") != actual.get("scheme"):
+        return ("the store was fingerprinted by an older version of accelerate-ssl (fingerprint scheme "
+                f"{expected.get('scheme', 1)}, now {SCHEME}), so it cannot be checked against this dataset; recompute it")
     if expected.get("length") != actual.get("length"):
         return (
             f"the store holds {expected.get('length')} rows but the dataset has {actual.get('length')} samples "
@@ -134,8 +282,9 @@ def describe_fingerprint_mismatch(expected: dict, actual: dict) -> str | None:
         if subset_problem:
             return subset_problem
         return (
-            f"same length ({actual.get('length')}) but different content (fingerprint "
-            f"{str(expected.get('sha256'))[:12]} vs {str(actual.get('sha256'))[:12]}): another data set, or reordered samples"
+            f"same length ({actual.get('length')}) but different content or another order (fingerprint of "
+            f"{actual.get('coverage', 'the data')}: {str(expected.get('sha256'))[:12]} vs {str(actual.get('sha256'))[:12]}): "
+            "another data set, or the same samples reordered (sorted vs listed order, a shuffled copy, a rebuilt list)"
         )
     return None
 

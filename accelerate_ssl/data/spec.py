@@ -48,7 +48,8 @@ def open_data(spec: str, split: str = "train", *, root: Optional[str] = None, li
         split: ``train`` / ``test`` (``fashion-mnist``, ``digits``), or ``all`` (``digits``); folders have one.
         root: the folder with Fashion-MNIST's idx files (default: the system package's).
         limit: only the first ``limit`` images (``fashion-mnist``, ``digits``).
-        fraction: solo-learn's ``data.fraction`` (its class-stratified split), with ``solo:<path>`` only.
+        fraction: solo-learn's ``data.fraction``, with ``solo:<path>`` (its class-stratified split) or
+            ``solo-no-labels:<path>`` (its unstratified split of the listing); ``<= 0`` (its default -1): all samples.
         transform: applied to each PIL image.
     """
     from .datasets import Digits, FashionMNIST, image_folder
@@ -57,9 +58,9 @@ def open_data(spec: str, split: str = "train", *, root: Optional[str] = None, li
         spec = data_spec(spec)
     except argparse.ArgumentTypeError as err:
         raise ValueError(str(err)) from None
-    if fraction is not None and not spec.startswith("solo:"):
+    if fraction is not None and not spec.startswith(("solo:", "solo-no-labels:")):
         raise ValueError("fraction (--fraction) reproduces solo-learn's data.fraction and needs the data spec "
-                         "solo:<train folder> (--data solo:<path>).")
+                         "solo:<train folder> (--data solo:<path>), or solo-no-labels:<path> with data.no_labels.")
     if limit is not None and spec not in _NAMED:
         raise ValueError(f"limit (--limit) is for fashion-mnist and digits; for {spec!r} point to a smaller folder.")
     if spec == "fashion-mnist":
@@ -75,10 +76,11 @@ def open_data(spec: str, split: str = "train", *, root: Optional[str] = None, li
     if kind == "folder":
         ds = image_folder(folder, transform=transform)
     else:
-        from .solo import solo_image_dataset
+        from .solo import solo_fraction, solo_image_dataset
 
+        fraction = solo_fraction(fraction)  # <= 0 keeps every sample, as in solo-learn: the same data set as no fraction
         ds = solo_image_dataset(folder, no_labels=kind == "solo-no-labels", fraction=fraction)
         if transform is not None:
-            getattr(ds, "dataset", ds).transform = transform  # through solo-learn's fraction Subset
+            ds.transform = transform
     ds.name = f"{kind}:{Path(folder).resolve()}" + (f"?fraction={fraction}" if fraction is not None else "")
     return ds

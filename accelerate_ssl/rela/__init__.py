@@ -42,9 +42,11 @@ What ReLA does behind those two lines:
   (if any) and the lambda controller once, with the mean ReLA loss of the micro-batches since the
   previous step (so gradient accumulation, GradScaler-skipped steps and Accelerate's
   ``accumulate()`` are counted right), averaged across processes when ``torch.distributed`` is
-  initialised so every process has the same lambda. Before your step the head's gradients are
-  averaged across processes (the head is not inside your DDP module; ``head_in_ddp=True`` when it is,
-  as in the solo-learn mixin, so it is averaged once, by DDP). Loops that update parameters
+  initialised so every process has the same lambda. The head's gradients are averaged across processes
+  once per step, after they are complete: right before your step, or, when the step is given a closure
+  (``opt.step(closure)``, as Lightning always does), right after the closure's backward (the head is not
+  inside your DDP module; ``head_in_ddp=True`` when it is, as in the solo-learn mixin, so it is averaged
+  once, by DDP). Loops that update parameters
   without a ``torch.optim.Optimizer`` call ``rela.step()`` after each update instead.
 - **lambda of a step** is the controller's value after all *previous* optimiser steps (the controller
   reads the loss of step t to set lambda for step t + 1). This one-step lag vs Alg. 1 as printed is
@@ -82,11 +84,38 @@ from torch.utils.data import DataLoader
 from ..data.indexing import IndexTracker, track_loader
 from ..schedules import Constant, Schedule, create_schedule, needs_run_length, takes_run_length
 from .capture import MAX_CAPTURED, FeatureCapture, check_hooked_module, flatten_features, infer_feature_dim
-from .distributed import average_gradients, mean_over_processes
+from .distributed import average_gradients, is_distributed, mean_over_processes
 from .head import TransportHead, fit_transport_head, full_precision, rela_loss
-from .lookup import INDEX_CHECK_STEPS, TargetLookup, open_targets
+from .lookup import INDEX_CHECK_STEPS, TargetLookup, as_index, open_targets
 
 __all__ = ["ReLA", "fit_transport_head", "rela_loss", "full_precision", "INDEX_CHECK_STEPS", "MAX_CAPTURED"]
+
+
+# ---------------------------------------------------------------------------------------------- store identity
+def store_identity(store) -> dict:
+    """What a checkpoint records of the targets its head was trained on: rows, dim, the targets file's sha256, the
+    prior and its weights, the data set's fingerprint (a TargetStore), or the rows' sha256 (in-memory targets)."""
+    if hasattr(store, "identity"):
+        return store.identity()
+    return {"rows": len(store), "dim": int(store.dim)}
+
+
+def check_store_identity(saved: Optional[dict], current: dict) -> None:
+    """Refuse a checkpoint whose head was trained on other targets (a head maps into its own store's space)."""
+    if saved is None:
+        warnings.warn("ReLA: this checkpoint does not record which target store it was trained on (an older "
+                      "accelerate-ssl), so it cannot be checked against this store; make sure it is the same one.",
+                      UserWarning, stacklevel=3)
+        return
+    differ = [k for k in sorted(set(saved) & set(current)) if saved[k] is not None and current[k] is not None
+              and saved[k] != current[k]]
+    if differ:
+        shown = "; ".join(f"{k}: checkpoint {str(saved[k])[:24]!s}, this store {str(current[k])[:24]!s}" for k in differ)
+        raise ValueError(
+            f"This ReLA checkpoint was trained on another target store ({shown}): its transport head maps into that "
+            "store's target space, so resuming on this one would train toward the wrong targets. Open the store the "
+            "run started with, or start a fresh ReLA (do not load this state) for a new store."
+        )
 
 
 # ---------------------------------------------------------------------------------------------- ReLA
@@ -200,6 +229,7 @@ class ReLA:
         if feature_dim is not None:
             self._build(int(feature_dim), next((p.device for p in backbone.parameters()), torch.device("cpu")))
 
+        self._head_synced_at: Optional[tuple] = None  # (steps, wraps) when the head's gradients were last averaged
         ref = weakref.ref(self)  # (hooks and callbacks hold ReLA weakly: dropping it removes them)
         self.capture = FeatureCapture(backbone, active=lambda: (r := ref()) is not None and not r.schedule.finished,
                                       capture=capture)
@@ -207,8 +237,7 @@ class ReLA:
 
         def pre(opt, args, kwargs):
             r = ref()
-            if r is not None:
-                r._before_optimizer_step(opt)
+            return None if r is None else r._before_optimizer_step(opt, args, kwargs)
 
         def post(opt, args, kwargs):
             r = ref()
@@ -279,8 +308,10 @@ class ReLA:
         """The dataset indices of the batch the loop now holds (from a tracked loader, or an integration that
         knows which batch the loop body receives); the next ``wrap`` without ``index=`` consumes them, once.
         ``source`` names the pass they come from: a second batch of the same pass before that wrap is counted
-        (the loop cannot hold both), a batch of a new pass replaces an unconsumed one (``break`` then a new epoch)."""
-        if self._index_fresh and source == self._index_source:
+        (the loop cannot hold both), a batch of a new pass replaces an unconsumed one (``break`` then a new epoch).
+        Without ``source`` (an integration that knows the batch the loop holds, e.g. the Lightning callback) nothing
+        is counted: the latest publication is the batch."""
+        if self._index_fresh and source is not None and source == self._index_source:
             self._index_pending += 1
         else:
             self._index_pending = 1
@@ -390,6 +421,7 @@ class ReLA:
                 )
             feats = captured
         if index is not None:
+            index = as_index(index)
             self.targets.check_not_placeholder(index)
             self._index_fresh = False  # the loop said which batch it holds: a tracked one is used up too
         if index is None:
@@ -441,9 +473,42 @@ class ReLA:
         return opt is not self.transport.own_optimizer and any(
             id(p) in self._backbone_param_ids for g in opt.param_groups for p in g["params"])
 
-    def _before_optimizer_step(self, opt) -> None:
-        if self.head is not None and not self.head_in_ddp and self._is_user_optimizer(opt):
-            average_gradients(self.head.parameters())  # the head is not in the user's DDP module
+    def _before_optimizer_step(self, opt, args: tuple, kwargs: dict):
+        """torch's pre-step hook: the head's gradients are averaged across processes (the head is not in the user's
+        DDP module) once they are complete. Without a closure they are complete now; a closure (Lightning always
+        passes one; LBFGS calls it several times) runs the backward inside ``step``, so it is replaced by one that
+        averages right after it returns (the hook's ``(args, kwargs)`` return value is what ``step`` is called with)."""
+        if self.head_in_ddp or not is_distributed() or not self._is_user_optimizer(opt):
+            return None
+        # torch passes the bound call's args: (optimizer, closure?, ...)
+        closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._sync_head_gradients()
+            return None
+        ref = weakref.ref(self)
+
+        def closure_then_average():
+            out = closure()
+            r = ref()
+            if r is not None:
+                r._sync_head_gradients()
+            return out
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_average}
+        return (args[0], closure_then_average, *args[2:]), kwargs
+
+    def _sync_head_gradients(self) -> None:
+        """Average the head's gradients across processes, once per backward: a second call before the next ``wrap``
+        or optimiser step does nothing (the Lightning callback averages in ``on_before_optimizer_step``, before
+        gradient clipping reads them; the closure wrapper or pre-hook of the same step then finds them averaged)."""
+        if self.head is None or self.head_in_ddp or not is_distributed():
+            return
+        mark = (self.steps, self._window_count)  # changes with every wrap (a new backward) and every counted step
+        if self._head_synced_at == mark:
+            return
+        average_gradients(self.head.parameters())
+        self._head_synced_at = mark
 
     def _after_optimizer_step(self, opt) -> None:
         if self._is_user_optimizer(opt):
@@ -508,6 +573,7 @@ class ReLA:
             "steps": self.steps,
             "n_components": self.n_components,
             "store_rows": len(self.store),
+            "store": store_identity(self.store),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -520,6 +586,7 @@ class ReLA:
                 f"This checkpoint's ReLA used the {kind} controller but this ReLA has {type(self.schedule).__name__}; "
                 f"create ReLA with schedule={kind.lower()!r}."
             )
+        check_store_identity(state.get("store"), store_identity(self.store))
         if state.get("store_rows") not in (None, len(self.store)):
             raise ValueError(
                 f"This checkpoint was trained with a {state['store_rows']}-row target store, this ReLA has "

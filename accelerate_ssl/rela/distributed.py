@@ -1,8 +1,10 @@
 """ReLA across processes: every process must see the same lambda and the same transport head.
 
-Under ``torch.distributed`` (DDP, ``accelerate launch``, Lightning) the head's gradients are averaged
-before each optimiser step unless the head sits inside the user's DDP module (then DDP averages them),
-and the per-step ReLA losses the lambda controller reads are averaged in one all-reduce per read.
+Under ``torch.distributed`` (DDP, ``accelerate launch``, Lightning) the head's gradients are averaged once
+per optimiser step, after they are complete (before a step without a closure, after the closure's backward
+for ``opt.step(closure)``; :mod:`accelerate_ssl.rela` calls :func:`average_gradients`), unless the head sits
+inside the user's DDP module (then DDP averages them), and the per-step ReLA losses the lambda controller
+reads are averaged in one all-reduce per read.
 """
 
 from __future__ import annotations

@@ -70,8 +70,9 @@ def fit_transport_head(head: nn.Linear, features: torch.Tensor, target: torch.Te
     reg = ridge * torch.where(scale > 0, scale, torch.ones_like(scale))
     solution = torch.linalg.solve(gram + torch.diag(penalty * reg + 1e-12), cross)
     # checked on the device (raises there, asynchronously on CUDA): the fit never waits for the host
-    torch._assert_async(torch.isfinite(solution).all(), "ReLA: the least-squares head fit produced non-finite weights "
-                        "(non-finite student features?); check the backbone output, or pass head_init='random'.")
+    torch._assert_async(torch.isfinite(solution).all(), "ReLA: the least-squares head fit produced non-finite weights: "
+                        "the student's features are non-finite (the targets were checked finite); check the backbone "
+                        "output (learning rate, fp16 overflow) before the first step.")
     head.weight.copy_(solution[:d].T.to(head.weight.dtype))
     head.bias.copy_(solution[d].to(head.bias.dtype))
 

@@ -13,12 +13,25 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..targets.pca import TargetPCA
+from ..targets.pca import IDENTICAL_ROWS, TargetPCA
 from .distributed import world_size
 
 #: optimiser steps whose explicit ``index=`` is compared with the previous step's: placeholder indexes (solo-learn's
 #: DALI loaders put ``arange(B) + rank * B`` there) repeat on every step, real ones do not.
 INDEX_CHECK_STEPS = 8
+
+
+def as_index(index) -> torch.Tensor:
+    """``index=`` as a flat integer tensor (on its own device); float or boolean indexes are refused, since
+    ``long()`` would silently truncate 3.7 to row 3."""
+    t = index if isinstance(index, torch.Tensor) else torch.as_tensor(np.asarray(index))
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(
+            f"ReLA: sample indexes must be integers (dataset positions), got a {t.dtype} tensor; fractional values would "
+            "be truncated to other samples' rows. Pass the batch's dataset indices as a LongTensor (e.g. solo-learn's "
+            "batch[0], or the indexes your dataset yields)."
+        )
+    return t.reshape(-1)
 
 
 class _TensorTargets:
@@ -28,8 +41,22 @@ class _TensorTargets:
         if rows.ndim != 2 or not rows.is_floating_point():
             raise ValueError(f"Tensor targets must be a float tensor [N, d], got {rows.dtype} of shape {tuple(rows.shape)}.")
         self.rows = rows.detach().float().cpu().contiguous()
+        bad = (~torch.isfinite(self.rows).all(1)).nonzero().flatten()
+        if len(bad):
+            raise ValueError(f"The target tensor has NaN/Inf values in {len(bad)} row(s): {bad[:10].tolist()}; the targets "
+                             "are broken (not the student): recompute them.")
         self.dim = self.rows.shape[1]
         self._pca: dict[tuple, TargetPCA] = {}
+        self._identity: Optional[dict] = None
+
+    def identity(self) -> dict:
+        """What a checkpoint records of these targets (their bytes' sha256)."""
+        if self._identity is None:
+            import hashlib
+
+            digest = hashlib.sha256(self.rows.numpy().tobytes()).hexdigest()
+            self._identity = {"rows": len(self.rows), "dim": self.dim, "targets_sha256": digest}
+        return self._identity
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -44,24 +71,33 @@ class _TensorTargets:
         return self._pca[(n, standardize)]
 
 
+def _trained_datasets(dataset, dataloader) -> list:
+    """The data sets a ReLA will meet: ``dataset=`` and the one the loader iterates (when it is another object)."""
+    out = [dataset] if dataset is not None else []
+    loader_dataset = getattr(dataloader, "dataset", None)
+    if loader_dataset is not None and loader_dataset is not dataset:
+        out.append(loader_dataset)
+    return out
+
+
 def open_targets(targets, dataset, dataloader):
-    """TargetStore / path / Tensor -> an object with ``len``, ``dim``, ``[idx]``, ``pca(n)``; checked
-    against ``dataset`` (full fingerprint) or ``dataloader.dataset`` (length)."""
+    """TargetStore / path / Tensor -> an object with ``len``, ``dim``, ``[idx]``, ``pca(n)``, checked against every
+    data set ReLA will train on: ``dataset`` and ``dataloader.dataset`` (a store: their fingerprints; a Tensor:
+    their lengths)."""
+    checked = _trained_datasets(dataset, dataloader)
     if isinstance(targets, torch.Tensor):
         store = _TensorTargets(targets)
-        ref = dataset if dataset is not None else getattr(dataloader, "dataset", None)
-        if ref is not None and len(ref) != len(store):
-            raise ValueError(
-                f"The targets hold {len(store)} rows but the dataset has {len(ref)} samples; row i must be the "
-                "target of dataset item i. Pass targets computed on this exact dataset (same split, no subset)."
-            )
+        for ref in checked:
+            if len(ref) != len(store):
+                raise ValueError(
+                    f"The targets hold {len(store)} rows but the dataset has {len(ref)} samples; row i must be the "
+                    "target of dataset item i. Pass targets computed on this exact dataset (same split, no subset)."
+                )
         return store
     if isinstance(targets, (str, os.PathLike)):
-        try:
-            from ..targets.store import TargetStore
-        except ImportError as err:  # pragma: no cover - depends on the install
-            raise ImportError(f"Opening a TargetStore path needs accelerate_ssl.targets.store: {err}") from err
-        store = TargetStore.open(targets, dataset=dataset)
+        from ..targets.store import TargetStore
+
+        store = TargetStore.open(targets)
     else:
         missing = [a for a in ("__getitem__", "__len__", "dim", "pca") if not hasattr(targets, a)]
         if missing:
@@ -70,19 +106,20 @@ def open_targets(targets, dataset, dataloader):
                 f"(missing {missing}). Build one with accelerate_ssl.precompute_targets(prior, dataset, path)."
             )
         store = targets
-        if dataset is not None and hasattr(store, "check_dataset"):
-            store.check_dataset(dataset)
-    if dataset is not None and len(dataset) != len(store):  # stores without check_dataset()
-        raise ValueError(
-            f"The target store holds {len(store)} rows but the dataset has {len(dataset)} samples; "
-            "precompute targets for this dataset (accelerate-ssl precompute)."
-        )
-    if dataset is None and dataloader is not None and len(dataloader.dataset) != len(store):
-        raise ValueError(
-            f"The target store holds {len(store)} rows but the DataLoader's dataset has {len(dataloader.dataset)} "
-            "samples (another split or a subset?); precompute targets for this dataset, or pass dataset= to get "
-            "a full fingerprint check."
-        )
+    for ref in checked:
+        which = "dataset=" if ref is dataset else "the DataLoader's dataset"
+        if hasattr(store, "check_dataset"):
+            try:
+                store.check_dataset(ref)
+            except ValueError as err:
+                if ref is dataset or "Cannot identify" not in str(err):
+                    raise
+                raise ValueError(f"ReLA checks the data set the loader iterates against the store too, and {err}") from err
+        elif len(ref) != len(store):  # stores without check_dataset()
+            raise ValueError(
+                f"The target store holds {len(store)} rows but {which} has {len(ref)} samples; "
+                "precompute targets for this dataset (accelerate-ssl precompute)."
+            )
     return store
 
 
@@ -112,6 +149,9 @@ class TargetLookup:
             self.pca = self.store.pca(int(n_components))
         else:
             self.pca = None
+            rows = torch.as_tensor(self.store[np.linspace(0, len(self.store) - 1, min(len(self.store), 4096)).astype(np.int64)])
+            if len(rows) > 1 and bool((rows == rows[0]).all()):
+                raise ValueError(IDENTICAL_ROWS)
         self._table = None
         return int(self.store.dim if self.pca is None else self.pca.n_components)
 
@@ -122,11 +162,11 @@ class TargetLookup:
         the reduced table kept on ``device``, range-checked there."""
         if self.targets_on_device:
             table = self._device_table(device)
-            idx = torch.as_tensor(index).reshape(-1).to(device=device, dtype=torch.long, non_blocking=True)
+            idx = as_index(index).to(device=device, dtype=torch.long, non_blocking=True)
             torch._assert_async(((idx >= 0) & (idx < len(table))).all(),
                                 f"ReLA: sample index out of range for the target store ({len(table)} rows)")
             return table[idx]
-        idx = torch.as_tensor(index).reshape(-1).long().cpu()
+        idx = as_index(index).long().cpu()
         n = len(self.store)
         if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= n):
             raise IndexError(
@@ -157,7 +197,7 @@ class TargetLookup:
         Checked on the first :data:`INDEX_CHECK_STEPS` steps only (it reads the index on the host)."""
         if self.checked_steps >= INDEX_CHECK_STEPS:
             return
-        idx = torch.as_tensor(index).detach().reshape(-1).cpu()
+        idx = as_index(index).detach().cpu()
         previous, self._current = self._previous, idx
         if previous is None or previous.shape != idx.shape or len(self.store) <= len(idx) * world_size():
             return

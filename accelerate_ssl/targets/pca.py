@@ -27,6 +27,12 @@ import numpy as np
 import torch
 
 
+IDENTICAL_ROWS = ("Every target row is the same, so the targets carry no information about the samples: ReLA "
+                  "would pull every image to one point (or, z-scored, to zero and train nothing). A data set of one "
+                  "repeated image, or a prior whose output does not depend on its input? Check the data set and the "
+                  "prior, then recompute the targets.")
+
+
 def _blocks(n: int, block_size: int):
     for start in range(0, n, block_size):
         yield start, min(start + block_size, n)
@@ -93,8 +99,16 @@ class TargetPCA:
 
             bar = tqdm(total=2 * len(blocks), desc="batch PCA", unit="block")
         total = torch.zeros(d, dtype=torch.float64)
-        for a, b in blocks:  # pass 1: column means
-            total += _rows(data, a, b).sum(0)
+        for a, b in blocks:  # pass 1: column means (and every row finite)
+            block = _rows(data, a, b)
+            finite = torch.isfinite(block).all(1)
+            if not bool(finite.all()):
+                bad = (a + (~finite).nonzero().flatten()).tolist()
+                raise ValueError(
+                    f"The targets have NaN/Inf values in row(s) {bad[:10]}{'...' if len(bad) > 10 else ''}: the target store "
+                    "is broken (not the student). Recompute it (delete the folder and rerun its precompute command); "
+                    "`accelerate-ssl store verify PATH` lists every such row.")
+            total += block.sum(0)
             if bar:
                 bar.update()
         mean = total / n
@@ -106,6 +120,8 @@ class TargetPCA:
                 bar.update()
         if bar:
             bar.close()
+        if not bool((gram.diagonal() > 0).any()):
+            raise ValueError(IDENTICAL_ROWS)
         cov = gram / (n - 1)  # Alg. 2, line 11
         if standardize:
             scale = cov.diagonal().clamp_min(0).sqrt()

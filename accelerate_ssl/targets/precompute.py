@@ -38,8 +38,9 @@ import numpy as np
 import torch
 
 from ..atomic import atomic_path
+from ..data.solo import solo_fraction
 from ..data.spec import DATA_SPEC_HELP, data_spec, open_data
-from .store import (CHUNKS, FORMAT, FORMAT_VERSION, MANIFEST, METADATA, TARGETS, TargetStore, atomic_write_text, file_sha256,
+from .store import (CHUNKS, FORMAT, FORMAT_VERSION, IDENTITY, MANIFEST, METADATA, TARGETS, TargetStore, atomic_write_text, file_sha256,
                     read_json)
 
 _PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -50,14 +51,24 @@ def chunk_path(path: Path, k: int) -> Path:
     return Path(path) / CHUNKS / f"chunk-{k:05d}.npy"
 
 
-def _chunk_is_complete(file: Path, rows: int, dim: int) -> bool:
+def ids_path(path: Path, k: int) -> Path:
+    """The row identity digests of chunk ``k`` (written before the chunk's rows, so a complete chunk has them)."""
+    return Path(path) / CHUNKS / f"ids-{k:05d}.npy"
+
+
+def _complete_array(file: Path, shape: tuple, dtype) -> bool:
     if not file.is_file():
         return False
     try:
         arr = np.load(file, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError):
         return False
-    return arr.shape == (rows, dim) and arr.dtype == np.float32
+    return arr.shape == shape and arr.dtype == dtype
+
+
+def _chunk_is_complete(path: Path, k: int, rows: int, dim: int) -> bool:
+    return (_complete_array(ids_path(path, k), (rows,), np.int64)
+            and _complete_array(chunk_path(path, k), (rows, dim), np.float32))
 
 
 def _write_chunk(file: Path, rows: np.ndarray) -> None:
@@ -67,10 +78,14 @@ def _write_chunk(file: Path, rows: np.ndarray) -> None:
 
 
 class _Images(torch.utils.data.Dataset):
-    """Yields the image of each item as a tensor ``[C, H, W]`` (uint8 stays uint8: cheap to ship)."""
+    """Yields the image of each item as a tensor ``[C, H, W]`` (uint8 stays uint8: cheap to ship) and the row's
+    identity digest (:class:`~accelerate_ssl.data.fingerprint.RowIdentity`, written to ``identity.npy``)."""
 
     def __init__(self, dataset):
+        from ..data.fingerprint import RowIdentity
+
         self.dataset = dataset
+        self.identity = RowIdentity(dataset)
 
     def __len__(self):
         return len(self.dataset)
@@ -80,7 +95,7 @@ class _Images(torch.utils.data.Dataset):
 
         item = self.dataset[i]
         image = item[0] if isinstance(item, (tuple, list)) else item
-        return Preprocess.to_tensor(image)
+        return Preprocess.to_tensor(image), self.identity(i, item)
 
 
 def _check_first_item(dataset) -> None:
@@ -106,7 +121,11 @@ class _Collate:
     def __init__(self, preprocess):
         self.preprocess = preprocess
 
-    def __call__(self, images: list[torch.Tensor]) -> torch.Tensor:
+    def __call__(self, items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        images = [im for im, _ in items]
+        return self._images(images), torch.tensor([digest for _, digest in items], dtype=torch.int64)
+
+    def _images(self, images: list[torch.Tensor]) -> torch.Tensor:
         if all(im.shape == images[0].shape and im.dtype == images[0].dtype for im in images):
             return self.preprocess.batch(torch.stack(images))
         out = [self.preprocess.batch(im.unsqueeze(0))[0] for im in images]
@@ -254,13 +273,14 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
     first, last = num_chunks * state.process_index // state.num_processes, num_chunks * (state.process_index + 1) // state.num_processes
     todo = []
     for k in range(first, last):
-        file = chunk_path(path, k)
-        for stale in file.parent.glob(f"{file.name}.*tmp*"):  # left by a write that was interrupted
-            stale.unlink(missing_ok=True)
-        if _chunk_is_complete(file, ranges[k][1] - ranges[k][0], dim):
+        files = (chunk_path(path, k), ids_path(path, k))
+        for file in files:
+            for stale in file.parent.glob(f"{file.name}.*tmp*"):  # left by a write that was interrupted
+                stale.unlink(missing_ok=True)
+        if _chunk_is_complete(path, k, ranges[k][1] - ranges[k][0], dim):
             continue
-        if file.exists():
-            file.unlink()
+        for file in files:
+            file.unlink(missing_ok=True)
         todo.append(k)
     if state.is_main_process and progress and last - first > len(todo):
         print(f"precompute: resuming {path}: {last - first - len(todo)} of {last - first} chunk(s) of this process "
@@ -299,9 +319,12 @@ def _compute_chunks(prior, dataset, pre, path, todo, ranges, dim, batch_size, nu
             for k in todo:
                 a, b = ranges[k]
                 rows = np.empty((b - a, dim), dtype=np.float32)
+                ids = np.empty(b - a, dtype=np.int64)
                 done = 0
                 while done < b - a:
-                    x = next(batches).to(device, non_blocking=True)
+                    x, digests = next(batches)
+                    ids[done : done + len(digests)] = digests.numpy()
+                    x = x.to(device, non_blocking=True)
                     if dtype is None:
                         out = prior(x)
                     else:
@@ -321,6 +344,7 @@ def _compute_chunks(prior, dataset, pre, path, todo, ranges, dim, batch_size, nu
                     rows[done : done + len(out)] = out.cpu().numpy()
                     done += len(out)
                     bar.update(len(out))
+                _write_chunk(ids_path(path, k), ids)
                 _write_chunk(chunk_path(path, k), rows)
     finally:
         bar.close()
@@ -328,7 +352,7 @@ def _compute_chunks(prior, dataset, pre, path, todo, ranges, dim, batch_size, nu
 
 def _consolidate(path: Path, ranges, dim: int, metadata: dict) -> None:
     n = ranges[-1][1] if ranges else 0
-    missing = [k for k, (a, b) in enumerate(ranges) if not _chunk_is_complete(chunk_path(path, k), b - a, dim)]
+    missing = [k for k, (a, b) in enumerate(ranges) if not _chunk_is_complete(path, k, b - a, dim)]
     if missing:
         raise RuntimeError(f"Chunks {missing[:10]} of {path} are missing after every process finished; rerun the same "
                            "command to compute them.")
@@ -339,8 +363,11 @@ def _consolidate(path: Path, ranges, dim: int, metadata: dict) -> None:
             out[a:b] = np.load(chunk_path(path, k), mmap_mode="r")
         out.flush()
         del out
+    with atomic_path(path / IDENTITY, suffix=".npy") as tmp:
+        np.save(tmp, np.concatenate([np.load(ids_path(path, k)) for k in range(len(ranges))]), allow_pickle=False)
     metadata["file_bytes"] = final.stat().st_size
     metadata["file_sha256"] = file_sha256(final)
+    metadata["identity_file"] = IDENTITY
     atomic_write_text(path / METADATA, json.dumps(metadata, indent=1))
     shutil.rmtree(path / CHUNKS, ignore_errors=True)
     (path / MANIFEST).unlink(missing_ok=True)
@@ -382,12 +409,12 @@ def _short(value, limit: int = 80) -> str:
 # ------------------------------------------------------------------------------------------------
 def _fraction_arg(value: str) -> float:
     try:
-        f = float(value)
+        fraction = float(value)
+        solo_fraction(fraction)
     except ValueError:
-        f = float("nan")
-    if not 0 < f < 1:
-        raise argparse.ArgumentTypeError(f"--fraction must be a number in (0, 1) (solo-learn's data.fraction), got {value!r}")
-    return f
+        raise argparse.ArgumentTypeError(f"--fraction must be a number below 1 (solo-learn's data.fraction: in (0, 1) for "
+                                         f"its split, <= 0 such as -1 for all samples), got {value!r}") from None
+    return fraction
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -399,7 +426,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="never download zoo weights, use the local cache only (also: HF_HUB_OFFLINE=1)")
     parser.add_argument("--data", "--dataset", dest="data", required=True, type=data_spec, help=DATA_SPEC_HELP)
     parser.add_argument("--fraction", type=_fraction_arg, default=None,
-                        help="with solo:<path>: solo-learn's data.fraction (its class-stratified split, random_state 42)")
+                        help="solo-learn's data.fraction, with solo:<path> (its class-stratified split of the class "
+                        "folders) or solo-no-labels:<path> (its unstratified split of the folder's listing), both "
+                        "train_test_split(..., random_state=42); <= 0 (its default -1) keeps every image")
     parser.add_argument("--split", default="train", help="train / test (fashion-mnist, digits), or all (digits)")
     parser.add_argument("--data-root", default=None, help="folder with the Fashion-MNIST idx files (default: system package)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N images (fashion-mnist)")

@@ -127,8 +127,21 @@ class Preprocess:
         return image
 
     def batch(self, x: torch.Tensor) -> torch.Tensor:
-        """Preprocess a batch ``[B, C, H, W]`` (uint8 0..255 or float 0..1) -> float32 ``[B, channels, h, w]``."""
-        x = x.float().div_(255.0) if x.dtype == torch.uint8 else x.float()
+        """Preprocess a batch ``[B, C, H, W]`` (uint8 0..255 or float 0..1) -> float32 ``[B, channels, h, w]``.
+        Float images outside [0, 1] (0..255 floats, or images already normalised) are refused: the prior would
+        embed them as they are and every target would be wrong."""
+        if x.dtype == torch.uint8:
+            x = x.float().div_(255.0)
+        else:
+            x = x.float()
+            lo, hi = (float(v) for v in torch.aminmax(x)) if x.numel() else (0.0, 0.0)
+            if lo < -1e-3 or hi > 1 + 1e-3:
+                raise ValueError(
+                    f"Float images must hold values in [0, 1], got values in [{lo:.3g}, {hi:.3g}]: "
+                    + ("0..255 values as floats? Divide by 255 or pass uint8 images." if hi > 2 else
+                       "images normalised already? Pass them before normalisation: the prior applies its own "
+                       f"({self.stats} statistics).")
+                )
         c = x.shape[1]
         if c != self.channels:
             if c == 1 and self.channels == 3:

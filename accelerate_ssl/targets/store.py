@@ -4,6 +4,7 @@ A store is a folder::
 
     metadata.json        written last, atomically: its presence marks a finished store
     targets.npy          float32 [N, dim], row i = dataset index i
+    identity.npy         int64 [N], row i's sample digest (file name, array row or image; data.fingerprint.RowIdentity)
     pca/<key>.safetensors fitted batch-PCA states (``store.pca(...)``)
 
 While a precompute runs the folder holds ``manifest.json`` (the run's settings) and
@@ -33,6 +34,7 @@ from ..atomic import atomic_path
 
 METADATA = "metadata.json"
 TARGETS = "targets.npy"
+IDENTITY = "identity.npy"
 MANIFEST = "manifest.json"
 CHUNKS = "chunks"
 PCA_DIR = "pca"
@@ -170,6 +172,43 @@ class TargetStore:
                 "store (delete the folder and rerun its precompute command).")
         return {"rows": n, "dim": self.dim, "sha256": actual, "checksum": "ok" if recorded else "not recorded"}
 
+    def verify_rows(self, dataset, progress: bool = False) -> dict:
+        """Check, item by item, that row i belongs to ``dataset[i]``: every row's identity digest (its file name,
+        array row or image; :class:`~accelerate_ssl.data.fingerprint.RowIdentity`) against the one recorded at
+        precompute. Raises :class:`TargetStoreMismatchError` naming the rows that differ and, when the item is
+        elsewhere in the store, where (a reordering); returns ``{"rows_checked", "kind"}``."""
+        from ..data.fingerprint import RowIdentity
+
+        if len(dataset) != len(self):
+            raise TargetStoreMismatchError(f"Target store {str(self.path)!r} holds {len(self)} rows but the dataset has "
+                                           f"{len(dataset)} samples: another split, a subset, or another data set.")
+        name = self.metadata.get("identity_file")
+        if not name or not (self.path / name).is_file():
+            raise TargetStoreCorruptError(
+                f"Target store {str(self.path)!r} records no per-row identity (written by an older accelerate-ssl, or "
+                f"{name or IDENTITY} was deleted), so it cannot be checked item by item; recompute it"
+                + (f" (`{self.metadata['command']}`)." if self.metadata.get("command") else "."))
+        stored = np.load(self.path / name, allow_pickle=False)
+        identity = RowIdentity(dataset)
+        actual = identity.all(progress=progress)
+        bad = np.flatnonzero(stored != actual)
+        if bad.size:
+            order = np.argsort(stored, kind="stable")
+            where = np.searchsorted(stored[order], actual[bad[:5]])
+            found = [int(order[w]) if w < len(order) and stored[order[w]] == d else None
+                     for w, d in zip(where, actual[bad[:5]])]
+            shown = "; ".join(f"item {int(r)} has the target of row {f}" if f is not None else
+                              f"item {int(r)} is not in the store" for r, f in zip(bad[:5], found))
+            moved = sum(f is not None for f in found)
+            raise TargetStoreMismatchError(
+                f"Target store {str(self.path)!r}: {bad.size} of {len(self)} rows do not belong to this dataset's items "
+                f"(compared by {identity.kind}): {shown}{' ...' if bad.size > 5 else ''}. "
+                + ("The same samples in another order (sorted vs listed, a shuffled copy, a rebuilt list): train on the "
+                   "order the store was computed on, or recompute it for this order." if moved == len(found) else
+                   "Another data set: recompute the store for it.")
+            )
+        return {"rows_checked": int(len(self)), "kind": identity.kind}
+
     def check_dataset(self, dataset) -> None:
         """Raise :class:`TargetStoreMismatchError` unless ``dataset`` fingerprints like the stored one."""
         from ..data import dataset_fingerprint, describe_fingerprint_mismatch
@@ -189,6 +228,17 @@ class TargetStore:
             "Fix: pass that same dataset (same split, order, subset), or recompute the targets for this dataset into a "
             "new folder" + (f" (this store was made by: `{command}`)." if command else ".")
         )
+
+    def identity(self) -> dict:
+        """What identifies these targets (recorded in a ReLA checkpoint, compared when it is loaded)."""
+        prior = self.metadata.get("prior") or {}
+        return {
+            "rows": len(self), "dim": self.dim,
+            "targets_sha256": self.metadata.get("file_sha256"),
+            "prior": prior.get("spec"),
+            "prior_weights_sha256": prior.get("weights_sha256") or prior.get("checkpoint_sha256"),
+            "dataset_sha256": (self.metadata.get("dataset") or {}).get("fingerprint", {}).get("sha256"),
+        }
 
     # ------------------------------------------------------------------ access
     def __len__(self) -> int:
@@ -265,19 +315,47 @@ class TargetStore:
 # ------------------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     verbs = parser.add_subparsers(dest="store_verb", metavar="VERB", required=True)
-    verify = verbs.add_parser("verify", help="read a store once: its file checksum and every row finite",
+    verify = verbs.add_parser("verify", help="read a store once: its file checksum, every row finite, and (--data) "
+                                             "every row against its data set item",
                               description="Read a target store once: compare the targets file's sha256 with the one "
-                                          "recorded when it was written, and check that every row is finite.")
+                                          "recorded when it was written, and check that every row is finite. With "
+                                          "--data, also check item by item that row i belongs to item i of that data "
+                                          "set, naming the rows that do not.")
     verify.add_argument("path", help="the store folder (written by `accelerate-ssl precompute --out`)")
+    verify.add_argument("--data", default=None, type=_data_spec,
+                        help="also check, item by item, that row i belongs to item i of this data set (the --data "
+                             "given to precompute; every file name, array row or image is compared)")
+    verify.add_argument("--split", default="train", help="with --data: as for precompute")
+    verify.add_argument("--data-root", default=None, help="with --data: as for precompute")
+    verify.add_argument("--limit", type=int, default=None, help="with --data: as for precompute")
+    verify.add_argument("--fraction", type=_fraction, default=None, help="with --data: as for precompute")
     verify.add_argument("--json", action="store_true", help="print the result as JSON")
     verify.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def _data_spec(value: str) -> str:
+    from ..data.spec import data_spec
+
+    return data_spec(value)
+
+
+def _fraction(value: str) -> float:
+    from .precompute import _fraction_arg
+
+    return _fraction_arg(value)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         store = TargetStore.open(args.path)
         summary = store.verify(progress=not args.no_progress)
-    except (FileNotFoundError, TargetStoreCorruptError) as err:
+        if args.data is not None:
+            from ..data.spec import open_data
+
+            dataset = open_data(args.data, args.split, root=args.data_root, limit=args.limit, fraction=args.fraction)
+            store.check_dataset(dataset)
+            summary.update(store.verify_rows(dataset, progress=not args.no_progress))
+    except (FileNotFoundError, TargetStoreCorruptError, TargetStoreMismatchError) as err:
         if args.json:
             print(json.dumps({"path": args.path, "ok": False, "error": str(err)}))
         print(f"accelerate-ssl store verify: error: {err}", file=sys.stderr)
@@ -286,5 +364,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"path": args.path, "ok": True, **summary}))
     else:
         note = "checksum matches" if summary["checksum"] == "ok" else "no checksum recorded (an older store): rows only"
-        print(f"{args.path}: ok, {summary['rows']} rows x {summary['dim']}, every row finite, {note}")
+        rows = (f", every row belongs to its item of {args.data} (compared by {summary['kind']})"
+                if args.data is not None else "")
+        print(f"{args.path}: ok, {summary['rows']} rows x {summary['dim']}, every row finite, {note}{rows}")
     return 0

@@ -1,0 +1,292 @@
+"""A target row is the sample's own, or training stops with the reason.
+
+Each test is a way a user could train on another sample's targets (or be refused for a wrong reason) with
+the library's own calls on small real data (scikit-learn's digits), and checks the message names the real
+problem; the last group checks the values rows take on their way to the loss, so a misaligned lookup fails.
+"""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from accelerate_ssl import ReLA
+from accelerate_ssl.cli import main as cli_main
+from accelerate_ssl.data import ArrayImageDataset, Digits, dataset_fingerprint
+from accelerate_ssl.data.fingerprint import RowIdentity
+from accelerate_ssl.targets.precompute import precompute_targets
+from accelerate_ssl.targets.priors import create_prior
+from accelerate_ssl.targets.store import TargetStore, TargetStoreMismatchError
+
+
+def _digits():
+    return Digits("train", size=8)  # 1438 real 8x8 digits
+
+
+def _precompute(dataset, path, spec="random:convnet", **kw):
+    prior = create_prior(spec, in_channels=1, **kw)
+    return precompute_targets(prior, dataset, path, batch_size=256, progress=False)
+
+
+@pytest.fixture(scope="module")
+def digits_store(tmp_path_factory):
+    return _precompute(_digits(), tmp_path_factory.mktemp("identity") / "digits")
+
+
+def _swapped(ds, a=1, b=2):
+    images = ds.data.numpy().copy()
+    labels = np.asarray(ds.targets if hasattr(ds, "targets") else [ds[i][1] for i in range(len(ds))]).copy()
+    images[[a, b]], labels[[a, b]] = images[[b, a]], labels[[b, a]]
+    return ArrayImageDataset(images, labels, name="digits-swapped")
+
+
+class Backbone(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 16))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _tensor_transform(image):
+    return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).unsqueeze(0)
+
+
+# ----------------------------------------------------------------------------------------------- open time
+def test_loader_over_another_dataset_is_refused_without_dataset_argument(digits_store):
+    """ReLA(store_of_A, backbone, dataloader=loader_over_B): the loader's dataset is checked, not just its length."""
+    other = _swapped(_digits(), 0, 700)
+    other.transform = _tensor_transform
+    loader = DataLoader(other, batch_size=32, shuffle=True)
+    with pytest.raises(TargetStoreMismatchError, match="same length \\(1438\\) but different content or another order"):
+        ReLA(digits_store.path, Backbone(), dataloader=loader)
+    same = _digits()
+    same.transform = _tensor_transform
+    ReLA(digits_store.path, Backbone(), dataloader=DataLoader(same, batch_size=32))  # the right data: accepted
+
+
+def test_loader_dataset_is_checked_besides_dataset_argument(digits_store):
+    swapped = _swapped(_digits())
+    swapped.transform = _tensor_transform
+    with pytest.raises(TargetStoreMismatchError, match="different content or another order"):
+        ReLA(digits_store.path, Backbone(), dataset=_digits(), dataloader=DataLoader(swapped, batch_size=32))
+
+
+def test_two_swapped_items_are_refused_and_located(digits_store):
+    """Rows 1 and 2 of 1438 swapped: every array byte is fingerprinted, and verify names the rows."""
+    swapped = _swapped(_digits())
+    with pytest.raises(TargetStoreMismatchError, match="different content or another order.*every array row"):
+        ReLA(digits_store.path, Backbone(), dataset=swapped)
+    with pytest.raises(TargetStoreMismatchError, match="2 of 1438 rows.*item 1 has the target of row 2; item 2 has the "
+                                                       "target of row 1.*same samples in another order"):
+        digits_store.verify_rows(swapped)
+    assert digits_store.verify_rows(_digits()) == {"rows_checked": 1438, "kind": "array"}
+
+
+def test_store_verify_cli_checks_every_item(digits_store, tmp_path, capsys):
+    from PIL import Image
+
+    ds = _digits()
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for i in range(12):
+        Image.fromarray(ds.data[i].numpy(), mode="L").save(flat / f"{i:03d}.png")
+    folder_store = tmp_path / "folder-store"
+    assert cli_main(["precompute", "--prior", "random:convnet", "--data", f"folder:{flat}", "--out", str(folder_store),
+                     "--no-progress"]) == 0
+    capsys.readouterr()
+    assert cli_main(["store", "verify", str(folder_store), "--data", f"folder:{flat}", "--no-progress"]) == 0
+    assert "every row belongs to its item" in capsys.readouterr().out
+    (flat / "000.png").rename(flat / "zzz.png")  # the listing order changes: row 0 is now the last file
+    assert cli_main(["store", "verify", str(folder_store), "--data", f"folder:{flat}", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "different content or another order" in err and "every file name" in err
+    # the 8 px digits store against the 28 px digits spec: same length, other images
+    assert cli_main(["store", "verify", str(digits_store.path), "--data", "digits", "--no-progress"]) == 1
+    assert "same length (1438) but different content" in capsys.readouterr().err
+
+
+def test_labels_do_not_change_the_identity(digits_store):
+    """The same images yielded as (img, 0) and as img fingerprint the same: a label is not the sample."""
+
+    class Items(Dataset):
+        def __init__(self, images, with_label):
+            self.images, self.with_label = images, with_label
+
+        def __len__(self):
+            return len(self.images)
+
+        def __getitem__(self, i):
+            img = torch.from_numpy(self.images[i]).unsqueeze(0)
+            return (img, 0) if self.with_label else img
+
+    images = _digits().data.numpy()
+    plain, labelled = Items(images, False), Items(images, True)
+    assert dataset_fingerprint(plain) == dataset_fingerprint(labelled)
+    assert np.array_equal(RowIdentity(plain).all()[:50], RowIdentity(labelled).all()[:50])
+
+
+def test_items_fingerprint_ignores_the_transform_and_says_what_it_covers():
+    class Files(Dataset):  # a user's data set: no .data, no .samples, the augmentation in .transform
+        def __init__(self, images, transform=None):
+            self.images, self.transform = images, transform
+
+        def __len__(self):
+            return len(self.images)
+
+        def __getitem__(self, i):
+            img = torch.from_numpy(self.images[i]).float().div(255).unsqueeze(0)
+            return (self.transform(img) if self.transform else img), 0
+
+    images = _digits().data.numpy()
+    clean = dataset_fingerprint(Files(images))
+    augmented = Files(images, transform=lambda x: x + 0.1 * torch.rand_like(x))
+    assert dataset_fingerprint(augmented) == clean
+    assert augmented.transform is not None  # restored after reading
+    assert clean["kind"] == "items" and clean["coverage"] == "sampled 64 of 1438 items"
+
+
+# ----------------------------------------------------------------------------------------------- each step
+def _batches(ds, batch_size=32, seed=0):
+    return DataLoader(ds, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_loader_rebuilt_without_tracking_is_refused(digits_store):
+    """A loop that rebuilds its DataLoader each epoch without tracking it would reuse the last tracked batch's
+    indices: a second wrap on one published batch is refused."""
+    ds = _digits()
+    ds.transform = _tensor_transform
+    model = Backbone()
+    tracked = _batches(ds)
+    rela = ReLA(digits_store.path, model, dataloader=tracked, total_steps=10)
+    opt = torch.optim.SGD(list(model.parameters()), lr=0.01)
+    x, _ = next(iter(tracked))
+    model(x).sum()
+    rela.wrap(torch.tensor(0.0)).backward()
+    opt.step()
+    for x, _ in _batches(ds, seed=3):  # a new, untracked loader
+        model(x)
+        with pytest.raises(RuntimeError, match="no tracked loader has yielded a batch since the last wrap.*rela.track"):
+            rela.wrap(torch.tensor(0.0))
+        break
+
+
+def test_float_indexes_are_refused():
+    t = torch.randn(40, 8)
+    model = Backbone()
+    rela = ReLA(t, model, feature_dim=16, total_steps=5)
+    model(torch.rand(4, 1, 8, 8))
+    with pytest.raises(TypeError, match="must be integers.*float32.*truncated"):
+        rela.wrap(torch.tensor(0.0), index=torch.tensor([0.0, 1.5, 2.7, 3.0]))
+    model(torch.rand(4, 1, 8, 8))
+    with pytest.raises(TypeError, match="must be integers"):
+        rela.wrap(torch.tensor(0.0), index=np.array([0.2, 1.0, 2.0, 3.0]))
+
+
+def test_checkpoint_from_another_priors_store_is_refused(digits_store, tmp_path):
+    """A head trained on another prior's store (same target dim) maps into another space: refused on load."""
+    other = _precompute(_digits(), tmp_path / "other", spec="random:convnet", seed=1)
+    assert other.dim == digits_store.dim
+    ds = _digits()
+    ds.transform = _tensor_transform
+    model = Backbone()
+    rela = ReLA(other.path, model, dataset=ds, total_steps=10)
+    x, _ = next(iter(rela.track(_batches(ds))))
+    model(x)
+    rela.wrap(torch.tensor(0.0)).backward()
+    state = rela.state_dict()
+    resumed = ReLA(digits_store.path, Backbone(), dataset=ds, total_steps=10)
+    with pytest.raises(ValueError, match="trained on another target store.*targets_sha256"):
+        resumed.load_state_dict(state)
+    again = ReLA(other.path, Backbone(), dataset=ds, total_steps=10)
+    again.load_state_dict(state)  # the same store: accepted
+    assert torch.equal(again.head.weight, rela.head.weight)
+
+
+# ----------------------------------------------------------------------------------------------- bad stores
+def test_identical_rows_are_refused(tmp_path):
+    same = torch.ones(60, 8)
+    with pytest.raises(ValueError, match="Every target row is the same"):
+        ReLA(same, Backbone(), feature_dim=16)  # PCA to 8 components (z-scored)
+    with pytest.raises(ValueError, match="Every target row is the same"):
+        ReLA(same, Backbone(), feature_dim=16, n_components=None)  # raw rows
+    one_image = ArrayImageDataset(np.repeat(_digits().data.numpy()[:1], 30, axis=0), np.zeros(30, dtype=np.int64))
+    store = _precompute(one_image, tmp_path / "one")
+    with pytest.raises(ValueError, match="Every target row is the same.*one\\s+repeated image"):
+        ReLA(store.path, Backbone(), dataset=one_image)
+
+
+def test_float_images_in_0_255_are_refused(tmp_path):
+    class Floats(Dataset):
+        def __len__(self):
+            return 20
+
+        def __getitem__(self, i):
+            return torch.full((1, 8, 8), float(10 * i)), 0  # 0..190 as float
+
+    with pytest.raises(ValueError, match="must hold values in \\[0, 1\\].*0..255 values as floats"):
+        _precompute(Floats(), tmp_path / "floats")
+
+
+def test_nan_rows_name_the_store_not_the_student(tmp_path):
+    store = _precompute(_digits(), tmp_path / "nan")
+    rows = np.load(store.path / "targets.npy", mmap_mode="r+")
+    rows[[5, 900]] = np.nan
+    rows.flush()
+    del rows
+    with pytest.raises(ValueError, match="NaN/Inf values in row\\(s\\) \\[5, 900\\].*target store is broken \\(not the "
+                                         "student\\)"):
+        ReLA(store.path, Backbone(), dataset=_digits())
+    with pytest.raises(ValueError, match="NaN/Inf values in 1 row"):
+        ReLA(torch.cat([torch.randn(10, 4), torch.full((1, 4), float("nan"))]), Backbone(), feature_dim=16)
+
+
+# ----------------------------------------------------------------------------------------------- values
+def _reduced(raw: np.ndarray, n: int) -> np.ndarray:
+    """Eq. 41 by hand: z-score each column, project on the top-n eigenvectors of the correlation matrix."""
+    z = (raw - raw.mean(0)) / raw.std(0, ddof=1)
+    values, vectors = np.linalg.eigh(np.cov(z, rowvar=False))
+    return z @ vectors[:, np.argsort(values)[::-1][:n]]
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+@pytest.mark.parametrize("n", ["full", 5])
+def test_looked_up_rows_are_the_samples_reduced_targets(on_device, n):
+    """The row a batch gets is the z-scored, projected target of that very sample (up to each component's sign),
+    on the host and on the device path, also when n_components equals the target dim."""
+    raw = torch.randn(200, 12, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.5, 4, 12) + 3.0
+    k = 12 if n == "full" else n
+    rela = ReLA(raw, Backbone(), feature_dim=16, n_components=k, targets_on_device=on_device)
+    idx = torch.tensor([7, 3, 199, 0, 3])
+    got = rela.targets(idx, "cpu").numpy()
+    want = _reduced(raw.double().numpy(), k)[idx.numpy()]
+    signs = np.sign((got * want).sum(0))
+    assert np.allclose(got, want * signs, atol=1e-4), "rows are not the samples' own reduced targets"
+    assert not np.allclose(got, raw[idx].numpy()[:, :k], atol=1e-2)
+
+
+@pytest.mark.parametrize("make", ["array", "items", "subset", "files"])
+def test_every_fingerprint_sees_order(make, tmp_path):
+    """A reversed copy of a data set never fingerprints like the original, whatever the kind."""
+    images = _digits().data.numpy()[:80]
+    if make == "array":
+        a, b = ArrayImageDataset(images, np.zeros(80)), ArrayImageDataset(images[::-1].copy(), np.zeros(80))
+    elif make == "items":
+        a = [torch.from_numpy(im) for im in images]
+        b = a[::-1]
+    elif make == "subset":
+        base = ArrayImageDataset(images, np.zeros(80))
+        a, b = Subset(base, list(range(80))), Subset(base, list(range(79, -1, -1)))
+    else:
+        from accelerate_ssl.data import image_folder
+        from PIL import Image
+
+        for i in range(6):
+            Image.fromarray(images[i], mode="L").save(tmp_path / f"{i}.png")
+        a = image_folder(str(tmp_path))
+        b = image_folder(str(tmp_path))
+        b.samples = b.samples[::-1]
+    assert dataset_fingerprint(a)["sha256"] != dataset_fingerprint(b)["sha256"]
+    assert not np.array_equal(RowIdentity(a).all(), RowIdentity(b).all())

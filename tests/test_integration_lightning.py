@@ -1,0 +1,151 @@
+"""ReLACallback with a real Lightning Trainer (single process, and 2-process gloo DDP launched by Lightning itself), and
+the head staying identical across processes when a plain DDP loop steps its optimiser with a closure.
+
+Every batch is checked: the images carry their own dataset index (tests/_lightning_ddp_worker.py), so each test
+compares the indices ReLA was handed and the target rows it read with those of the samples actually in the batch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from accelerate_ssl.integrations.lightning import ReLACallback
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _lightning_ddp_worker import IndexImages, make_module, target_rows  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent / "_lightning_ddp_worker.py"
+
+
+def _env():
+    root = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+
+
+def _assert_every_row_is_the_samples_own(steps_seen):
+    assert steps_seen
+    for s in steps_seen:
+        assert torch.equal(s["published"], s["own"])  # the indices ReLA was handed are the batch's own
+        if s["lambda"] > 0:
+            assert s["n_new_reads"] == 1 and torch.equal(s["read"], s["expected"])  # ... and so are the rows it read
+        else:
+            assert s["n_new_reads"] == 0  # lambda 0 for good: no lookup
+
+
+def _trainer(**kwargs):
+    return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, **kwargs)
+
+
+def test_single_process_a_fresh_loader_with_workers_every_epoch_and_accumulation():
+    Student = make_module(pl, head_in_user_optimizer=False)
+
+    class FreshLoaders(Student):  # a new DataLoader each time Lightning asks (reload_dataloaders_every_n_epochs=1)
+        def train_dataloader(self):
+            return DataLoader(IndexImages(), batch_size=6, shuffle=True, num_workers=2)
+
+    model = FreshLoaders()
+    loaders = []
+
+    class Watch(pl.Callback):
+        def on_train_epoch_start(self, trainer, module):
+            loaders.append(trainer.train_dataloader)
+
+    trainer = _trainer(max_epochs=3, reload_dataloaders_every_n_epochs=1, accumulate_grad_batches=2,
+                       callbacks=[ReLACallback(target_rows(), schedule="epochs:0.5", n_components=None), Watch()])
+    trainer.fit(model)
+    assert len({id(dl) for dl in loaders}) == 3  # Lightning iterated a new loader every epoch
+    _assert_every_row_is_the_samples_own(model.steps_seen)
+    assert len(model.steps_seen) == 3 * 7  # 40 items in batches of 6
+    # planned for the Trainer's run length: 3 epochs x 4 optimiser steps (7 batches, accumulating 2)
+    assert trainer.estimated_stepping_batches == 12 == model.rela.steps
+    assert model.rela.schedule.switch_step == 6
+    assert [s["lambda"] for s in model.steps_seen].count(1.0) == 11  # steps 1-6: batches 0-10
+    assert model.rela.head_mode == "own"
+    metrics = trainer.callback_metrics  # logged through module.log
+    assert {"rela/lambda", "rela/loss_ssl"} <= set(metrics) and isinstance(metrics["rela/lambda"], torch.Tensor)
+
+
+def test_two_process_ddp_distributed_sampler_reload_accumulation_clipping(tmp_path):
+    # Lightning launches rank 1 itself by re-running the worker script
+    done = subprocess.run([sys.executable, str(WORKER), "lightning", str(tmp_path)], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    r0, r1 = ranks
+    assert r0["world_size"] == 2
+    for r in ranks:
+        _assert_every_row_is_the_samples_own(r["steps_seen"])
+        assert len(set(r["loaders"])) == 3  # a new loader each epoch, with Lightning's DistributedSampler
+        # per-rank run length: 20 samples -> 5 batches -> 3 optimiser steps per epoch (the global loader would say 5)
+        assert r["estimated"] == 9 == r["global_step"] == r["rela_steps"] == r["optimizer_steps"]
+        assert r["switch_step"] == round(0.5 * 9)
+        # the head's gradients were averaged exactly once per optimiser step that had them (weight + bias)
+        assert r["steps_with_head_grad"] == r["switch_step"] and r["head_all_reduce"] == 2 * r["steps_with_head_grad"]
+    for epoch in range(3):  # the distributed sampler split every epoch between the ranks
+        own = [torch.cat([s["own"] for s in r["steps_seen"][5 * epoch:5 * epoch + 5]]) for r in ranks]
+        assert sorted(torch.cat(own).tolist()) == list(range(40))
+    assert len(r0["head"]) == len(r1["head"]) == 15
+    for h0, h1, b0, b1 in zip(r0["head"], r1["head"], r0["backbone"], r1["backbone"]):
+        assert torch.equal(h0, h1) and torch.equal(b0, b1)  # bit-identical after every batch
+    assert not torch.equal(r0["head"][0], r0["head"][-1])  # the user's optimiser trained the head
+
+
+def test_checkpoint_resume_continues_lambda_and_the_head_exactly(tmp_path):
+    Student = make_module(pl, head_in_user_optimizer=True)
+
+    def run(max_epochs, stop_after=None, ckpt_path=None):
+        torch.manual_seed(0)
+        model = Student()
+
+        class Stop(pl.Callback):
+            def on_train_epoch_end(self, trainer, module):
+                if stop_after is not None and trainer.current_epoch + 1 == stop_after:
+                    trainer.should_stop = True  # the run is interrupted here
+
+        callback = ReLACallback(target_rows(), dataset=IndexImages(), schedule="epochs:0.7", n_components=None)
+        trainer = _trainer(max_epochs=max_epochs, callbacks=[callback, Stop()])
+        trainer.fit(model, DataLoader(IndexImages(), batch_size=8), ckpt_path=ckpt_path)
+        return trainer, model
+
+    _, whole = run(2)
+    trainer, first = run(2, stop_after=1)
+    assert first.rela.steps == 5
+    trainer.save_checkpoint(tmp_path / "epoch1.ckpt")
+    _, resumed = run(2, ckpt_path=str(tmp_path / "epoch1.ckpt"))
+    _assert_every_row_is_the_samples_own(resumed.steps_seen)
+    assert resumed.rela.steps == whole.rela.steps == 10
+    assert [s["lambda"] for s in resumed.steps_seen] == [s["lambda"] for s in whole.steps_seen[5:]] == [1.0, 1.0, 0.0, 0.0, 0.0]
+    for a, b in zip(resumed.rela.parameters(), whole.rela.parameters()):
+        assert torch.equal(a, b)
+    assert resumed.rela.schedule.state_dict() == whole.rela.schedule.state_dict()
+
+
+def test_closure_stepped_ddp_loop_keeps_the_head_identical_on_both_processes(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(WORKER), "closure",
+                           str(tmp_path)], env=_env(), capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    for mode in ("user", "own"):  # the head in the user's optimiser, or in ReLA's own
+        assert len(r0[mode]) == 4
+        for h0, h1 in zip(r0[mode], r1[mode]):
+            assert torch.equal(h0, h1)
+        assert not torch.equal(r0[mode][0], r0[mode][-1])
+
+
+def test_refused_without_a_trackable_loader():
+    Student = make_module(pl)
+
+    class Listed(Student):
+        def train_dataloader(self):
+            return [DataLoader(IndexImages(), batch_size=8), DataLoader(IndexImages(), batch_size=8)]
+
+    with pytest.raises(ValueError, match="iterates 2 training loaders"):
+        _trainer(max_epochs=1, callbacks=[ReLACallback(target_rows(), dataset=IndexImages())]).fit(Listed())
