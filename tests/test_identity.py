@@ -236,9 +236,13 @@ def test_nan_rows_name_the_store_not_the_student(tmp_path):
     rows[[5, 900]] = np.nan
     rows.flush()
     del rows
+    with pytest.raises(ValueError, match="Target store .* NaN/Inf values in row\\(s\\) \\[5, 900\\].*recompute the store"):
+        ReLA(store.path, Backbone(), dataset=_digits())
+    from accelerate_ssl.targets.pca import TargetPCA
+
     with pytest.raises(ValueError, match="NaN/Inf values in row\\(s\\) \\[5, 900\\].*target store is broken \\(not the "
                                          "student\\)"):
-        ReLA(store.path, Backbone(), dataset=_digits())
+        TargetPCA.fit(store.array, 16)  # the fit reads every row, sampled or not
     with pytest.raises(ValueError, match="NaN/Inf values in 1 row"):
         ReLA(torch.cat([torch.randn(10, 4), torch.full((1, 4), float("nan"))]), Backbone(), feature_dim=16)
 
@@ -290,3 +294,27 @@ def test_every_fingerprint_sees_order(make, tmp_path):
         b.samples = b.samples[::-1]
     assert dataset_fingerprint(a)["sha256"] != dataset_fingerprint(b)["sha256"]
     assert not np.array_equal(RowIdentity(a).all(), RowIdentity(b).all())
+
+
+def test_targets_carried_by_the_batch_get_the_stores_checks_and_reduction():
+    """wrap(targets=): rows carried by the batch (a sidecar field) are reduced like stored rows, and checked."""
+    raw = torch.randn(100, 12, generator=torch.Generator().manual_seed(4)) * torch.linspace(1, 3, 12)
+    model = Backbone()
+    rela = ReLA(raw, model, feature_dim=16, n_components=6, total_steps=5)
+    idx = torch.tensor([4, 9, 50, 77])
+    assert torch.allclose(rela.targets.reduce_rows(raw[idx], "cpu"), rela.targets(idx, "cpu"))
+    x = torch.rand(4, 1, 8, 8)
+    model(x)
+    carried = rela.wrap(torch.tensor(0.0), targets=raw[idx])
+    model(x)
+    assert carried.requires_grad and torch.isfinite(carried)
+    with pytest.raises(ValueError, match="rows have dim 8 but the targets ReLA was opened on have dim 12"):
+        rela.wrap(torch.tensor(0.0), targets=torch.randn(4, 8))
+    model(x)
+    with pytest.raises(ValueError, match="index= .* or targets= .* not both"):
+        rela.wrap(torch.tensor(0.0), targets=raw[idx], index=idx)
+    model(x)
+    bad = raw[idx].clone()
+    bad[1, 3] = float("nan")
+    with pytest.raises(RuntimeError, match="NaN/Inf in the batch's target rows"):
+        rela.wrap(torch.tensor(0.0), targets=bad)

@@ -346,10 +346,10 @@ class ReLA:
         return self
 
     # ------------------------------------------------------------------ the loss
-    def _rela_term(self, features: Sequence[torch.Tensor], index) -> torch.Tensor:
-        n = len(torch.as_tensor(index).reshape(-1))
+    def _rela_term(self, features: Sequence[torch.Tensor], index, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        n = len(rows) if rows is not None else len(torch.as_tensor(index).reshape(-1))
         if n == 0:
-            raise ValueError("ReLA.wrap got an empty index batch.")
+            raise ValueError("ReLA.wrap got an empty batch (no sample indices / target rows).")
         for f in features:
             if f.shape[0] % n:
                 raise ValueError(
@@ -367,7 +367,7 @@ class ReLA:
             )
         if self.head.weight.device != feats.device:
             self.to(feats.device)
-        target = self.targets(index, feats.device)
+        target = self.targets(index, feats.device) if rows is None else self.targets.reduce_rows(rows, feats.device)
         target = target.repeat(feats.shape[0] // n, 1)  # views are stacked blocks of n, all share a target
         if self.transport.needs_fit:  # fitted on half the samples, this first loss on the other half
             feats, target = self.transport.fit_held_out(feats, target, n)
@@ -379,6 +379,7 @@ class ReLA:
         *,
         index=None,
         features: Union[torch.Tensor, Sequence[torch.Tensor], None] = None,
+        targets: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``lambda * L_rela + (1 - lambda) * loss`` for this micro-batch.
 
@@ -386,6 +387,9 @@ class ReLA:
             loss: your loss tensor, or a zero-argument callable returning it (then it is not computed at
                 all while lambda == 1, e.g. the first stage of ``Switch``).
             index: the batch's dataset indices (default: from the tracked DataLoader).
+            targets: the batch's raw prior targets ``[B, dim]``, carried by the batch itself (a sidecar field of a
+                WebDataset sample, a ``datasets`` column): no index is needed, so nothing can misalign them. They get
+                the same checks (width, finite) and the same PCA / z-scoring as the store's rows.
             features: the student features of this batch, one tensor per view or views stacked as
                 blocks of B rows (default: the backbone calls captured since the last wrap).
         """
@@ -397,7 +401,8 @@ class ReLA:
             warnings.warn(
                 f"ReLA: the {self._schedule_name!r} schedule was not told the run length, so it keeps the papers' "
                 "ImageNet constants: lambda stays near its start for the first ~600 optimiser steps. Pass "
-                "ReLA(..., total_steps=<optimiser steps of the whole run>) (e.g. epochs * len(loader)), or call "
+                "ReLA(..., total_steps=<optimiser steps of the whole run>) (epochs * len(loader) / accumulation "
+                "steps, with the loader this process iterates; Lightning's ReLACallback plans it), or call "
                 "rela.set_total_steps(n) before training.", UserWarning, stacklevel=2)
         lam = float(self.schedule.value)
         captured, capture_error = self.capture.take()
@@ -420,13 +425,18 @@ class ReLA:
                     "and it must be the module given to ReLA (not a copy); or pass features= to wrap."
                 )
             feats = captured
-        if index is not None:
+        if targets is not None:
+            if index is not None:
+                raise ValueError("ReLA.wrap: pass index= (rows looked up in the store) or targets= (rows carried by "
+                                 "the batch), not both.")
+            self._index_fresh = False  # the batch carries its rows: a tracked index is used up too
+        elif index is not None:
             index = as_index(index)
             self.targets.check_not_placeholder(index)
             self._index_fresh = False  # the loop said which batch it holds: a tracked one is used up too
-        if index is None:
+        else:
             index = self._take_published_index()
-        l_rela = self._rela_term(feats, index)
+        l_rela = self._rela_term(feats, index, rows=targets)
 
         if lam >= 1.0:
             l_ssl = None if callable(loss) else loss

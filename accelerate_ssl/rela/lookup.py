@@ -93,6 +93,7 @@ def open_targets(targets, dataset, dataloader):
                     f"The targets hold {len(store)} rows but the dataset has {len(ref)} samples; row i must be the "
                     "target of dataset item i. Pass targets computed on this exact dataset (same split, no subset)."
                 )
+        _refuse_identical_rows(store)
         return store
     if isinstance(targets, (str, os.PathLike)):
         from ..targets.store import TargetStore
@@ -120,7 +121,17 @@ def open_targets(targets, dataset, dataloader):
                 f"The target store holds {len(store)} rows but {which} has {len(ref)} samples; "
                 "precompute targets for this dataset (accelerate-ssl precompute)."
             )
+    _refuse_identical_rows(store)
     return store
+
+
+def _refuse_identical_rows(store, sample: int = 4096) -> None:
+    """Up to ``sample`` evenly spaced rows all equal: the targets say nothing about the samples (the PCA fit checks
+    every row; this catches raw targets too, at open time)."""
+    n = len(store)
+    rows = torch.as_tensor(store[np.linspace(0, n - 1, min(n, sample)).astype(np.int64)])
+    if len(rows) > 1 and bool((rows == rows[0]).all()):
+        raise ValueError(IDENTICAL_ROWS)
 
 
 class TargetLookup:
@@ -149,9 +160,6 @@ class TargetLookup:
             self.pca = self.store.pca(int(n_components))
         else:
             self.pca = None
-            rows = torch.as_tensor(self.store[np.linspace(0, len(self.store) - 1, min(len(self.store), 4096)).astype(np.int64)])
-            if len(rows) > 1 and bool((rows == rows[0]).all()):
-                raise ValueError(IDENTICAL_ROWS)
         self._table = None
         return int(self.store.dim if self.pca is None else self.pca.n_components)
 
@@ -177,6 +185,23 @@ class TargetLookup:
         if torch.device(device).type == "cuda":
             rows = rows.pin_memory()
         rows = rows.to(device, non_blocking=True)
+        return rows if self.pca is None else self.pca.transform(rows)
+
+    def reduce_rows(self, rows: torch.Tensor, device) -> torch.Tensor:
+        """Raw prior targets carried by the batch (``wrap(targets=)``) -> the rows the loss uses: the store's width,
+        finite (checked on the device, no host wait), then the same PCA / z-scoring as stored rows (Eq. 41)."""
+        if not isinstance(rows, torch.Tensor) or rows.ndim != 2 or not rows.is_floating_point():
+            raise ValueError(f"ReLA.wrap(targets=) needs a float tensor [B, {self.store.dim}] of raw prior targets, got "
+                             f"{type(rows).__name__} {tuple(getattr(rows, 'shape', ()))}.")
+        if rows.shape[1] != self.store.dim:
+            raise ValueError(
+                f"ReLA.wrap(targets=) rows have dim {rows.shape[1]} but the targets ReLA was opened on have dim "
+                f"{self.store.dim}: they come from another prior (or were PCA-reduced already). Pass the raw rows the "
+                "precompute wrote, from the same prior as the store ReLA holds."
+            )
+        rows = rows.detach().to(device=device, dtype=torch.float32, non_blocking=True)
+        torch._assert_async(torch.isfinite(rows).all(), "ReLA.wrap(targets=): NaN/Inf in the batch's target rows; the "
+                            "sidecar holding them is broken: recompute it")
         return rows if self.pca is None else self.pca.transform(rows)
 
     def _device_table(self, device) -> torch.Tensor:
