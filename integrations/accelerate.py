@@ -6,7 +6,7 @@ this module holds the glue:
 1. **Index tracking of a prepared loader** — ``loader = rela.track(accelerator.prepare(loader))``.
    Accelerate's ``DataLoaderShard`` is *not* a DataLoader subclass (it only reports ``DataLoader`` as
    its ``__class__``) and reads **one batch ahead** of what it yields, so ``rela.track`` returns a thin
-   wrapper (:class:`accelerate_ssl.data.indexing.TrackedPreparedLoader`) that publishes each batch's
+   wrapper (:class:`accelerate_ssl.data.indexing.TrackedLoader`) that publishes each batch's
    indices when the prepared loader yields it (also right with ``accelerator.skip_first_batches``);
    iterate the wrapper. It delegates everything else (``len``, ``set_epoch``, ...) to the prepared one.
 2. **The per-epoch subset sampler** — :func:`subset_sampler`. Accelerate shards *batches* of the

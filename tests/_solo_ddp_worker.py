@@ -26,7 +26,7 @@ STEPS = 8
 def schedules():
     return {
         "switch": Switch(fast_momentum=0.0, slow_momentum=0.0),  # switches after its first step
-        "decay": Decay(loss_momentum=0.0, rho_momentum=0.5, finish_below=0.3),  # lambda 0.8 * 0.5^k: done in ~2 steps
+        "decay": Decay(loss_momentum=0.0, rho_momentum=0.5, finish_below=0.5),  # lambda 0.8 * 0.5^k: done at the first plateau
         "epochs": Epochs(0.5, total_steps=STEPS),  # lambda = 0 from step 4 on
         "constant0": Constant(0.0),  # finished from the start: the head never gets a ReLA gradient
     }

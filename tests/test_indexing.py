@@ -78,3 +78,31 @@ def test_unsupported_loaders_have_clear_errors():
         track_indices(DataLoader(IndexEncoding(), num_workers=2, in_order=False))
     with pytest.raises(TypeError, match="DataLoader"):
         track_indices([1, 2, 3])
+
+
+def test_dataloader_subclass_overriding_iter_is_refused_unless_named_one_to_one():
+    from accelerate_ssl.data.indexing import track_loader
+
+    class Skipping(DataLoader):  # yields every other batch: tracking its iterator in place would misalign
+        def __iter__(self):
+            for i, b in enumerate(super().__iter__()):
+                if i % 2 == 0:
+                    yield b
+
+    with pytest.raises(TypeError, match="overrides DataLoader.__iter__"):
+        track_indices(Skipping(IndexEncoding(), batch_size=4))
+
+    class Prefetching(DataLoader):  # one batch ahead, one-to-one and in order: the user says so with inner=
+        def __iter__(self):
+            it = super().__iter__()
+            nxt = next(it)
+            for b in it:
+                cur, nxt = nxt, b
+                yield cur
+            yield nxt
+
+    dl = Prefetching(IndexEncoding(), batch_size=4, shuffle=True)
+    wrapped, tracker = track_loader(dl, inner=dl)
+    for x, d in wrapped:
+        assert torch.equal(tracker.current, d["i"])
+    assert tracker.batches == len(dl)

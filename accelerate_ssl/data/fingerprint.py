@@ -8,7 +8,8 @@ augmented views (training), with or without labels:
   "sha256", "coverage"}`` where ``kind`` is
 
   - ``"files"``: data sets listing files in ``.samples`` / ``.imgs`` (ImageFolder), lightly's
-    ``get_filenames()`` or solo-learn's ``.images``: every file name, relative to the root, in order;
+    ``get_filenames()``, solo-learn's ``.images`` or timm's ``ImageDataset`` (``.reader.samples``): every
+    file name, relative to the root, in order;
   - ``"array"``: data sets holding their samples in ``.data`` (ours, torchvision MNIST/CIFAR): every byte of
     the array, in order (one hash pass), plus its shape;
   - ``"items"``: anything else: ``num_samples`` evenly spaced samples (the image of each item, read with the
@@ -147,6 +148,8 @@ def _file_names(dataset) -> list[str] | None:
         paths, joined = list(dataset.get_filenames()), False
     elif isinstance(getattr(dataset, "images", None), list) and all(isinstance(p, str) for p in dataset.images):
         paths, joined = list(dataset.images), False  # solo-learn's no_labels data set: names under .root
+    elif isinstance(getattr(getattr(dataset, "reader", None), "samples", None), (list, tuple)):
+        return _file_names(dataset.reader)  # timm's ImageDataset: its folder reader's (path, class) list, in order
     else:
         return None
     root = getattr(dataset, "root", None) or getattr(dataset, "input_dir", None)

@@ -23,14 +23,29 @@ sampler), ``num_workers > 0``, ``persistent_workers``, ``drop_last`` and an earl
 new epoch are all right by construction. Not supported (clear errors): iterable-style datasets (no
 indices exist) and ``in_order=False`` (batches may arrive out of sampler order).
 
-**Loaders prepared by HF Accelerate** (``accelerator.prepare(loader)``): accelerate's
-``DataLoaderShard`` is not a DataLoader subclass (it only reports ``DataLoader`` as its ``__class__``);
-it iterates an inner ``base_dataloader`` (whose batch sampler yields this process's batches) and reads
-**one batch ahead** to know which batch is the last, so the inner loader's latest indices belong to
-the *next* batch. :func:`track_loader` therefore tracks the inner loader into a FIFO and returns a
-thin :class:`TrackedPreparedLoader` that publishes each batch's indices when the prepared loader
-yields it (also right with ``accelerator.skip_first_batches``). Iterate the loader that
-:func:`track_loader` (or ``rela.track``) returns: ``loader = rela.track(accelerator.prepare(loader))``.
+**Wrappers** that yield an inner DataLoader's batches one-to-one and in order, but on their own schedule
+(they read ahead: timm's ``PrefetchLoader`` copies the next batch to the device while the loop body
+runs, HF Accelerate's ``DataLoaderShard`` reads one batch ahead to know which is the last, a user's
+device prefetcher), are tracked by one mechanism: :func:`track_loader` tracks the *inner* DataLoader
+into a FIFO and returns a :class:`TrackedLoader` that pops and publishes one entry each time the
+*wrapper* yields a batch, so the published indices are those of the batch the loop body holds. Known
+wrappers are recognised (timm's ``PrefetchLoader`` by its ``.loader``, Accelerate's prepared loader by its
+``.base_dataloader``, also after ``accelerator.skip_first_batches``); any other is named explicitly,
+``track_loader(prefetcher, inner=prefetcher.loader)``, which asserts the one-to-one, in-order contract.
+Iterate the loader that :func:`track_loader` (or ``rela.track``) returns.
+
+What cannot be proven aligned is refused, never guessed:
+
+- an object that is neither a DataLoader nor a known wrapper, unless ``inner=`` names its loader;
+- a DataLoader subclass that overrides ``__iter__`` (it may drop, reorder or read ahead), except timm's
+  ``MultiEpochsDataLoader``, whose ``__iter__`` yields its one persistent iterator's batches as they come;
+- a wrapper that ends an iteration with inner batches it never yielded (checked at its end);
+- a loader whose collate function mixes samples (timm's ``FastCollateMixup`` with mixing on): a mixed
+  image is two samples, while a stored target belongs to one (README, "timm").
+
+Each tracker also counts *iterations* (a new iterator, a new epoch of a persistent one, a new pass of a
+wrapper), so ReLA can tell a batch read ahead within one pass (refused at ``wrap``) from the unconsumed
+last batch of a pass left by ``break``.
 """
 
 from __future__ import annotations
@@ -43,7 +58,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data import dataloader as _dl
 
-__all__ = ["IndexTracker", "TrackedPreparedLoader", "track_indices", "track_loader"]
+__all__ = ["IndexTracker", "TrackedLoader", "track_indices", "track_loader"]
 
 
 class IndexTracker:
@@ -57,6 +72,10 @@ class IndexTracker:
     def __init__(self) -> None:
         self.current: Optional[torch.Tensor] = None
         self.batches = 0
+        #: passes over the data started so far (a new iterator, a new epoch of a persistent one, a wrapper's pass)
+        self.iteration = 0
+        #: why the tracked loader's batches cannot have per-sample targets (e.g. it mixes samples), or None
+        self.mixing: Optional[str] = None
         self._listeners: list[Callable[[torch.Tensor], None]] = []
 
     def add_listener(self, fn: Callable[[torch.Tensor], None]) -> None:
@@ -100,6 +119,9 @@ class _TrackingIterMixin:
 
     def _reset(self, loader, first_iter: bool = False):
         self._accelerate_ssl_fifo.clear()
+        if not first_iter:  # a new epoch of a persistent-workers iterator (the first is counted at creation)
+            self._accelerate_ssl_tracker.iteration += 1
+            self._accelerate_ssl_tracker.mixing = _mixing(loader)
         return super()._reset(loader, first_iter)
 
 
@@ -121,6 +143,8 @@ def _make_tracked_get_iterator(loader_ref: "weakref.ref[DataLoader]", tracker: I
             loader.check_worker_number_rationality()
             base = _dl._MultiProcessingDataLoaderIter
         cls = _tracked_iter_class(base)
+        tracker.iteration += 1
+        tracker.mixing = _mixing(loader)
         it = cls.__new__(cls)
         # the FIFO must exist before __init__: the multi-process iterator prefetches in __init__
         it._accelerate_ssl_fifo = collections.deque()
@@ -131,7 +155,7 @@ def _make_tracked_get_iterator(loader_ref: "weakref.ref[DataLoader]", tracker: I
     return _get_iterator
 
 
-def track_indices(loader: DataLoader, tracker: Optional[IndexTracker] = None) -> IndexTracker:
+def track_indices(loader: DataLoader, tracker: Optional[IndexTracker] = None, *, _as_inner: bool = False) -> IndexTracker:
     """Make ``loader`` report the dataset indices of each batch it yields to ``tracker`` (returned).
 
     The loader keeps yielding exactly what it yielded before. Tracking the same loader again returns
@@ -141,8 +165,10 @@ def track_indices(loader: DataLoader, tracker: Optional[IndexTracker] = None) ->
     """
     if not isinstance(loader, DataLoader):
         raise TypeError(
-            f"track_indices needs a torch.utils.data.DataLoader, got {type(loader).__name__}. For other loaders "
-            "(DALI, webdataset, a framework that carries indices) pass index= to rela.wrap."
+            f"Cannot track sample indices of a {type(loader).__name__}: it is not a torch DataLoader nor a wrapper "
+            "rela.track knows. If it yields the batches of a DataLoader one-to-one and in order (a device prefetcher), "
+            "name that loader: `loader = rela.track(wrapper, inner=wrapper.loader)`. Otherwise (DALI, webdataset, a "
+            "framework that carries indices) pass index= to rela.wrap."
         )
     if isinstance(loader.dataset, IterableDataset):
         raise TypeError(
@@ -158,6 +184,21 @@ def track_indices(loader: DataLoader, tracker: Optional[IndexTracker] = None) ->
         raise TypeError(
             f"{type(loader).__name__} overrides DataLoader._get_iterator, so its batches cannot be tracked; "
             "pass index= to rela.wrap."
+        )
+    if _is_type(loader, "timm.data.loader", "MultiEpochsDataLoader"):
+        # its __iter__ yields len(self) batches of one persistent iterator, as they come: a batch is published
+        # when that iterator returns it, which is when it is yielded. The iterator is made at the first pass.
+        if loader.iterator is not None and "_accelerate_ssl_tracker" not in loader.__dict__:
+            raise RuntimeError(
+                "This MultiEpochsDataLoader has been iterated already: its one iterator (kept for all epochs) was "
+                "built untracked. Call rela.track(loader) before the first epoch."
+            )
+    elif type(loader).__iter__ is not DataLoader.__iter__ and not _as_inner:
+        raise TypeError(
+            f"{type(loader).__name__} overrides DataLoader.__iter__, so nothing proves it yields the batches its "
+            "iterator builds one-to-one and in order (it may skip, reorder or read ahead). If it does yield them so "
+            "(e.g. a prefetcher around its own iterator), say so: `loader = rela.track(loader, inner=loader)`; "
+            "otherwise pass index= to rela.wrap."
         )
     existing: Optional[IndexTracker] = loader.__dict__.get("_accelerate_ssl_tracker")
     if existing is not None:
@@ -184,68 +225,120 @@ def _inner_sampler(batch_sampler) -> Any:
     return batch_sampler
 
 
-class TrackedPreparedLoader:
-    """A loader returned by ``accelerator.prepare`` whose batches' dataset indices reach ``tracker`` in step
-    with what it yields (see the module docstring). Iterate it exactly like the prepared loader; every other
-    attribute (``len``, ``set_epoch``, ...) is the prepared loader's."""
+def _is_type(obj, module: str, name: str) -> bool:
+    t = type(obj)
+    return t.__name__ == name and t.__module__ == module
 
-    def __init__(self, prepared, tracker: IndexTracker):
+
+def _mixing(loader) -> Optional[str]:
+    """Why ``loader``'s batches cannot carry per-sample targets, or None: its collate function mixes samples."""
+    fn = getattr(loader, "collate_fn", None)
+    if type(fn).__name__ != "FastCollateMixup" or not type(fn).__module__.startswith("timm."):
+        return None
+    on = getattr(fn, "mixup_enabled", True) and getattr(fn, "mix_prob", 1.0) > 0 and (
+        getattr(fn, "mixup_alpha", 0) > 0 or getattr(fn, "cutmix_alpha", 0) > 0 or getattr(fn, "cutmix_minmax", None))
+    if not on:
+        return None
+    return ("The tracked loader mixes samples in its collate function (timm's FastCollateMixup: mixup/cutmix), but a "
+            "stored target belongs to one sample, not to a mix of two, so ReLA refuses mixed batches. Train without "
+            "mixup/cutmix while ReLA runs (timm's train.py: --mixup 0 --cutmix 0), or switch it on only once "
+            "rela.stats['finished'] is True.")
+
+
+def _known_inner(loader) -> Optional[Any]:
+    """The inner DataLoader of a wrapper known to yield its batches one-to-one and in order (None: not one)."""
+    if _is_type(loader, "timm.data.loader", "PrefetchLoader"):
+        return loader.loader
+    if type(loader).__module__.startswith("accelerate.") and getattr(loader, "base_dataloader", None) is not None:
+        return loader.base_dataloader  # DataLoaderShard (DataLoaderDispatcher is refused by TrackedLoader)
+    return None
+
+
+class TrackedLoader:
+    """A wrapper that yields its ``inner`` DataLoader's batches one-to-one and in order (possibly reading ahead),
+    with each batch's dataset indices published to ``tracker`` when the wrapper yields it (module docstring).
+    Iterate it exactly like the wrapper; every other attribute (``len``, ``set_epoch``, ``mixup_enabled``, ...) is
+    the wrapper's."""
+
+    def __init__(self, wrapper, inner, tracker: IndexTracker):
         from .subset import DynamicSubsetSampler
 
-        if type(prepared).__name__ == "DataLoaderDispatcher":
+        if type(wrapper).__name__ == "DataLoaderDispatcher":
             raise TypeError(
                 "accelerator.prepare returned a DataLoaderDispatcher (dispatch_batches=True): process 0 loads every "
                 "batch and scatters it, so the other processes never see sample indices. Use Accelerator("
                 "dataloader_config=DataLoaderConfiguration(dispatch_batches=False)) with a map-style dataset."
             )
-        base = prepared.base_dataloader
-        sampler = _inner_sampler(getattr(base, "batch_sampler", None))
-        if isinstance(sampler, DynamicSubsetSampler) and sampler.num_replicas > 1:
+        if not isinstance(inner, DataLoader):
+            raise TypeError(f"inner= must be the torch DataLoader that {type(wrapper).__name__} iterates, got "
+                            f"{type(inner).__name__}.")
+        sampler = _inner_sampler(getattr(inner, "batch_sampler", None))
+        if (hasattr(wrapper, "base_dataloader") and isinstance(sampler, DynamicSubsetSampler)
+                and sampler.num_replicas > 1):
             raise ValueError(
                 f"The DataLoader's DynamicSubsetSampler shards itself over {sampler.num_replicas} processes, and "
                 "accelerator.prepare shards its batches again (each process would see 1/P^2 of the subset). Build it "
                 "with num_replicas=1, rank=0 (accelerate_ssl.integrations.accelerate.subset_sampler does)."
             )
-        self.prepared = prepared
-        self.tracker = tracker
+        self.wrapper, self.inner, self.tracker = wrapper, inner, tracker
         self._fifo: collections.deque = collections.deque()
-        track_indices(base).add_listener(self._fifo.append)
+        track_indices(inner, _as_inner=True).add_listener(self._fifo.append)
 
     def __iter__(self) -> Iterator:
         self._fifo.clear()
-        skip = int(getattr(self.prepared, "skip_batches", 0) or 0)
-        for batch in self.prepared:
-            for _ in range(skip):  # batches fetched but not yielded by accelerate's skip_batches
+        self.tracker.iteration += 1
+        self.tracker.mixing = _mixing(self.inner)
+        skip = int(getattr(self.wrapper, "skip_batches", 0) or 0)  # Accelerate's skip_first_batches: read, not yielded
+        for batch in self.wrapper:
+            for _ in range(min(skip, len(self._fifo))):
                 self._fifo.popleft()
             skip = 0
             if not self._fifo:
                 raise RuntimeError(
-                    "accelerate_ssl lost track of the prepared loader's sample indices (a batch arrived with none "
-                    "recorded); pass index= to rela.wrap instead."
+                    f"accelerate_ssl: {type(self.wrapper).__name__} yielded a batch its inner DataLoader never built, "
+                    "so it does not yield that loader's batches one-to-one; pass index= to rela.wrap instead."
                 )
             self.tracker.push(self._fifo.popleft())
             yield batch
+        if self._fifo:
+            raise RuntimeError(
+                f"accelerate_ssl: {type(self.wrapper).__name__} finished a pass with {len(self._fifo)} batch(es) of its "
+                "inner DataLoader never yielded, so it does not yield them one-to-one and in order and the indices "
+                "published in this pass cannot be trusted. Track the DataLoader you iterate, or pass index= to rela.wrap."
+            )
 
     def __len__(self) -> int:
-        return len(self.prepared)
+        return len(self.wrapper)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("prepared", "tracker", "_fifo"):
+        if name in ("wrapper", "inner", "tracker", "_fifo"):
             raise AttributeError(name)
-        return getattr(self.prepared, name)
+        return getattr(self.wrapper, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("wrapper", "inner", "tracker", "_fifo"):
+            object.__setattr__(self, name, value)
+        else:  # e.g. timm's train.py: loader.mixup_enabled = False
+            setattr(self.wrapper, name, value)
 
 
-def track_loader(loader, tracker: Optional[IndexTracker] = None) -> tuple[Any, IndexTracker]:
+def track_loader(loader, tracker: Optional[IndexTracker] = None, *, inner=None) -> tuple[Any, IndexTracker]:
     """Track ``loader``'s sample indices; returns ``(loader to iterate, tracker)``.
 
-    A plain DataLoader is tracked in place (:func:`track_indices`) and returned as it is; a loader
-    prepared by HF Accelerate comes back wrapped in a :class:`TrackedPreparedLoader` (iterate that).
+    A DataLoader is tracked in place (:func:`track_indices`) and returned as it is. A wrapper that yields an
+    inner DataLoader's batches one-to-one and in order (timm's ``PrefetchLoader``, a loader prepared by HF
+    Accelerate, or any other named by ``inner=``) comes back as a :class:`TrackedLoader`: iterate that.
     """
-    if isinstance(loader, TrackedPreparedLoader):
+    if isinstance(loader, TrackedLoader):
         if tracker is not None and tracker is not loader.tracker:
             loader.tracker.add_listener(tracker.push)
         return loader, loader.tracker
-    if getattr(loader, "base_dataloader", None) is not None and type(loader) is not DataLoader:
-        wrapped = TrackedPreparedLoader(loader, tracker or IndexTracker())
+    if inner is None:
+        inner = _known_inner(loader)
+    if inner is not None:
+        wrapped = TrackedLoader(loader, inner, tracker or IndexTracker())
+        wrapped.tracker.mixing = _mixing(inner)
         return wrapped, wrapped.tracker
-    return loader, track_indices(loader, tracker)
+    tracker = track_indices(loader, tracker)
+    tracker.mixing = _mixing(loader)
+    return loader, tracker

@@ -26,8 +26,9 @@ What ReLA does behind those two lines:
   flattened to ``[B, D]``. All views of a step share the sample's target; their ReLA terms are
   averaged. ``wrap(..., features=)`` overrides the hook.
 - **Indices**: ``dataloader=`` / ``rela.track(loader)`` makes the loader record the dataset indices of
-  each batch it yields (:mod:`accelerate_ssl.data.indexing`), so batches stay as they are.
-  ``wrap(..., index=)`` overrides (frameworks that carry indices, e.g. solo-learn's ``batch[0]``); an
+  each batch it yields (:mod:`accelerate_ssl.data.indexing`), so batches stay as they are; a wrapper that
+  yields a DataLoader's batches one-to-one and in order (timm's prefetcher, Accelerate's prepared loader, or
+  ``rela.track(w, inner=w.loader)``) is iterated through what ``track`` returns. ``wrap(..., index=)`` overrides (frameworks that carry indices, e.g. solo-learn's ``batch[0]``); an
   explicit index vector that repeats on consecutive optimiser steps (checked on the first few) is refused as
   placeholders.
 - **Transport head** ``nn.Linear(student_dim, target_dim)`` is always trained. If your optimiser holds
@@ -82,7 +83,7 @@ from torch.utils.data import DataLoader
 
 from ..data.indexing import IndexTracker, track_loader
 from ..schedules import Constant, Schedule, create_schedule, needs_run_length, takes_run_length
-from .capture import MAX_CAPTURED, FeatureCapture, flatten_features, infer_feature_dim
+from .capture import MAX_CAPTURED, FeatureCapture, check_hooked_module, flatten_features, infer_feature_dim
 from .distributed import average_gradients, is_distributed, mean_over_processes
 from .head import TransportHead, fit_transport_head, full_precision, rela_loss
 from .lookup import INDEX_CHECK_STEPS, TargetLookup, as_index, open_targets
@@ -155,6 +156,9 @@ class ReLA:
             controller in order (and averaged across processes in one call). ``1`` (default) is Alg. 1 as
             printed, with one host synchronisation per step; on a GPU, e.g. ``sync_every=50`` removes it at
             the cost of lambda trailing the losses by up to 50 steps.
+        capture: ``"output"`` (default): the hooked module's output is the feature; ``"input"``: its first input,
+            e.g. ``ReLA(store, model.get_classifier(), capture="input")`` for a timm classifier's pooled
+            pre-logits features. The hooked module must have parameters (they identify your optimiser).
         targets_on_device: keep every (PCA-reduced) target on the student's device, ``rows x n_components x 4``
             bytes (1.28 M x 256: 1.3 GB), so a lookup is a device gather that never waits for the host.
             Default: rows are read from the store on the host, which needs the batch's indices on the host.
@@ -178,9 +182,11 @@ class ReLA:
         head_in_ddp: bool = False,
         sync_every: int = 1,
         targets_on_device: bool = False,
+        capture: str = "output",
     ):
         if not isinstance(backbone, nn.Module):
             raise TypeError(f"backbone must be an nn.Module (the student's feature extractor), got {type(backbone).__name__}.")
+        check_hooked_module(backbone, capture)
         self.transport = TransportHead(init=head_init, optimizer=head_optimizer,
                                        lr=1e-3 if head_lr is None else head_lr,
                                        weight_decay=0.01 if head_weight_decay is None else head_weight_decay)
@@ -207,6 +213,7 @@ class ReLA:
         self.n_components = n_components
         self._current_index: Optional[torch.Tensor] = None  # the indices of the batch the loop holds now
         self._index_fresh = False  # ... not yet used by a wrap (each published batch is consumed once)
+        self._index_source, self._index_pending = None, 0  # the pass it came from; its batches since the last wrap
         self._trackers: list[IndexTracker] = []
         self._window_sum: Optional[torch.Tensor] = None
         self._window_count = 0
@@ -214,7 +221,9 @@ class ReLA:
         self.steps = 0
         self._backbone_param_ids = {id(p) for p in backbone.parameters()}
 
-        for source in (dataset, getattr(dataloader, "dataset", None)):
+        if capture == "input" and feature_dim is None and isinstance(backbone, nn.Linear):
+            feature_dim = backbone.in_features  # a classifier's input: the pooled features
+        for source in (dataset, getattr(dataloader, "dataset", None)) if capture == "output" else ():
             if feature_dim is None and source is not None:
                 feature_dim = infer_feature_dim(backbone, source)
         if feature_dim is not None:
@@ -222,7 +231,8 @@ class ReLA:
 
         self._head_synced_at: Optional[tuple] = None  # (steps, wraps) when the head's gradients were last averaged
         ref = weakref.ref(self)  # (hooks and callbacks hold ReLA weakly: dropping it removes them)
-        self.capture = FeatureCapture(backbone, active=lambda: (r := ref()) is not None and not r.schedule.finished)
+        self.capture = FeatureCapture(backbone, active=lambda: (r := ref()) is not None and not r.schedule.finished,
+                                      capture=capture)
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         def pre(opt, args, kwargs):
@@ -238,9 +248,9 @@ class ReLA:
         self._finalizer = weakref.finalize(self, lambda hs: [h.remove() for h in hs], handles)
         if dataloader is not None and self.track(dataloader) is not dataloader:
             raise ValueError(
-                f"{type(dataloader).__name__} (a loader prepared by HF Accelerate) reads one batch ahead, so it must be "
-                "iterated through the wrapper that rela.track returns: create ReLA without dataloader= and write "
-                "`loader = rela.track(accelerator.prepare(loader))`."
+                f"{type(dataloader).__name__} wraps a DataLoader and reads ahead of it, so it must be iterated through "
+                "the loader that rela.track returns: create ReLA without dataloader= and write `loader = "
+                "rela.track(loader)`."
             )
 
     # ------------------------------------------------------------------ setup
@@ -265,29 +275,47 @@ class ReLA:
         """The targets' PCA (None: raw targets)."""
         return self.targets.pca
 
-    def track(self, dataloader: DataLoader) -> DataLoader:
+    def track(self, dataloader, *, inner: Optional[DataLoader] = None):
         """Record the dataset indices of every batch ``dataloader`` yields (it yields exactly what it did) and
-        return the loader to iterate: ``dataloader`` itself for a DataLoader; for a loader prepared by HF
-        Accelerate (which reads one batch ahead) a thin wrapper that publishes each batch's indices as it is
-        yielded, so write ``loader = rela.track(accelerator.prepare(loader))``. See
-        :mod:`accelerate_ssl.data.indexing`."""
-        dataloader, tracker = track_loader(dataloader)
+        return the loader to iterate: write ``loader = rela.track(loader)``.
+
+        - A DataLoader (timm's ``MultiEpochsDataLoader`` too) is tracked in place and returned as it is.
+        - A wrapper that yields an inner DataLoader's batches one-to-one and in order, possibly reading ahead
+          (timm's ``PrefetchLoader``, a loader from ``accelerator.prepare``: recognised), comes back wrapped so
+          that each batch's indices are published when the *wrapper* yields it. Name the inner loader of any
+          other such wrapper (a device prefetcher): ``rela.track(prefetcher, inner=prefetcher.loader)``.
+
+        Anything else is refused, as is a tracked batch that cannot be the loop's (two batches of one pass
+        published without a wrap between them: a wrapper reading ahead of a DataLoader tracked underneath it).
+        See :mod:`accelerate_ssl.data.indexing`."""
+        dataloader, tracker = track_loader(dataloader, inner=inner)
         if tracker not in self._trackers:
             ref = weakref.ref(self)
 
-            def listener(idx, ref=ref):
+            def listener(idx, ref=ref, tracker=tracker):
                 r = ref()
-                if r is not None:
-                    r._publish_index(idx)
+                if r is None:
+                    return
+                if tracker.mixing and not r.schedule.finished:
+                    raise ValueError(tracker.mixing)
+                r._publish_index(idx, source=(id(tracker), tracker.iteration))
 
             tracker.add_listener(listener)
             self._trackers.append(tracker)
         return dataloader
 
-    def _publish_index(self, index: torch.Tensor) -> None:
+    def _publish_index(self, index: torch.Tensor, source=None) -> None:
         """The dataset indices of the batch the loop now holds (from a tracked loader, or an integration that
-        knows which batch the loop body receives); the next ``wrap`` without ``index=`` consumes them, once."""
-        self._current_index, self._index_fresh = index, True
+        knows which batch the loop body receives); the next ``wrap`` without ``index=`` consumes them, once.
+        ``source`` names the pass they come from: a second batch of the same pass before that wrap is counted
+        (the loop cannot hold both), a batch of a new pass replaces an unconsumed one (``break`` then a new epoch).
+        Without ``source`` (an integration that knows the batch the loop holds, e.g. the Lightning callback) nothing
+        is counted: the latest publication is the batch."""
+        if self._index_fresh and source is not None and source == self._index_source:
+            self._index_pending += 1
+        else:
+            self._index_pending = 1
+        self._current_index, self._index_fresh, self._index_source = index, True, source
 
     def set_total_steps(self, total_steps: int) -> None:
         """Plan a schedule given by name for ``total_steps`` optimiser steps (e.g. Lightning's
@@ -341,6 +369,8 @@ class ReLA:
             self.to(feats.device)
         target = self.targets(index, feats.device) if rows is None else self.targets.reduce_rows(rows, feats.device)
         target = target.repeat(feats.shape[0] // n, 1)  # views are stacked blocks of n, all share a target
+        if self.transport.needs_fit:  # fitted on half the samples, this first loss on the other half
+            feats, target = self.transport.fit_held_out(feats, target, n)
         return self.transport.loss(feats, target)
 
     def wrap(
@@ -399,9 +429,11 @@ class ReLA:
             if index is not None:
                 raise ValueError("ReLA.wrap: pass index= (rows looked up in the store) or targets= (rows carried by "
                                  "the batch), not both.")
+            self._index_fresh = False  # the batch carries its rows: a tracked index is used up too
         elif index is not None:
             index = as_index(index)
             self.targets.check_not_placeholder(index)
+            self._index_fresh = False  # the loop said which batch it holds: a tracked one is used up too
         else:
             index = self._take_published_index()
         l_rela = self._rela_term(feats, index, rows=targets)
@@ -426,6 +458,15 @@ class ReLA:
                 "ReLA.wrap: this batch has no recoverable sample indices. Call rela.track(dataloader) (or "
                 "ReLA(..., dataloader=loader)) before iterating the loader, or pass index= to wrap "
                 "(e.g. solo-learn's batch[0])."
+            )
+        if self._index_pending > 1:
+            raise RuntimeError(
+                f"ReLA.wrap: the tracked loader yielded {self._index_pending} batches since the last wrap, in one pass, "
+                "so which one this loop body holds is unknown. Either a wrapper iterates the tracked DataLoader and reads "
+                "ahead (timm's PrefetchLoader, Accelerate's prepared loader, a device prefetcher): track the loader you "
+                "iterate, `loader = rela.track(wrapper)` (for a wrapper it does not know: `rela.track(wrapper, "
+                "inner=wrapper.loader)`); or the loop skips batches of a tracked loader: call wrap on every batch "
+                "(skip them in the sampler instead), or pass index= to wrap."
             )
         if not self._index_fresh:
             raise RuntimeError(
@@ -577,6 +618,8 @@ class ReLA:
         self.capture.clear()
         self.targets.reset_checks()
         self._pending_losses = []
+        # rela.stats describes the loaded state (the lambda of the next step), not the last wrap before the load
+        self._last = {"lambda": self.schedule.value, "loss_rela": None, "loss_ssl": None}
 
     def close(self) -> None:
         """Remove the forward hook and the optimiser hooks (also done when ReLA is garbage-collected)."""

@@ -4,6 +4,11 @@ A forward hook on ``backbone`` records its output for every call made in trainin
 enabled (both views of a step); calls under ``no_grad``, in eval mode, or on another module (the
 momentum/EMA copy, even a ``deepcopy`` made afterwards) are ignored. Outputs are flattened to ``[B, D]``
 (a dict output gives its first feature-like key). ``wrap(..., features=)`` bypasses all of this.
+
+``capture="input"`` records the module's first input instead: hooking a classifier (timm's
+``model.get_classifier()``) gives the pooled pre-logits features that reach it, inside the model's own
+forward (DDP, ``torch.compile`` and EMA copies as above). The hooked module must have parameters: they are
+how ReLA recognises the user's optimiser (:func:`check_hooked_module`).
 """
 
 from __future__ import annotations
@@ -93,16 +98,32 @@ def infer_feature_dim(backbone: nn.Module, dataset) -> Optional[int]:
         np.random.set_state(np_state)
 
 
+def check_hooked_module(backbone: nn.Module, capture: str) -> None:
+    """Refuse a hooked module ReLA could not follow: without parameters, no optimiser holds it, so ReLA would never
+    see a step (lambda frozen, the head untrained)."""
+    if capture not in ("output", "input"):
+        raise ValueError(f"capture must be 'output' (the module's output is the feature) or 'input', got {capture!r}.")
+    if next(backbone.parameters(), None) is None:
+        raise ValueError(
+            f"ReLA: the hooked module {type(backbone).__name__} has no parameters, so ReLA cannot recognise your "
+            "optimiser's steps (an optimiser holding one of its parameters): lambda would never move and the head never "
+            "train. Hook a module with parameters whose output is the feature, e.g. the backbone; for a timm "
+            "classifier's pooled pre-logits features (what timm's global_pool returns), hook the classifier's input: "
+            "ReLA(store, model.get_classifier(), capture='input'); for a timm model created with num_classes=0, "
+            "ReLA(store, model)."
+        )
+
+
 class FeatureCapture:
     """The backbone's training-mode outputs since the last :meth:`take`, recorded by a forward hook.
 
     Args:
-        backbone: the student module whose output are the features.
+        backbone: the student module whose output (or first input, ``capture="input"``) are the features.
         active: called at each forward; nothing is recorded while it returns False (ReLA over).
     """
 
-    def __init__(self, backbone: nn.Module, active: Callable[[], bool]):
-        self.backbone, self.active = backbone, active
+    def __init__(self, backbone: nn.Module, active: Callable[[], bool], capture: str = "output"):
+        self.backbone, self.active, self.use_input = backbone, active, capture == "input"
         self.captured: list[torch.Tensor] = []
         self.error: Optional[Exception] = None
         self._warned_overflow = False
@@ -144,6 +165,11 @@ def _make_hook(capture_ref: "weakref.ref[FeatureCapture]", backbone_ref: "weakre
         capture = capture_ref()
         if capture is None or module is not backbone_ref():
             return
-        capture.record(output)
+        if not capture.use_input:
+            capture.record(output)
+        elif args:
+            capture.record(args[0])
+        else:
+            capture.record(None)  # called with keyword arguments only: reported at wrap()
 
     return hook

@@ -1,8 +1,8 @@
 """The transport head (ReLA v1 Eq. 9 / ReLA v2 Eq. 9) and who trains it.
 
 ``W phi(x) + b``: a linear map from the student's features to the (reduced) target space, trained with
-the student. It starts either from the ridge-regression fit on the first batch (:func:`fit_transport_head`,
-our default) or from PyTorch's random initialisation (the papers). It is trained by the user's optimiser
+the student. It starts either from the ridge-regression fit on half of the first batch's samples, that step's
+loss being scored on the other half (:func:`fit_transport_head`, :meth:`TransportHead.fit_held_out`, our default) or from PyTorch's random initialisation (the papers). It is trained by the user's optimiser
 when that holds ``rela.parameters()``, otherwise by ReLA's own AdamW (``head_lr=1e-3``,
 ``head_weight_decay=0.01``, the papers' settings) stepped right after each step of the user's optimiser.
 The choice is made at the user's first optimiser step (``"auto"``) or forced (``"user"`` / ``"own"``);
@@ -100,8 +100,30 @@ class TransportHead:
         self.own_optimizer: Optional[torch.optim.Optimizer] = None
 
     def build(self, in_dim: int, out_dim: int, device) -> nn.Linear:
-        self.linear = nn.Linear(in_dim, out_dim).to(device)
+        """Create the head. Its random initialisation draws from a fork of the CPU generator, so building ReLA
+        leaves the user's random stream (the next batch order, augmentation, dropout) exactly as it was."""
+        with torch.random.fork_rng(devices=[]):
+            self.linear = nn.Linear(in_dim, out_dim)
+        self.linear.to(device)
         return self.linear
+
+    def fit_held_out(self, feats: torch.Tensor, target: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The least-squares start (:func:`fit_transport_head`) on the first half of the batch's samples (all their
+        views); returns the rows of the other half, on which the first step's loss is computed.
+
+        Scored on the rows it was fitted on, the head would leave almost no residual (none at all when the batch
+        has fewer samples than feature dims), so the first step would get no ReLA gradient. ``feats`` and
+        ``target`` are ``V`` stacked blocks of the batch's ``n`` samples. A one-sample batch is fitted and scored
+        on itself."""
+        self.needs_fit = False
+        if n < 2:
+            fit_transport_head(self.linear, feats, target, distributed=is_distributed())
+            return feats, target
+        h, v = n // 2, feats.shape[0] // n
+        f, t = feats.reshape(v, n, -1), target.reshape(v, n, -1)
+        fit_transport_head(self.linear, f[:, :h].reshape(v * h, -1), t[:, :h].reshape(v * h, -1),
+                           distributed=is_distributed())
+        return f[:, h:].reshape(v * (n - h), -1), t[:, h:].reshape(v * (n - h), -1)
 
     def to(self, device) -> None:
         """Move the head and its own optimiser's state to ``device``."""

@@ -37,6 +37,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -146,6 +147,10 @@ class Preprocess:
             if c == 1 and self.channels == 3:
                 x = x.expand(-1, 3, -1, -1)
             elif c == 3 and self.channels == 1:
+                warnings.warn(
+                    "This prior takes 1-channel (grayscale) images: your RGB images are converted to luminance "
+                    "(ITU-R 601, as PIL's convert('L')) before it embeds them, so its targets ignore colour. Use a "
+                    "3-channel prior for colour data (accelerate-ssl priors list).", UserWarning, stacklevel=2)
                 x = (x * torch.tensor(_LUMA, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)).sum(1, keepdim=True)
             else:
                 raise ValueError(f"Cannot adapt {c}-channel images to a {self.channels}-channel prior.")
