@@ -74,6 +74,19 @@ def test_loader_dataset_is_checked_besides_dataset_argument(digits_store):
         ReLA(digits_store.path, Backbone(), dataset=_digits(), dataloader=DataLoader(swapped, batch_size=32))
 
 
+def test_a_loader_tracked_later_is_checked_too(digits_store):
+    """rela.track(loader) after construction (a prepared / rebuilt loader) checks that loader's data set."""
+    rela = ReLA(digits_store.path, Backbone(), dataset=_digits())
+    swapped = _swapped(_digits())
+    swapped.transform = _tensor_transform
+    with pytest.raises(TargetStoreMismatchError, match="different content or another order"):
+        rela.track(DataLoader(swapped, batch_size=32))
+    same = _digits()
+    same.transform = _tensor_transform
+    loader = DataLoader(same, batch_size=32)
+    assert rela.track(loader) is loader
+
+
 def test_two_swapped_items_are_refused_and_located(digits_store):
     """Rows 1 and 2 of 1438 swapped: every array byte is fingerprinted, and verify names the rows."""
     swapped = _swapped(_digits())

@@ -165,6 +165,23 @@ def test_fast_collate_mixup_is_refused_until_switched_off():
         assert torch.equal(rela.targets.calls[-1][0], decode(x, True))
 
 
+def test_in_loop_mixup_is_refused_while_rela_trains():
+    """timm's train.py without its prefetcher mixes in the loop: `input, target = mixup_fn(input, target)`."""
+    from timm.data import Mixup
+
+    model, rela = model_and_rela()
+    mix = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.0, num_classes=N)
+    x, y = torch.rand(4, 3, SIZE, SIZE), torch.arange(4)
+    with pytest.raises(ValueError, match="Mixup called in the training loop mixes samples.*--mixup 0 --cutmix 0"):
+        mix(x, y)
+    mix.mixup_enabled = False  # --mixup-off-epoch
+    mixed, target = mix(x, y)
+    assert torch.equal(mixed, x)
+    rela.schedule = Constant(0.0)  # ReLA has handed over for good: mixing is the user's again
+    mix.mixup_enabled = True
+    mix(x, y)
+
+
 def test_module_without_parameters_is_refused_with_the_fix():
     model = timm.create_model("test_resnet", pretrained=False, num_classes=5)
     with pytest.raises(ValueError, match=r"get_classifier\(\), capture='input'"):

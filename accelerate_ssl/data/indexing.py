@@ -230,19 +230,50 @@ def _is_type(obj, module: str, name: str) -> bool:
     return t.__name__ == name and t.__module__ == module
 
 
+def _mixes(fn) -> bool:
+    """Whether ``fn`` is timm's Mixup / FastCollateMixup with mixing switched on."""
+    return bool(getattr(fn, "mixup_enabled", True) and getattr(fn, "mix_prob", 1.0) > 0 and (
+        getattr(fn, "mixup_alpha", 0) > 0 or getattr(fn, "cutmix_alpha", 0) > 0 or getattr(fn, "cutmix_minmax", None)))
+
+
+def _mixing_message(where: str) -> str:
+    return (f"{where} mixes samples (timm's mixup/cutmix), but a stored target belongs to one sample, not to a mix of "
+            "two, so ReLA refuses mixed batches. Train without mixup/cutmix while ReLA runs (timm's train.py: --mixup 0 "
+            "--cutmix 0), or switch it on only once rela.stats['finished'] is True.")
+
+
 def _mixing(loader) -> Optional[str]:
     """Why ``loader``'s batches cannot carry per-sample targets, or None: its collate function mixes samples."""
     fn = getattr(loader, "collate_fn", None)
-    if type(fn).__name__ != "FastCollateMixup" or not type(fn).__module__.startswith("timm."):
+    if type(fn).__name__ != "FastCollateMixup" or not type(fn).__module__.startswith("timm.") or not _mixes(fn):
         return None
-    on = getattr(fn, "mixup_enabled", True) and getattr(fn, "mix_prob", 1.0) > 0 and (
-        getattr(fn, "mixup_alpha", 0) > 0 or getattr(fn, "cutmix_alpha", 0) > 0 or getattr(fn, "cutmix_minmax", None))
-    if not on:
-        return None
-    return ("The tracked loader mixes samples in its collate function (timm's FastCollateMixup: mixup/cutmix), but a "
-            "stored target belongs to one sample, not to a mix of two, so ReLA refuses mixed batches. Train without "
-            "mixup/cutmix while ReLA runs (timm's train.py: --mixup 0 --cutmix 0), or switch it on only once "
-            "rela.stats['finished'] is True.")
+    return _mixing_message("The tracked loader's collate function (FastCollateMixup)")
+
+
+#: live objects (ReLA) whose ``refuses_mixing()`` says whether a mixed batch must be refused now
+_MIXING_GUARDS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def refuse_timm_mixup(guard) -> None:
+    """Make timm's in-loop ``Mixup`` (``input, target = mixup_fn(input, target)``) raise while ``guard.refuses_mixing()``
+    is True, instead of feeding ReLA mixed images with one sample's target. Patches ``timm.data.mixup.Mixup.__call__``
+    once (when timm is imported); other mixers are the user's to keep off (README)."""
+    _MIXING_GUARDS.add(guard)
+    import sys
+
+    module = sys.modules.get("timm.data.mixup")
+    mixup = getattr(module, "Mixup", None)
+    if mixup is None or getattr(mixup.__call__, "_accelerate_ssl_guard", False):
+        return
+    original = mixup.__call__
+
+    def __call__(self, *args, **kwargs):
+        if _mixes(self) and any(g.refuses_mixing() for g in list(_MIXING_GUARDS)):
+            raise ValueError(_mixing_message("timm's Mixup called in the training loop"))
+        return original(self, *args, **kwargs)
+
+    __call__._accelerate_ssl_guard = True
+    mixup.__call__ = __call__
 
 
 def _known_inner(loader) -> Optional[Any]:

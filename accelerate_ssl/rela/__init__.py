@@ -81,12 +81,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..data.indexing import IndexTracker, track_loader
+from ..data.indexing import IndexTracker, refuse_timm_mixup, track_loader
 from ..schedules import Constant, Schedule, create_schedule, needs_run_length, takes_run_length
 from .capture import MAX_CAPTURED, FeatureCapture, check_hooked_module, flatten_features, infer_feature_dim
 from .distributed import average_gradients, is_distributed, mean_over_processes
 from .head import TransportHead, fit_transport_head, full_precision, rela_loss
-from .lookup import INDEX_CHECK_STEPS, TargetLookup, as_index, open_targets
+from .lookup import INDEX_CHECK_STEPS, TargetLookup, as_index, check_trained_dataset, open_targets
 
 __all__ = ["ReLA", "fit_transport_head", "rela_loss", "full_precision", "INDEX_CHECK_STEPS", "MAX_CAPTURED"]
 
@@ -193,6 +193,8 @@ class ReLA:
         if not (n_components in ("auto", None) or (isinstance(n_components, int) and n_components >= 0)):
             raise ValueError(f"n_components must be 'auto', None, 0 or a positive int, got {n_components!r}.")
         self.store = open_targets(targets, dataset, dataloader)
+        #: ids of the data sets checked against the store (a loader tracked later is checked once too)
+        self._checked_datasets = {id(d) for d in (dataset, getattr(dataloader, "dataset", None)) if d is not None}
         self.targets = TargetLookup(self.store, targets_on_device=targets_on_device)
         self.backbone = backbone
         self._schedule_name = None if isinstance(schedule, Schedule) else str(schedule or "decay")
@@ -246,6 +248,7 @@ class ReLA:
 
         handles = [self.capture.handle, register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
         self._finalizer = weakref.finalize(self, lambda hs: [h.remove() for h in hs], handles)
+        refuse_timm_mixup(self)  # timm's in-loop Mixup raises while ReLA trains (a mixed image has no stored target)
         if dataloader is not None and self.track(dataloader) is not dataloader:
             raise ValueError(
                 f"{type(dataloader).__name__} wraps a DataLoader and reads ahead of it, so it must be iterated through "
@@ -288,6 +291,11 @@ class ReLA:
         Anything else is refused, as is a tracked batch that cannot be the loop's (two batches of one pass
         published without a wrap between them: a wrapper reading ahead of a DataLoader tracked underneath it).
         See :mod:`accelerate_ssl.data.indexing`."""
+        refuse_timm_mixup(self)
+        dataset = getattr(inner if inner is not None else dataloader, "dataset", None)
+        if dataset is not None and id(dataset) not in self._checked_datasets:  # every loader ReLA trains on
+            check_trained_dataset(self.store, dataset, "the tracked loader's dataset")
+            self._checked_datasets.add(id(dataset))
         dataloader, tracker = track_loader(dataloader, inner=inner)
         if tracker not in self._trackers:
             ref = weakref.ref(self)
@@ -303,6 +311,10 @@ class ReLA:
             tracker.add_listener(listener)
             self._trackers.append(tracker)
         return dataloader
+
+    def refuses_mixing(self) -> bool:
+        """Whether a batch mixing two samples (mixup/cutmix) must be refused now: while ReLA still trains."""
+        return not self.schedule.finished
 
     def _publish_index(self, index: torch.Tensor, source=None) -> None:
         """The dataset indices of the batch the loop now holds (from a tracked loader, or an integration that
