@@ -55,10 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conditions", nargs="+", choices=CONDITIONS, default=list(CONDITIONS))
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                    help="recipes: the demo's, and the variants (aligned, 100 %% shuffled and stale only)")
-    p.add_argument("--seeds", type=int, nargs="+", default=list(range(20)),
-                   help="seeds of the demo's aligned runs (default 0-19)")
-    p.add_argument("--misaligned-seeds", type=int, nargs="+", default=list(range(10)),
-                   help="seeds of the demo's other conditions and of every variant's runs (default 0-9)")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(range(6)),
+                   help="seeds of the demo's aligned runs (default 0-5)")
+    p.add_argument("--misaligned-seeds", type=int, nargs="+", default=[0, 1, 2],
+                   help="seeds of the demo's other conditions (default 0-2)")
+    p.add_argument("--variant-seeds", type=int, nargs="+", default=[0, 1], help="seeds of the variants' runs (default 0 1)")
     p.add_argument("--steps", type=int, default=250, help="optimiser steps per run (the demo's budget, 250)")
     p.add_argument("--train-size", type=int, default=20000)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
@@ -218,7 +219,7 @@ def main(argv=None) -> int:
     demo = demo_settings(args)
     runs_todo = [(v, c, s) for v in args.variants for c in args.conditions
                  if v == "demo" or c in ("aligned", "shuffled-100%", "stale")
-                 for s in (args.seeds if (v, c) == ("demo", "aligned") else args.misaligned_seeds)]
+                 for s in (args.variant_seeds if v != "demo" else args.seeds if c == "aligned" else args.misaligned_seeds)]
     cache = Path(args.cache)
     train = FashionMNIST("train", limit=args.train_size)
     store_dir = cache / f"targets-{args.train_size}"
