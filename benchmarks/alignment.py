@@ -55,11 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conditions", nargs="+", choices=CONDITIONS, default=list(CONDITIONS))
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                    help="recipes: the demo's, and the variants (aligned, 100 %% shuffled and stale only)")
-    p.add_argument("--seeds", type=int, nargs="+", default=list(range(6)),
-                   help="seeds of the demo's aligned runs (default 0-5)")
-    p.add_argument("--misaligned-seeds", type=int, nargs="+", default=[0, 1, 2],
-                   help="seeds of the demo's other conditions (default 0-2)")
-    p.add_argument("--variant-seeds", type=int, nargs="+", default=[0, 1], help="seeds of the variants' runs (default 0 1)")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(range(12)),
+                   help="seeds of the demo's aligned runs (default 0-11)")
+    p.add_argument("--misaligned-seeds", type=int, nargs="+", default=list(range(5)),
+                   help="seeds of the demo's other conditions (default 0-4)")
+    p.add_argument("--variant-seeds", type=int, nargs="+", default=list(range(4)),
+                   help="seeds of the variants' runs (default 0-3)")
     p.add_argument("--steps", type=int, default=250, help="optimiser steps per run (the demo's budget, 250)")
     p.add_argument("--train-size", type=int, default=20000)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
@@ -164,21 +165,22 @@ def summarise(runs: list[dict]) -> list[dict]:
         fired = [r["fired_step"] for r in rs if r["fired"]]
         ts = [r["min_t"] for r in rs if r["min_t"] is not None]
         out.append({"variant": variant, "condition": cond, "runs": len(rs), "alarms": len(fired), "alarm_rate": len(fired) / len(rs),
-                    "median_alarm_step": statistics.median(fired) if fired else None,
+                    "median_alarm_step": round(statistics.median(fired)) if fired else None,
                     "min_t": min(ts) if ts else None,
                     "first_window_gap": statistics.mean([r["windows"][0]["gap"] for r in rs if r["windows"]] or [math.nan])})
     return out
 
 
 def table(summary: list[dict], cost: list[dict], step_seconds: float) -> str:
-    lines = ["| recipe | store rows | runs | alarms | alarm rate | median step of the alarm | lowest window t | gap, first window |",
+    lines = ["| recipe | store rows | runs | alarms | alarm rate | median step of the alarm | lowest window t | mean gap, first window |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for s in summary:
         lines.append(f"| {s['variant']} | {s['condition']} | {s['runs']} | {s['alarms']} | {s['alarm_rate']:.0%} | "
                      f"{'' if s['median_alarm_step'] is None else s['median_alarm_step']} | "
                      f"{'' if s['min_t'] is None else format(s['min_t'], '.1f')} | {s['first_window_gap']:+.3f} |")
+    lines.append("")
     for c in cost:
-        lines.append(f"\ncheck cost, [{c['views']} x {c['batch']}, {c['dim']}] predictions: "
+        lines.append(f"check cost, [{c['views']} x {c['batch']}, {c['dim']}] predictions: "
                      f"{c['seconds_per_call'] * 1e6:.0f} us per batch (CPU)"
                      + (f", {c['seconds_per_call'] / step_seconds:.2%} of the demo's step" if c["dim"] == 16 else ""))
     return "\n".join(lines)

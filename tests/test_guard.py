@@ -80,6 +80,7 @@ def test_warns_once_on_a_shuffled_store(seed):
     shuffled = y[torch.randperm(N, generator=torch.Generator().manual_seed(seed))]
     rela, warned = train(shuffled, index_batches(x, 31, seed))
     assert len(warned) == 1 and "accelerate-ssl store verify" in str(warned[0].message)
+    assert warned[0].filename == __file__  # points at the wrap call
     assert rela.guard.alarm["batch"] == 20  # the first tested window: warm-up 10 + window 10
     assert abs(rela.guard.alarm["gap"]) < 0.05
 

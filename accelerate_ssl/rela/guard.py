@@ -126,7 +126,7 @@ class AlignmentGuard:
                 "dataset indices. Check the store item by item with `accelerate-ssl store verify PATH --data SPEC`, "
                 "and pass the loader you iterate to ReLA(..., dataloader=) or rela.track(). (If the rows are right, "
                 "the targets carry no per-sample information, e.g. identical rows, or the student's features have "
-                "collapsed.) ReLA(..., alignment_check=False) turns this check off."), stacklevel=5)
+                "collapsed.) ReLA(..., alignment_check=False) turns this check off."), stacklevel=9)  # the caller of wrap (tested)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
