@@ -15,8 +15,9 @@ not (a store of another data set or of another order of it, indices of another b
 another sample's row and ``E[gap_t] = 0``. After ``warmup`` observed batches (the batch the head is
 least-squares fitted on is never observed: its gap is optimistic), the gaps of each ``window`` batches are
 tested one-sided: ``t = mean(gap) / (std(gap) / sqrt(window))``; ``t < z`` (no evidence that the rows are the
-samples') warns once with :class:`MisalignmentWarning`. A store with only a few wrong rows (a swap of two
-items, 1 % of the rows) still has a clear gap and is *not* detected: that is what the fingerprints are for.
+samples') warns once with :class:`MisalignmentWarning`. A store with a part of its rows wrong keeps the gap of
+its right rows (a swap of two items; 1 % or 10 % of the rows shuffled, measured) and is *not* detected: that is
+what the fingerprints and ``accelerate-ssl store verify`` are for.
 ``benchmarks/alignment.py`` measures the false-alarm and miss rates (``benchmarks/README.md``).
 
 Cost: two ``[B, n]`` products per micro-batch, no gradient. The statistics stay on the device; they reach the
