@@ -85,10 +85,12 @@ from ..data.indexing import IndexTracker, refuse_timm_mixup, track_loader
 from ..schedules import Constant, Schedule, create_schedule, needs_run_length, takes_run_length
 from .capture import MAX_CAPTURED, FeatureCapture, check_hooked_module, flatten_features, infer_feature_dim
 from .distributed import average_gradients, is_distributed, mean_over_processes
+from .guard import AlignmentGuard, MisalignmentWarning
 from .head import TransportHead, fit_transport_head, full_precision, rela_loss
 from .lookup import INDEX_CHECK_STEPS, TargetLookup, as_index, check_trained_dataset, open_targets
 
-__all__ = ["ReLA", "fit_transport_head", "rela_loss", "full_precision", "INDEX_CHECK_STEPS", "MAX_CAPTURED"]
+__all__ = ["ReLA", "fit_transport_head", "rela_loss", "full_precision", "INDEX_CHECK_STEPS", "MAX_CAPTURED",
+           "MisalignmentWarning"]
 
 
 # ---------------------------------------------------------------------------------------------- store identity
@@ -162,6 +164,11 @@ class ReLA:
         targets_on_device: keep every (PCA-reduced) target on the student's device, ``rows x n_components x 4``
             bytes (1.28 M x 256: 1.3 GB), so a lookup is a device gather that never waits for the host.
             Default: rows are read from the store on the host, which needs the batch's indices on the host.
+        alignment_check: test, every 10 batches after the first 10, that the head's predictions are closer to each
+            sample's own target than to another sample's of the batch, and warn once
+            (:class:`~accelerate_ssl.rela.guard.MisalignmentWarning`) when they are not: the rows are then most
+            likely other samples' (:mod:`accelerate_ssl.rela.guard`). Two ``[B, n]`` products per batch, no host
+            synchronisation.
     """
 
     def __init__(
@@ -183,6 +190,7 @@ class ReLA:
         sync_every: int = 1,
         targets_on_device: bool = False,
         capture: str = "output",
+        alignment_check: bool = True,
     ):
         if not isinstance(backbone, nn.Module):
             raise TypeError(f"backbone must be an nn.Module (the student's feature extractor), got {type(backbone).__name__}.")
@@ -206,6 +214,7 @@ class ReLA:
         else:
             self.schedule = create_schedule(self._schedule_name, total_steps=total_steps)
         self.head_in_ddp = bool(head_in_ddp)
+        self.guard = AlignmentGuard(enabled=alignment_check)
         #: whether a by-name schedule knows the run length (warned about at the first wrap otherwise)
         self._planned = self._schedule_name is None or total_steps is not None or not takes_run_length(self._schedule_name)
         if not isinstance(sync_every, int) or sync_every < 1:
@@ -381,9 +390,10 @@ class ReLA:
             self.to(feats.device)
         target = self.targets(index, feats.device) if rows is None else self.targets.reduce_rows(rows, feats.device)
         target = target.repeat(feats.shape[0] // n, 1)  # views are stacked blocks of n, all share a target
-        if self.transport.needs_fit:  # fitted on half the samples, this first loss on the other half
+        if self.transport.needs_fit:  # fitted on half the samples, this first loss on the other half (not observed)
             feats, target = self.transport.fit_held_out(feats, target, n)
-        return self.transport.loss(feats, target)
+            return self.transport.loss(feats, target)
+        return self.transport.loss(feats, target, observe=lambda p, t: self.guard.observe(p, t, n))
 
     def wrap(
         self,
@@ -596,6 +606,7 @@ class ReLA:
             "n_components": self.n_components,
             "store_rows": len(self.store),
             "store": store_identity(self.store),
+            "alignment_check": self.guard.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -626,6 +637,7 @@ class ReLA:
         self.transport.load_state_dict(state)
         self.schedule.load_state_dict(sched)
         self.steps = int(state["steps"])
+        self.guard.load_state_dict(state.get("alignment_check"))
         self._window_sum, self._window_count = None, 0
         self.capture.clear()
         self.targets.reset_checks()

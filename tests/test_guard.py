@@ -1,0 +1,216 @@
+"""ReLA's alignment check (accelerate_ssl/rela/guard.py): it warns when the rows looked up are not the batch's
+samples (a shuffled store, a loader wrapper that reads ahead), stays silent on an aligned store, survives a
+checkpoint, and never reads the device per step."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from accelerate_ssl import ReLA
+from accelerate_ssl.rela import MisalignmentWarning
+from accelerate_ssl.rela.guard import AlignmentGuard
+from accelerate_ssl.schedules import Constant
+
+N, D_IN, D_F, D_T, B = 1024, 16, 32, 12, 16
+
+
+def data():
+    """Inputs and targets that are a fixed non-linear function of them (row i = the target of sample i)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, D_IN, generator=g)
+    y = torch.tanh(x @ torch.randn(D_IN, D_T, generator=g)) @ torch.randn(D_T, D_T, generator=g)
+    return x, y
+
+
+class Pairs(Dataset):
+    def __init__(self, x):
+        self.x = x
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], 0
+
+
+def student():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D_IN, 64), nn.ReLU(), nn.Linear(64, D_F))
+
+
+def train(rows, batches, device="cpu", **rela_kwargs):
+    """ReLA alone (lambda = 1) on ``batches`` of ``(x, index or None)``; returns ReLA and the warnings raised."""
+    net = student().to(device)
+    rela = ReLA(rows, net, feature_dim=D_F, schedule=Constant(1.0), **rela_kwargs)
+    opt = torch.optim.AdamW([*net.parameters(), *rela.parameters()], lr=3e-3)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", MisalignmentWarning)
+        for x, idx in batches:
+            net(x.to(device))
+            rela.wrap(torch.zeros((), device=device), index=idx).backward()
+            opt.step()
+            opt.zero_grad()
+    return rela, [w for w in seen if issubclass(w.category, MisalignmentWarning)]
+
+
+def index_batches(x, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        idx = torch.randperm(N, generator=g)[:B]
+        yield x[idx], idx
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_silent_on_an_aligned_store(seed):
+    x, y = data()
+    rela, warned = train(y, index_batches(x, 41, seed))
+    assert warned == [] and rela.guard.alarm is None
+    assert rela.guard.observed == 40  # every batch but the one the head was fitted on
+    assert len(rela.guard.history) == 3 and min(w["t"] for w in rela.guard.history) > 3 * rela.guard.z
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_warns_once_on_a_shuffled_store(seed):
+    x, y = data()
+    shuffled = y[torch.randperm(N, generator=torch.Generator().manual_seed(seed))]
+    rela, warned = train(shuffled, index_batches(x, 31, seed))
+    assert len(warned) == 1 and "accelerate-ssl store verify" in str(warned[0].message)
+    assert warned[0].filename == __file__  # points at the wrap call
+    assert rela.guard.alarm["batch"] == 20  # the first tested window: warm-up 10 + window 10
+    assert abs(rela.guard.alarm["gap"]) < 0.05
+
+
+def read_ahead(loader):
+    """A loader wrapper that fetches the next batch before yielding the current one (a prefetcher)."""
+    it = iter(loader)
+    held = next(it)
+    for batch in it:
+        yield held
+        held = batch
+
+
+def test_warns_when_a_read_ahead_wrapper_shifts_the_tracked_indices_by_one_batch():
+    """A path no identity check covers: the tracked loader publishes batch t + 1's indices while the loop holds
+    batch t, and every index is fresh and in range."""
+    x, y = data()
+    loader = DataLoader(Pairs(x), batch_size=B, shuffle=True, generator=torch.Generator().manual_seed(0))
+    net = student()
+    rela = ReLA(y, net, dataloader=loader, feature_dim=D_F, schedule=Constant(1.0))
+    opt = torch.optim.AdamW([*net.parameters(), *rela.parameters()], lr=3e-3)
+    with pytest.warns(MisalignmentWarning, match="reads batches ahead"):
+        for step, (xb, _) in enumerate(read_ahead(loader)):
+            net(xb)
+            rela.wrap(torch.zeros(())).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 30:
+                break
+    assert rela.guard.alarm["batch"] == 20
+
+
+def test_switched_off_it_observes_nothing():
+    x, y = data()
+    rela, warned = train(y[torch.randperm(N)], index_batches(x, 41), alignment_check=False)
+    assert warned == [] and rela.guard.observed == 0 and rela.guard.alarm is None
+
+
+def test_state_round_trips_mid_window():
+    """A resumed check continues its open window: the same windows and the same alarm as an uninterrupted one."""
+    g = torch.Generator().manual_seed(0)
+    feed = [(torch.randn(2 * B, D_T, generator=g), torch.randn(B, D_T, generator=g)) for _ in range(45)]
+    feed = [(p + (3.0 * t.repeat(2, 1) if i < 25 else 0.0), t.repeat(2, 1)) for i, (p, t) in enumerate(feed)]
+    whole = AlignmentGuard()
+    with pytest.warns(MisalignmentWarning):
+        for p, t in feed:
+            whole.observe(p, t, B)
+    first = AlignmentGuard()
+    for p, t in feed[:25]:
+        first.observe(p, t, B)
+    state = first.state_dict()
+    assert state["count"] == 5 and state["observed"] == 25  # in the middle of the third window
+    resumed = AlignmentGuard()
+    resumed.load_state_dict(state)
+    with pytest.warns(MisalignmentWarning):
+        for p, t in feed[25:]:
+            resumed.observe(p, t, B)
+    assert resumed.alarm == pytest.approx(whole.alarm) and whole.alarm["batch"] == 40  # window 31-40: all misaligned
+    assert resumed.last == pytest.approx(whole.last)
+
+
+def test_rela_checkpoints_the_check_and_loads_checkpoints_without_it():
+    x, y = data()
+    rela, _ = train(y, index_batches(x, 26))
+    state = rela.state_dict()
+    assert state["alignment_check"]["observed"] == 25 and state["alignment_check"]["count"] == 5
+    fresh = ReLA(y, student(), feature_dim=D_F, schedule=Constant(1.0))
+    fresh.load_state_dict(state)
+    assert fresh.guard.observed == 25 and fresh.guard.last == pytest.approx(rela.guard.last)
+    older = {k: v for k, v in state.items() if k != "alignment_check"}
+    again = ReLA(y, student(), feature_dim=D_F, schedule=Constant(1.0))
+    again.load_state_dict(older)
+    assert again.guard.observed == 0 and again.guard.alarm is None
+
+
+def test_reads_the_host_once_per_window_never_per_step():
+    from test_gpu_ready import _HostReads
+
+    x, y = data()
+    batches = list(index_batches(x, 41))
+    net = student()
+    rela = ReLA(y, net, feature_dim=D_F, schedule=Constant(1.0))  # a schedule that never reads the loss
+    opt = torch.optim.SGD([*net.parameters(), *rela.parameters()], lr=0.05, foreach=False)  # (AdamW reads its step)
+    with _HostReads() as reads:
+        for xb, idx in batches:
+            net(xb)
+            rela.wrap(torch.zeros(()), index=idx).backward()
+            opt.step()
+            opt.zero_grad()
+    assert len(rela.guard.history) == 3 and reads.count == 3  # windows ending at observed batches 20, 30, 40
+
+
+def test_runs_on_the_meta_device_without_reading_anything():
+    """On ``meta`` any host read raises: 13 steps with a 2-batch window pass only if the check never reads."""
+    x, y = data()
+    net = student().to("meta")
+    rela = ReLA(y, net, feature_dim=D_F, schedule=Constant(1.0), sync_every=100)
+    rela.guard = AlignmentGuard(warmup=0, window=2)
+    opt = torch.optim.AdamW([*net.parameters(), *rela.parameters()], lr=3e-3)
+    for xb, idx in index_batches(x, 13):
+        net(xb.to("meta"))
+        rela.wrap(torch.zeros((), device="meta"), index=idx).backward()
+        opt.step()
+        opt.zero_grad()
+    assert rela.guard.observed == 12 and rela.guard.last is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU machine)")
+def test_cuda_check_never_synchronises():
+    x, y = data()
+    net = student().cuda()
+    rela = ReLA(y, net, feature_dim=D_F, schedule=Constant(1.0), targets_on_device=True)
+    opt = torch.optim.AdamW([*net.parameters(), *rela.parameters()], lr=3e-3)
+    batches = [(xb.cuda(), idx.cuda()) for xb, idx in index_batches(x, 61)]
+    for xb, idx in batches[:3]:  # warm-up: the head fit and the index checks read on the host once
+        net(xb)
+        rela.wrap(torch.zeros((), device="cuda"), index=idx).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for xb, idx in batches[3:]:
+            net(xb)
+            rela.wrap(torch.zeros((), device="cuda"), index=idx).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    rela.guard._poll()
+    assert rela.guard.alarm is None and len(rela.guard.history) == 5
