@@ -58,7 +58,6 @@ from torch.utils.data import DataLoader
 
 from accelerate_ssl.data.indexing import track_indices
 from accelerate_ssl.rela import ReLA
-from accelerate_ssl.rela.lookup import check_trained_dataset
 
 __all__ = ["ReLACallback"]
 
@@ -138,7 +137,6 @@ class _ReLACallback:
         self._plan_from_trainer = False
         self._fifo: collections.deque = collections.deque()  # index batches yielded, not yet received
         self._trackers: list = []
-        self._checked_datasets: set = set()  # ids of the data sets already checked against the store
         self._received = 0  # batches received (on_train_batch_start) this epoch ...
         self._first_batch_idx: Optional[int] = None  # ... and the batch_idx of the first one
         self._last_seen: Any = None
@@ -208,9 +206,7 @@ class _ReLACallback:
         except TypeError:
             raise TypeError("ReLACallback: the training DataLoader has no length (its sampler has none), so Lightning "
                             "reads a batch ahead before the epoch starts; use a sampler with __len__.") from None
-        if id(dataloader.dataset) not in self._checked_datasets:  # the data set Lightning really iterates
-            check_trained_dataset(self.rela.store, dataloader.dataset, "the DataLoader Lightning iterates")
-            self._checked_datasets.add(id(dataloader.dataset))
+        self.rela.check_dataset(dataloader.dataset, "the DataLoader Lightning iterates")
         tracker = track_indices(dataloader)
         if tracker not in self._trackers:
             tracker.add_listener(self._fifo.append)

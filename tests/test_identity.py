@@ -115,10 +115,10 @@ def test_store_verify_cli_checks_every_item(digits_store, tmp_path, capsys):
     (flat / "000.png").rename(flat / "zzz.png")  # the listing order changes: row 0 is now the last file
     assert cli_main(["store", "verify", str(folder_store), "--data", f"folder:{flat}", "--no-progress"]) == 1
     err = capsys.readouterr().err
-    assert "different content or another order" in err and "every file name" in err
+    assert "do not belong to this dataset's items (compared by files)" in err and "item 0 is not in the store" not in err
     # the 8 px digits store against the 28 px digits spec: same length, other images
     assert cli_main(["store", "verify", str(digits_store.path), "--data", "digits", "--no-progress"]) == 1
-    assert "same length (1438) but different content" in capsys.readouterr().err
+    assert "1438 of 1438 rows do not belong" in capsys.readouterr().err
 
 
 def test_labels_do_not_change_the_identity(digits_store):
@@ -331,3 +331,66 @@ def test_targets_carried_by_the_batch_get_the_stores_checks_and_reduction():
     bad[1, 3] = float("nan")
     with pytest.raises(RuntimeError, match="NaN/Inf in the batch's target rows"):
         rela.wrap(torch.tensor(0.0), targets=bad)
+
+
+def test_a_checked_data_sets_id_reused_by_another_object_is_checked_again(digits_store):
+    import weakref
+
+    rela = ReLA(digits_store.path, Backbone(), dataset=_digits())
+    swapped = _swapped(_digits())
+
+    class Gone:
+        pass
+
+    rela._checked_datasets[id(swapped)] = weakref.ref(Gone())  # what a freed data set at the same address leaves
+    with pytest.raises(TargetStoreMismatchError, match="different content or another order"):
+        rela.check_dataset(swapped)
+
+
+def test_index_without_any_checked_data_set_warns(digits_store):
+    model = Backbone()
+    rela = ReLA(digits_store.path, model, feature_dim=16, total_steps=5)
+    model(torch.rand(8, 1, 8, 8))
+    with pytest.warns(UserWarning, match="no data set was checked against this target store"):
+        rela.wrap(torch.tensor(0.0), index=torch.arange(8))
+
+
+class _AugmentsInside(Dataset):
+    """A user's data set that augments inside __getitem__ (no .transform attribute to switch off)."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        x = _tensor_transform(self.base.data[i].numpy())
+        return x + 0.01 * torch.rand_like(x), 0
+
+
+def test_loader_data_set_that_cannot_be_identified(digits_store):
+    """Refused when nothing vouches for it; with the clean dataset= checked, a warning names what is not checked."""
+    loader = DataLoader(_AugmentsInside(_digits()), batch_size=32)
+    with pytest.raises(ValueError, match="Cannot identify.*ReLA\\(\\.\\.\\., dataset=clean_train_set\\)"):
+        ReLA(digits_store.path, Backbone(), dataloader=loader)
+    with pytest.warns(UserWarning, match="only its length is checked"):
+        ReLA(digits_store.path, Backbone(), dataset=_digits(), dataloader=loader)
+
+
+def test_a_transform_called_unconditionally_and_a_label_tensor_first():
+    class Calls(Dataset):  # `self.transform(x)` without a None test; dict items with the label first
+        def __init__(self, transform, offset=0.0):
+            self.transform, self.offset = transform, offset
+
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return {"label": torch.tensor(i % 2), "image": self.transform(torch.full((1, 4, 4), i / 10 + self.offset))}
+
+    clean, augmented = Calls(lambda x: x), Calls(lambda x: x + torch.rand_like(x))
+    assert dataset_fingerprint(clean) == dataset_fingerprint(augmented)  # the image is the sample, not the label
+    assert augmented.transform(torch.zeros(1)).item() != 0.0  # the user's transform is back after reading
+    other_images = Calls(lambda x: x, offset=0.05)  # same labels, other images
+    assert dataset_fingerprint(other_images)["sha256"] != dataset_fingerprint(clean)["sha256"]

@@ -47,7 +47,10 @@ def _sample_positions(n: int, num_samples: int) -> list[int]:
 
 
 def _is_sample(x: Any) -> bool:
-    return isinstance(x, (torch.Tensor, np.ndarray, bytes, str)) or (hasattr(x, "tobytes") and hasattr(x, "mode"))
+    """An image, an array or a tensor of more than one value (a 0-d or one-element tensor is a label), bytes, a str."""
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return x.ndim >= 1 and (x.numel() if isinstance(x, torch.Tensor) else x.size) > 1
+    return isinstance(x, (bytes, str)) or (hasattr(x, "tobytes") and hasattr(x, "mode"))
 
 
 def sample_of(item: Any) -> Any:
@@ -92,26 +95,44 @@ def _unwrap(dataset) -> tuple[Any, list]:
     return dataset, chain
 
 
+def _unchanged(x: Any) -> Any:
+    return x
+
+
 @contextlib.contextmanager
 def _transform_off(dataset):
-    """Read items as the data set holds them: its ``.transform`` (torchvision's convention) switched off."""
+    """Read items as the data set holds them: its ``.transform`` (torchvision's convention) replaced by the identity
+    (not None: a ``__getitem__`` may call it unconditionally); left as it is when it cannot be set (a property)."""
     base, _ = _unwrap(dataset)
-    if getattr(base, "transform", None) is None:
+    saved = getattr(base, "transform", None)
+    if saved is None:
         yield
         return
-    saved = base.transform
-    base.transform = None
+    try:
+        base.transform = _unchanged
+    except (AttributeError, TypeError):  # read-only: read with the transform (the double read still guards)
+        yield
+        return
     try:
         yield
     finally:
         base.transform = saved
 
 
+def _read_once(dataset, i: int) -> bytes:
+    """Item ``i``'s sample with the transform off; with the transform on when the data set cannot be read without
+    it (a ``__getitem__`` that needs its transform's output)."""
+    try:
+        with _transform_off(dataset):
+            return _to_bytes(sample_of(dataset[i]))
+    except Exception:  # noqa: BLE001 - any failure of the user's __getitem__ without its transform
+        return _to_bytes(sample_of(dataset[i]))
+
+
 def read_sample(dataset, i: int) -> bytes:
     """The bytes of item ``i``'s sample (:func:`sample_of`), read with the transform off; refused when two
     reads differ (a random transform the data set does not expose as ``.transform``)."""
-    with _transform_off(dataset):
-        first, second = _to_bytes(sample_of(dataset[i])), _to_bytes(sample_of(dataset[i]))
+    first, second = _read_once(dataset, i), _read_once(dataset, i)
     if first != second:
         raise ValueError(
             f"Cannot identify the samples of {type(dataset).__name__}: item {i} differs between two reads (a random "
@@ -170,13 +191,23 @@ def _file_names(dataset) -> list[str] | None:
     return [relative(p) for p in paths]
 
 
-def _kind(base) -> str:
-    if _file_names(base) is not None:
-        return "files"
+def _array(base):
+    """The array holding the samples, row i = item i: ``.data`` (ours, torchvision MNIST/CIFAR) or a
+    ``TensorDataset``'s first tensor; None otherwise."""
     data = getattr(base, "data", None)
-    if isinstance(data, (torch.Tensor, np.ndarray)) and len(data) == len(base):
-        return "array"
-    return "items"
+    if not isinstance(data, (torch.Tensor, np.ndarray)):
+        tensors = getattr(base, "tensors", None)  # torch.utils.data.TensorDataset
+        data = tensors[0] if isinstance(tensors, tuple) and tensors and isinstance(tensors[0], torch.Tensor) else None
+    return data if data is not None and len(data) == len(base) else None
+
+
+def _kind(base) -> tuple[str, Any]:
+    """``("files", names)``, ``("array", array)`` or ``("items", None)``."""
+    names = _file_names(base)
+    if names is not None:
+        return "files", names
+    data = _array(base)
+    return ("array", data) if data is not None else ("items", None)
 
 
 def dataset_fingerprint(dataset, num_samples: int = DEFAULT_NUM_SAMPLES) -> dict:
@@ -192,18 +223,18 @@ def dataset_fingerprint(dataset, num_samples: int = DEFAULT_NUM_SAMPLES) -> dict
     for indices in chain:
         h.update(b"subset:" + indices.tobytes())
     n = len(dataset)
-    kind = _kind(base)
+    kind, content = _kind(base)
 
     def both(chunk: bytes) -> None:
         h.update(chunk)
         base_h.update(chunk)
 
     if kind == "files":
-        both("\n".join(_file_names(base)).encode())
+        both("\n".join(content).encode())
         coverage = "every file name"
     elif kind == "array":
         rows = hashlib.sha256()
-        _hash_array(rows, base.data)
+        _hash_array(rows, content)
         both(rows.digest())
         coverage = "every array row"
     else:
@@ -232,11 +263,12 @@ class RowIdentity:
     def __init__(self, dataset):
         self.dataset = dataset
         self.base, chain = _unwrap(dataset)
-        self.kind = _kind(self.base)
+        self.kind, content = _kind(self.base)
         self._map = None
         for indices in reversed(chain):  # innermost first: position -> base row
             self._map = indices if self._map is None else self._map[indices]
-        self._names = _file_names(self.base) if self.kind == "files" else None
+        self._names = content if self.kind == "files" else None
+        self._data = content if self.kind == "array" else None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -247,11 +279,13 @@ class RowIdentity:
         if self.kind == "items":
             if item is not None and getattr(self.base, "transform", None) is None:
                 raw = _to_bytes(sample_of(item))
+            elif item is not None:  # precompute read it with the transform: once more without (checked at fingerprint)
+                raw = _read_once(self.dataset, i)
             else:
                 raw = read_sample(self.dataset, i)
         else:
             j = int(i if self._map is None else self._map[i])
-            raw = self._names[j].encode() if self.kind == "files" else _to_bytes(self.base.data[j])
+            raw = self._names[j].encode() if self.kind == "files" else _to_bytes(self._data[j])
         return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)
 
     def all(self, progress: bool = False) -> np.ndarray:

@@ -250,15 +250,17 @@ def _mixing(loader) -> Optional[str]:
     return _mixing_message("The tracked loader's collate function (FastCollateMixup)")
 
 
-#: live objects (ReLA) whose ``refuses_mixing()`` says whether a mixed batch must be refused now
-_MIXING_GUARDS: "weakref.WeakSet" = weakref.WeakSet()
+#: the latest ReLA (weakly): its ``refuses_mixing()`` says whether a mixed batch must be refused now (an older ReLA
+#: still alive, e.g. from an earlier notebook cell, does not speak for the loop running now)
+_MIXING_GUARD: Optional["weakref.ref"] = None
 
 
 def refuse_timm_mixup(guard) -> None:
     """Make timm's in-loop ``Mixup`` (``input, target = mixup_fn(input, target)``) raise while ``guard.refuses_mixing()``
     is True, instead of feeding ReLA mixed images with one sample's target. Patches ``timm.data.mixup.Mixup.__call__``
     once (when timm is imported); other mixers are the user's to keep off (README)."""
-    _MIXING_GUARDS.add(guard)
+    global _MIXING_GUARD
+    _MIXING_GUARD = weakref.ref(guard)
     import sys
 
     module = sys.modules.get("timm.data.mixup")
@@ -268,7 +270,8 @@ def refuse_timm_mixup(guard) -> None:
     original = mixup.__call__
 
     def __call__(self, *args, **kwargs):
-        if _mixes(self) and any(g.refuses_mixing() for g in list(_MIXING_GUARDS)):
+        current = _MIXING_GUARD() if _MIXING_GUARD is not None else None
+        if _mixes(self) and current is not None and current.refuses_mixing():
             raise ValueError(_mixing_message("timm's Mixup called in the training loop"))
         return original(self, *args, **kwargs)
 

@@ -200,9 +200,14 @@ class ReLA:
                                        weight_decay=0.01 if head_weight_decay is None else head_weight_decay)
         if not (n_components in ("auto", None) or (isinstance(n_components, int) and n_components >= 0)):
             raise ValueError(f"n_components must be 'auto', None, 0 or a positive int, got {n_components!r}.")
-        self.store = open_targets(targets, dataset, dataloader)
-        #: ids of the data sets checked against the store (a loader tracked later is checked once too)
-        self._checked_datasets = {id(d) for d in (dataset, getattr(dataloader, "dataset", None)) if d is not None}
+        self.store = open_targets(targets)
+        #: the data sets checked against the store, by id, held weakly (an id reused by a new object is checked again)
+        self._checked_datasets: dict[int, Callable[[], Any]] = {}
+        self._warned_unchecked = False
+        if dataset is not None:
+            self.check_dataset(dataset, "dataset=")
+        if getattr(dataloader, "dataset", None) is not None:
+            self.check_dataset(dataloader.dataset, "the DataLoader's dataset")
         self.targets = TargetLookup(self.store, targets_on_device=targets_on_device)
         self.backbone = backbone
         self._schedule_name = None if isinstance(schedule, Schedule) else str(schedule or "decay")
@@ -302,9 +307,8 @@ class ReLA:
         See :mod:`accelerate_ssl.data.indexing`."""
         refuse_timm_mixup(self)
         dataset = getattr(inner if inner is not None else dataloader, "dataset", None)
-        if dataset is not None and id(dataset) not in self._checked_datasets:  # every loader ReLA trains on
-            check_trained_dataset(self.store, dataset, "the tracked loader's dataset")
-            self._checked_datasets.add(id(dataset))
+        if dataset is not None:  # every loader ReLA trains on
+            self.check_dataset(dataset, "the tracked loader's dataset")
         dataloader, tracker = track_loader(dataloader, inner=inner)
         if tracker not in self._trackers:
             ref = weakref.ref(self)
@@ -320,6 +324,18 @@ class ReLA:
             tracker.add_listener(listener)
             self._trackers.append(tracker)
         return dataloader
+
+    def check_dataset(self, dataset, which: str = "the dataset") -> None:
+        """Refuse ``dataset`` unless the targets were computed on it (once per data set object): ReLA does this for
+        ``dataset=``, ``dataloader=`` and every tracked loader; integrations call it for the loaders they find."""
+        ref = self._checked_datasets.get(id(dataset))
+        if ref is not None and ref() is dataset:
+            return
+        check_trained_dataset(self.store, dataset, which, vouched=bool(self._checked_datasets))
+        try:
+            self._checked_datasets[id(dataset)] = weakref.ref(dataset)
+        except TypeError:  # not weakly referenceable: hold it
+            self._checked_datasets[id(dataset)] = lambda d=dataset: d
 
     def refuses_mixing(self) -> bool:
         """Whether a batch mixing two samples (mixup/cutmix) must be refused now: while ReLA still trains."""
@@ -455,6 +471,11 @@ class ReLA:
         elif index is not None:
             index = as_index(index)
             self.targets.check_not_placeholder(index)
+            if not self._checked_datasets and not self._warned_unchecked and hasattr(self.store, "check_dataset"):
+                self._warned_unchecked = True
+                warnings.warn("ReLA.wrap(index=): no data set was checked against this target store, so nothing proves "
+                              "row i belongs to your item i. Pass ReLA(..., dataset=clean_train_set) (or call "
+                              "rela.check_dataset(train_set)).", UserWarning, stacklevel=2)
             self._index_fresh = False  # the loop said which batch it holds: a tracked one is used up too
         else:
             index = self._take_published_index()

@@ -55,7 +55,7 @@ class _TensorTargets:
             import hashlib
 
             digest = hashlib.sha256(self.rows.numpy().tobytes()).hexdigest()
-            self._identity = {"rows": len(self.rows), "dim": self.dim, "targets_sha256": digest}
+            self._identity = {"rows": len(self.rows), "dim": self.dim, "rows_sha256": digest}
         return self._identity
 
     def __len__(self) -> int:
@@ -71,31 +71,12 @@ class _TensorTargets:
         return self._pca[(n, standardize)]
 
 
-def _trained_datasets(dataset, dataloader) -> list:
-    """The data sets a ReLA will meet: ``dataset=`` and the one the loader iterates (when it is another object)."""
-    out = [dataset] if dataset is not None else []
-    loader_dataset = getattr(dataloader, "dataset", None)
-    if loader_dataset is not None and loader_dataset is not dataset:
-        out.append(loader_dataset)
-    return out
-
-
-def open_targets(targets, dataset, dataloader):
-    """TargetStore / path / Tensor -> an object with ``len``, ``dim``, ``[idx]``, ``pca(n)``, checked against every
-    data set ReLA will train on: ``dataset`` and ``dataloader.dataset`` (a store: their fingerprints; a Tensor:
-    their lengths)."""
-    checked = _trained_datasets(dataset, dataloader)
+def open_targets(targets):
+    """TargetStore / path / Tensor -> an object with ``len``, ``dim``, ``[idx]``, ``pca(n)`` (rows checked not all
+    identical). The data sets trained on are checked against it by :func:`check_trained_dataset`."""
     if isinstance(targets, torch.Tensor):
         store = _TensorTargets(targets)
-        for ref in checked:
-            if len(ref) != len(store):
-                raise ValueError(
-                    f"The targets hold {len(store)} rows but the dataset has {len(ref)} samples; row i must be the "
-                    "target of dataset item i. Pass targets computed on this exact dataset (same split, no subset)."
-                )
-        _refuse_identical_rows(store)
-        return store
-    if isinstance(targets, (str, os.PathLike)):
+    elif isinstance(targets, (str, os.PathLike)):
         from ..targets.store import TargetStore
 
         store = TargetStore.open(targets)
@@ -107,26 +88,40 @@ def open_targets(targets, dataset, dataloader):
                 f"(missing {missing}). Build one with accelerate_ssl.precompute_targets(prior, dataset, path)."
             )
         store = targets
-    for ref in checked:
-        check_trained_dataset(store, ref, "dataset=" if ref is dataset else "the DataLoader's dataset")
     _refuse_identical_rows(store)
     return store
 
 
-def check_trained_dataset(store, dataset, which: str) -> None:
+def check_trained_dataset(store, dataset, which: str, vouched: bool = False) -> None:
     """Refuse ``dataset`` (a data set ReLA will train on, named ``which`` in the message) unless the store was computed
-    on it: the store's fingerprint check, or its length for stores without one."""
+    on it: the store's fingerprint check, or its length for stores without one (in-memory targets). A data set whose
+    samples cannot be identified (augmentation inside ``__getitem__``) is refused, unless ``vouched``: another data set
+    of the run (``dataset=``, the clean set) passed the check, and the lengths agree; then a warning says what is not
+    checked. Iterable data sets have no rows to check (their loops pass ``targets=``, or are refused when tracked)."""
+    from torch.utils.data import IterableDataset
+
+    if isinstance(dataset, IterableDataset):
+        return
     if hasattr(store, "check_dataset"):
         try:
             store.check_dataset(dataset)
         except ValueError as err:
             if which == "dataset=" or "Cannot identify" not in str(err):
                 raise
-            raise ValueError(f"ReLA checks {which} against the store too, and {err}") from err
+            if not (vouched and len(dataset) == len(store)):
+                raise ValueError(f"ReLA checks {which} against the store too, and {err} Or pass the clean data set as "
+                                 "ReLA(..., dataset=clean_train_set).") from err
+            import warnings
+
+            warnings.warn(f"ReLA cannot identify the samples of {which} ({type(dataset).__name__}: its augmentation is "
+                          "not in a `.transform` attribute), so only its length is checked against the store; the clean "
+                          "dataset= passed the full check, and the alignment check watches training.", UserWarning,
+                          stacklevel=4)
     elif len(dataset) != len(store):
         raise ValueError(
-            f"The target store holds {len(store)} rows but {which} has {len(dataset)} samples; "
-            "precompute targets for this dataset (accelerate-ssl precompute)."
+            f"The targets hold {len(store)} rows but {which} has {len(dataset)} samples; row i must be the target of "
+            "dataset item i. Pass targets computed on this exact dataset (same split, no subset): accelerate-ssl "
+            "precompute."
         )
 
 
@@ -229,7 +224,7 @@ class TargetLookup:
             return
         idx = as_index(index).detach().cpu()
         previous, self._current = self._previous, idx
-        if previous is None or previous.shape != idx.shape or len(self.store) <= len(idx) * world_size():
+        if previous is None or previous.shape != idx.shape or len(idx) < 2 or len(self.store) <= len(idx) * world_size():
             return
         if torch.equal(previous, idx):
             shown = idx[:6].tolist()

@@ -353,9 +353,9 @@ def run(args: argparse.Namespace) -> int:
             from ..data.spec import open_data
 
             dataset = open_data(args.data, args.split, root=args.data_root, limit=args.limit, fraction=args.fraction)
+            summary.update(store.verify_rows(dataset, progress=not args.no_progress))  # names the rows that differ
             store.check_dataset(dataset)
-            summary.update(store.verify_rows(dataset, progress=not args.no_progress))
-    except (FileNotFoundError, TargetStoreCorruptError, TargetStoreMismatchError) as err:
+    except (FileNotFoundError, ValueError) as err:  # the store's errors, and a data set that cannot be read
         if args.json:
             print(json.dumps({"path": args.path, "ok": False, "error": str(err)}))
         print(f"accelerate-ssl store verify: error: {err}", file=sys.stderr)
