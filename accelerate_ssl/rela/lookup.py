@@ -146,14 +146,29 @@ class TargetLookup:
         self.store = store
         self.targets_on_device = bool(targets_on_device)
         self.pca: Optional[TargetPCA] = None
+        self._columns: Optional[int] = None  # leading columns used of a store reduced at write
         self._table: Optional[torch.Tensor] = None
         self._previous: Optional[torch.Tensor] = None  # explicit index= of the previous optimiser step
         self._current: Optional[torch.Tensor] = None  # ... and of this one
         self.checked_steps = 0
 
     def reduce_to(self, n_components: Optional[int]) -> int:
-        """Use the store's top ``n_components`` principal components (None / 0: raw rows); the row dim."""
-        if n_components:
+        """Use the store's top ``n_components`` principal components (None / 0: raw rows); the row dim.
+
+        A store reduced at write to ``k`` components (``precompute_targets(components=k)``) holds Eq. 41's rows
+        already: its first ``n_components`` columns are the n-component reduction (same eigenvectors, descending),
+        so they are used as they are, never reduced twice; more than ``k`` is refused."""
+        k = getattr(self.store, "components", None)
+        self._columns = None
+        if k is not None:
+            if n_components and n_components > k:
+                raise ValueError(
+                    f"n_components={n_components} but the target store was reduced at write to its top {k} principal "
+                    f"components (precompute_targets(components={k}) / --components {k}): pass n_components <= {k}, "
+                    f"or recompute the store with --components {n_components} (or without it for full rows).")
+            self.pca = None
+            self._columns = int(n_components) if n_components and n_components < k else None
+        elif n_components:
             if n_components > self.store.dim:
                 raise ValueError(f"n_components={n_components} exceeds the target dim {self.store.dim}; pass at most "
                                  f"{self.store.dim}.")
@@ -161,7 +176,16 @@ class TargetLookup:
         else:
             self.pca = None
         self._table = None
+        if self._columns is not None:
+            return self._columns
         return int(self.store.dim if self.pca is None else self.pca.n_components)
+
+    def _reduce(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored rows -> the rows the loss uses: the PCA of Eq. 41, or the leading columns of a store reduced at
+        write."""
+        if self._columns is not None:
+            return rows[:, : self._columns]
+        return rows if self.pca is None else self.pca.transform(rows)
 
     def __call__(self, index, device) -> torch.Tensor:
         """The targets of ``index`` on ``device``. From the host store: the index is read on the host (pass host
@@ -185,7 +209,7 @@ class TargetLookup:
         if torch.device(device).type == "cuda":
             rows = rows.pin_memory()
         rows = rows.to(device, non_blocking=True)
-        return rows if self.pca is None else self.pca.transform(rows)
+        return self._reduce(rows)
 
     def reduce_rows(self, rows: torch.Tensor, device) -> torch.Tensor:
         """Raw prior targets carried by the batch (``wrap(targets=)``) -> the rows the loss uses: the store's width,
@@ -193,7 +217,10 @@ class TargetLookup:
         if not isinstance(rows, torch.Tensor) or rows.ndim != 2 or not rows.is_floating_point():
             raise ValueError(f"ReLA.wrap(targets=) needs a float tensor [B, {self.store.dim}] of raw prior targets, got "
                              f"{type(rows).__name__} {tuple(getattr(rows, 'shape', ()))}.")
-        if rows.shape[1] != self.store.dim:
+        written = self.store.written_pca() if getattr(self.store, "components", None) is not None else None
+        if written is not None and rows.shape[1] == written.dim:  # raw rows for a store reduced at write
+            rows = written.transform(rows.detach().to(device=device, dtype=torch.float32, non_blocking=True))
+        elif rows.shape[1] != self.store.dim:
             raise ValueError(
                 f"ReLA.wrap(targets=) rows have dim {rows.shape[1]} but the targets ReLA was opened on have dim "
                 f"{self.store.dim}: they come from another prior (or were PCA-reduced already). Pass the raw rows the "
@@ -202,7 +229,7 @@ class TargetLookup:
         rows = rows.detach().to(device=device, dtype=torch.float32, non_blocking=True)
         torch._assert_async(torch.isfinite(rows).all(), "ReLA.wrap(targets=): NaN/Inf in the batch's target rows; the "
                             "sidecar holding them is broken: recompute it")
-        return rows if self.pca is None else self.pca.transform(rows)
+        return self._reduce(rows)
 
     def _device_table(self, device) -> torch.Tensor:
         """Every target row, reduced, on ``device`` (built once per device; one finiteness check then)."""
@@ -210,7 +237,7 @@ class TargetLookup:
             n = len(self.store)
             rows = [torch.as_tensor(self.store[np.arange(a, min(a + 65536, n))], dtype=torch.float32)
                     for a in range(0, n, 65536)]  # the store refuses NaN/Inf rows here, naming them
-            self._table = torch.cat([r if self.pca is None else self.pca.transform(r) for r in rows])
+            self._table = torch.cat([self._reduce(r) for r in rows])
         if self._table.device != torch.device(device):
             self._table = self._table.to(device)
         return self._table
