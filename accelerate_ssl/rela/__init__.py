@@ -350,6 +350,7 @@ class ReLA:
         index=None,
         features: Union[torch.Tensor, Sequence[torch.Tensor], None] = None,
         targets: Optional[torch.Tensor] = None,
+        keys=None,
     ) -> torch.Tensor:
         """``lambda * L_rela + (1 - lambda) * loss`` for this micro-batch.
 
@@ -360,6 +361,9 @@ class ReLA:
             targets: the batch's raw prior targets ``[B, dim]``, carried by the batch itself (a sidecar field of a
                 WebDataset sample, a ``datasets`` column): no index is needed, so nothing can misalign them. They get
                 the same checks (width, finite) and the same PCA / z-scoring as the store's rows.
+            keys: the batch's sample keys (file names, WebDataset ``__key__`` s, an id column: a list of str or an int
+                tensor), mapped to rows through the keys recorded in the store at precompute; a key the store does
+                not hold stops training with its name (:meth:`TargetStore.key_rows`).
             features: the student features of this batch, one tensor per view or views stacked as
                 blocks of B rows (default: the backbone calls captured since the last wrap).
         """
@@ -395,10 +399,16 @@ class ReLA:
                     "and it must be the module given to ReLA (not a copy); or pass features= to wrap."
                 )
             feats = captured
+        if sum(x is not None for x in (index, targets, keys)) > 1:
+            raise ValueError("ReLA.wrap: pass one of index= (rows by position), keys= (rows by sample key) or targets= "
+                             "(rows carried by the batch), not both.")
         if targets is not None:
-            if index is not None:
-                raise ValueError("ReLA.wrap: pass index= (rows looked up in the store) or targets= (rows carried by "
-                                 "the batch), not both.")
+            pass
+        elif keys is not None:
+            if not hasattr(self.store, "key_rows"):
+                raise ValueError("ReLA.wrap(keys=) needs a TargetStore with recorded keys (precompute_targets(..., "
+                                 "keys=...)); these targets are an in-memory tensor: pass index= instead.")
+            index = self.store.key_rows(keys)
         elif index is not None:
             index = as_index(index)
             self.targets.check_not_placeholder(index)

@@ -107,13 +107,13 @@ class TargetKeys:
     """The key -> row map of a store (see the module docstring). Build with :meth:`from_keys` (checks every key)
     or :meth:`load`; :meth:`rows` maps a batch's keys."""
 
-    def __init__(self, sorted_keys: np.ndarray, rows: np.ndarray, kind: str = "user", where: str = "the target store"):
+    def __init__(self, sorted_keys: np.ndarray, rows: np.ndarray, kind: str = "user", store: Optional[str] = None):
         self.sorted_keys, self.sorted_rows = sorted_keys, rows
-        self.kind, self.where = kind, where
+        self.kind, self.store = kind, store  # "files" / "user"; the store folder (named in errors)
 
     # ------------------------------------------------------------------ building and saving
     @classmethod
-    def from_keys(cls, keys: Sequence[str], kind: str = "user", where: str = "the target store") -> "TargetKeys":
+    def from_keys(cls, keys: Sequence[str], kind: str = "user", store: Optional[str] = None) -> "TargetKeys":
         """Keys in row order; refuses empty keys, keys with a NUL character and duplicates, naming them."""
         keys = [key_text(k) for k in keys]
         encoded = [k.encode("utf-8") for k in keys]
@@ -132,7 +132,7 @@ class TargetKeys:
             raise ValueError(f"{same.size} duplicated sample key(s): {text}{' ...' if same.size > 3 else ''}. Each key "
                              "must name one sample, or a batch's key could not say which row is its own: deduplicate "
                              "the data set (or its id column), or pass keys=False and look rows up by index.")
-        return cls(sorted_keys, order.astype(np.int64), kind, where)
+        return cls(sorted_keys, order.astype(np.int64), kind, store)
 
     @staticmethod
     def digest(keys: Sequence[str]) -> str:
@@ -164,7 +164,7 @@ class TargetKeys:
                 or len(keys) != entry.get("count") or len(keys) != num_rows):
             raise TargetStoreCorruptError(f"The sample keys of the target store {str(folder)!r} do not match its metadata "
                                           f"({len(keys)} keys, {num_rows} rows); recompute the store.")
-        return cls(keys, rows, entry.get("kind", "user"), f"the target store {str(folder)!r}")
+        return cls(keys, rows, entry.get("kind", "user"), str(folder))
 
     # ------------------------------------------------------------------ lookups
     def __len__(self) -> int:
@@ -194,8 +194,10 @@ class TargetKeys:
             what, listing = ("File", "file list") if self.kind == "files" else ("Key", "key list")
             example = [k.decode("utf-8") for k in self.sorted_keys[:3]]
             raise TargetKeyError(
-                f"{what} {missing[0]!r} is not in {self.where}'s {listing} ({len(missing)} of the batch's {len(wanted)} "
-                f"keys missing; the store holds {len(self)}, e.g. {example}): the targets were computed on other data "
-                "(another folder, split or shard set). Recompute them for the data you train on."
+                f"{what} {missing[0]!r} is not in the target store's {listing} ("
+                + (f"store {self.store!r}: " if self.store else "") + f"{len(self)} keys, e.g. {example}; "
+                f"{len(missing)} of the batch's {len(wanted)} keys missing): the targets were computed on other data "
+                "(another folder, split or shard set). Recompute them for the data you train on, or train on the data "
+                "they were computed on."
             )
         return torch.from_numpy(np.asarray(self.sorted_rows)[pos].astype(np.int64))
