@@ -41,10 +41,11 @@ VARIANTS = {  # name -> precompute_targets(dtype=, components=)
 
 
 def drop_cache(store) -> None:
-    """Evict the store's file from the page cache: unmap its pages from this process, then DONTNEED the file."""
-    mm = getattr(store.array, "_mmap", None)
-    if mm is not None:
-        mm.madvise(mmap.MADV_DONTNEED)
+    """Evict the store's file from the page cache: drop its pages from both of the store's mappings (the kernel keeps
+    mapped pages whatever is advised), then DONTNEED the file."""
+    for mm in (getattr(store.array, "_mmap", None), getattr(store._random_rows, "base", None)):
+        if isinstance(mm, mmap.mmap):
+            mm.madvise(mmap.MADV_DONTNEED)
     fd = os.open(store.path / store.metadata["file"], os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

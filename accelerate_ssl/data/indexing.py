@@ -58,9 +58,20 @@ class IndexTracker:
         self.current: Optional[torch.Tensor] = None
         self.batches = 0
         self._listeners: list[Callable[[torch.Tensor], None]] = []
+        self._upcoming: list[Callable[[torch.Tensor], None]] = []
 
     def add_listener(self, fn: Callable[[torch.Tensor], None]) -> None:
         self._listeners.append(fn)
+
+    def add_upcoming_listener(self, fn: Callable[[torch.Tensor], None]) -> None:
+        """``fn(indices)`` for every batch the loader *draws*, in order, before it is built and yielded (with
+        workers, several batches ahead; a drawn batch may never be yielded if the epoch is cut short): lets a
+        reader fetch its targets ahead (:class:`~accelerate_ssl.rela.lookup.RowPrefetcher`)."""
+        self._upcoming.append(fn)
+
+    def announce(self, indices: Any) -> None:
+        for fn in self._upcoming:
+            fn(torch.as_tensor(indices, dtype=torch.long).reshape(-1))
 
     def push(self, indices: Any) -> None:
         idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
@@ -78,6 +89,7 @@ class _TrackingIterMixin:
     def _next_index(self):
         index = super()._next_index()  # may raise StopIteration: nothing recorded then
         self._accelerate_ssl_fifo.append(index)
+        self._accelerate_ssl_tracker.announce(index)
         return index
 
     def _next_data(self):
@@ -209,7 +221,9 @@ class TrackedPreparedLoader:
         self.prepared = prepared
         self.tracker = tracker
         self._fifo: collections.deque = collections.deque()
-        track_indices(base).add_listener(self._fifo.append)
+        inner = track_indices(base)
+        inner.add_listener(self._fifo.append)
+        inner.add_upcoming_listener(tracker.announce)  # drawn by the inner loader: upcoming for this one too
 
     def __iter__(self) -> Iterator:
         self._fifo.clear()

@@ -158,6 +158,9 @@ class ReLA:
         targets_on_device: keep every (PCA-reduced) target on the student's device, ``rows x n_components x 4``
             bytes (1.28 M x 256: 1.3 GB), so a lookup is a device gather that never waits for the host.
             Default: rows are read from the store on the host, which needs the batch's indices on the host.
+        prefetch: read the rows of each batch a tracked loader draws on a background thread, while the loop still
+            runs the steps before it (the loader knows a batch's indices before it yields it), so a store larger
+            than the page cache does not stall ``wrap`` on the disk. Rows are identical to a direct read.
     """
 
     def __init__(
@@ -178,6 +181,7 @@ class ReLA:
         head_in_ddp: bool = False,
         sync_every: int = 1,
         targets_on_device: bool = False,
+        prefetch: bool = False,
     ):
         if not isinstance(backbone, nn.Module):
             raise TypeError(f"backbone must be an nn.Module (the student's feature extractor), got {type(backbone).__name__}.")
@@ -187,7 +191,7 @@ class ReLA:
         if not (n_components in ("auto", None) or (isinstance(n_components, int) and n_components >= 0)):
             raise ValueError(f"n_components must be 'auto', None, 0 or a positive int, got {n_components!r}.")
         self.store = open_targets(targets, dataset, dataloader)
-        self.targets = TargetLookup(self.store, targets_on_device=targets_on_device)
+        self.targets = TargetLookup(self.store, targets_on_device=targets_on_device, prefetch=prefetch)
         self.backbone = backbone
         self._schedule_name = None if isinstance(schedule, Schedule) else str(schedule or "decay")
         if self._schedule_name is None:
@@ -281,6 +285,7 @@ class ReLA:
                     r._publish_index(idx)
 
             tracker.add_listener(listener)
+            tracker.add_upcoming_listener(lambda idx, ref=ref: (r := ref()) is not None and r.targets.announce(idx))
             self._trackers.append(tracker)
         return dataloader
 

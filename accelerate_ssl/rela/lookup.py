@@ -7,6 +7,7 @@ reduced table there, so a lookup is a device gather that never waits for the hos
 
 from __future__ import annotations
 
+import collections
 import os
 from typing import Optional
 
@@ -134,17 +135,78 @@ def _refuse_identical_rows(store, sample: int = 4096) -> None:
         raise ValueError(IDENTICAL_ROWS)
 
 
+class RowPrefetcher:
+    """Reads the rows of the batches a tracked loader has drawn but the loop has not reached yet, on one background
+    thread, so a store larger than the page cache is read while the current step runs.
+
+    :meth:`announce` gets each batch's indices when the loader draws them (before it builds the batch; with
+    ``num_workers > 0`` several batches ahead), :meth:`take` gets the indices ``wrap`` looks up. Rows are handed out
+    only for exactly the same index vector they were read for (compared element by element), so a prefetched row is
+    always the one a synchronous read would give; batches announced but never reached (an epoch cut short) are
+    dropped. At most ``depth`` batches are read ahead."""
+
+    MAX_PENDING = 64
+
+    def __init__(self, store, depth: int = 2):
+        self.store, self.depth = store, int(depth)
+        self._pending: collections.deque = collections.deque()  # [index, Future | None], oldest first
+        self._pool = None
+        self.hits = self.misses = 0
+
+    def announce(self, index: torch.Tensor) -> None:
+        idx = torch.as_tensor(index).detach().to("cpu", torch.long).reshape(-1).clone()
+        self._pending.append([idx, None])
+        while len(self._pending) > self.MAX_PENDING:
+            self._pending.popleft()
+        self._submit()
+
+    def _submit(self) -> None:
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="accelerate-ssl-rows")
+        for entry in list(self._pending)[: self.depth]:
+            if entry[1] is None:
+                n = len(self.store)
+                if len(entry[0]) and (int(entry[0].min()) < 0 or int(entry[0].max()) >= n):
+                    continue  # out of range: the lookup itself refuses it, with the message
+                entry[1] = self._pool.submit(self.store.__getitem__, entry[0])
+
+    def take(self, index: torch.Tensor) -> Optional[torch.Tensor]:
+        """The rows read ahead for exactly ``index`` (host LongTensor), or None (read them now)."""
+        for pos, (idx, future) in enumerate(self._pending):
+            if idx.shape == index.shape and torch.equal(idx, index):
+                for _ in range(pos + 1):
+                    self._pending.popleft()  # this batch, and the ones announced before it and never looked up
+                self._submit()
+                if future is None:
+                    break
+                self.hits += 1
+                return future.result()  # re-raises the store's own error (e.g. NaN rows), naming the rows
+        self.misses += 1
+        return None
+
+    def close(self) -> None:
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
 class TargetLookup:
     """The (PCA-reduced) target rows of a batch, from a store opened by :func:`open_targets`.
 
     Args:
         store: the opened targets (``len``, ``dim``, ``[idx]``, ``pca(n)``).
         targets_on_device: keep every reduced row on the features' device (``rows x n_components x 4`` bytes).
+        prefetch: read the rows of the batches a tracked loader has drawn on a background thread
+            (:class:`RowPrefetcher`), for stores larger than the page cache.
     """
 
-    def __init__(self, store, targets_on_device: bool = False):
+    def __init__(self, store, targets_on_device: bool = False, prefetch: bool = False):
         self.store = store
         self.targets_on_device = bool(targets_on_device)
+        self.prefetcher = RowPrefetcher(store) if prefetch and not self.targets_on_device else None
         self.pca: Optional[TargetPCA] = None
         self._columns: Optional[int] = None  # leading columns used of a store reduced at write
         self._table: Optional[torch.Tensor] = None
@@ -205,11 +267,19 @@ class TargetLookup:
                 f"Sample index out of range for the target store ({n} rows): got indices in "
                 f"[{int(idx.min())}, {int(idx.max())}]. The targets must be computed on the dataset being trained."
             )
-        rows = torch.as_tensor(self.store[idx], dtype=torch.float32)
+        rows = self.prefetcher.take(idx) if self.prefetcher is not None else None
+        if rows is None:
+            rows = self.store[idx]
+        rows = torch.as_tensor(rows, dtype=torch.float32)
         if torch.device(device).type == "cuda":
             rows = rows.pin_memory()
         rows = rows.to(device, non_blocking=True)
         return self._reduce(rows)
+
+    def announce(self, index) -> None:
+        """A tracked loader drew the indices of a batch the loop will reach later: read its rows ahead (prefetch)."""
+        if self.prefetcher is not None:
+            self.prefetcher.announce(index)
 
     def reduce_rows(self, rows: torch.Tensor, device) -> torch.Tensor:
         """Raw prior targets carried by the batch (``wrap(targets=)``) -> the rows the loss uses: the store's width,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import mmap
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -125,6 +126,7 @@ class TargetStore:
         self._array = array
         self._keys = None
         self._written_pca = None
+        self._random_rows: Optional[np.ndarray] = None  # a second mapping advised for random access
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -368,6 +370,23 @@ class TargetStore:
                                               "recompute the store.") from err
         return self._written_pca
 
+    def _random_access(self) -> np.ndarray:
+        """The rows through a second mapping of the file advised ``MADV_RANDOM``: a batch's scattered rows are read
+        page by page, without the kernel's read-ahead around every fault (on a store larger than the page cache,
+        256 random rows read ~30x fewer bytes from the disk). Slices keep the first mapping, whose read-ahead suits
+        sequential passes (the PCA fit, ``verify``)."""
+        if self._random_rows is None:
+            array = self._array
+            can_advise = hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_RANDOM")  # Linux, macOS
+            if not can_advise or not isinstance(array, np.memmap) or array.size == 0:
+                self._random_rows = array
+            else:
+                with open(self.path / self.metadata["file"], "rb") as f:
+                    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                mapped.madvise(mmap.MADV_RANDOM)
+                self._random_rows = np.ndarray(array.shape, array.dtype, buffer=mapped, offset=array.offset)
+        return self._random_rows
+
     def __getitem__(self, idx: Any) -> torch.Tensor:
         if isinstance(idx, torch.Tensor):
             idx = idx.detach().cpu().numpy()
@@ -379,7 +398,8 @@ class TargetStore:
             idx = idx.astype(np.int64, copy=False)
             if idx.size and (idx.min() < -len(self) or idx.max() >= len(self)):
                 raise IndexError(f"Row index out of range for a store of {len(self)} rows.")
-        rows = decode_rows(self._array[idx], self.dtype)
+        source = self._random_access() if isinstance(idx, np.ndarray) else self._array
+        rows = decode_rows(source[idx], self.dtype)
         finite = np.isfinite(rows)
         if not finite.all():  # a disk fault or a bad prior: never hand such a row to training
             bad_rows = np.atleast_1d(np.arange(len(self))[idx])[~np.atleast_1d(finite.all(axis=-1))]
