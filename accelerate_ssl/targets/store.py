@@ -67,7 +67,7 @@ def encode_rows(rows, dtype: str, first_row: int = 0) -> np.ndarray:
                 "z-scored and fit in float16.")
         return rows.astype(np.float16)
     if dtype == "bfloat16":
-        bits = torch.from_numpy(rows).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        bits = torch.tensor(rows).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)  # (a copy)
         return bits
     raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
 
