@@ -32,7 +32,6 @@ import re
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-import torch
 from torch import nn
 
 from accelerate_ssl.rela import ReLA
