@@ -13,13 +13,14 @@ those two objects and does everything ReLA needs behind one line::
 2. precomputes the prior's targets for it once into ``cache_dir/<prior>-<fingerprint>`` (sharded when
    run under ``accelerate launch``), or opens that store if it is already there — the dataset
    fingerprint is checked, so a stale cache is refused, never silently reused,
-3. records the dataset's file names next to the store (``filenames.json``) when it has any, so rows can
-   also be found by file name (``LightlyDataset`` items are ``(sample, target, fname)``),
+3. the store records the dataset's file names as its sample keys (:mod:`accelerate_ssl.targets.keys`), so rows
+   can also be found by file name (``LightlyDataset`` items are ``(sample, target, fname)``),
 4. returns a :class:`LightlyReLA` (a :class:`~accelerate_ssl.rela.ReLA`) that tracks the loader's sample
    indices and hooks the backbone's features.
 
 ``rela.wrap(loss, filenames=fnames)`` looks rows up by file name instead of the tracked index (for
-loaders whose indices cannot be tracked, e.g. a custom iterable over a ``LightlyDataset``).
+loaders whose indices cannot be tracked, e.g. a custom iterable over a ``LightlyDataset``): it is
+``rela.wrap(loss, keys=fnames)``, the library's one key lookup.
 """
 
 from __future__ import annotations
@@ -31,18 +32,17 @@ import re
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-import torch
 from torch import nn
 
-from accelerate_ssl.atomic import atomic_write_json
 from accelerate_ssl.rela import ReLA
+from accelerate_ssl.targets.keys import TargetKeys
 
 __all__ = ["attach_rela", "clean_dataset", "dataset_filenames", "FilenameIndex", "LightlyReLA", "open_or_precompute",
            "FILENAMES_SIDECAR"]
 
-#: sidecar written next to a store: the dataset's file names in row order (``get_filenames()`` order).
+#: file names in row order, written next to a store by accelerate-ssl versions before stores recorded their keys
+#: (still read, so those caches keep working; new stores hold the names as keys).
 FILENAMES_SIDECAR = "filenames.json"
-
 
 # ---------------------------------------------------------------------------------------------- datasets
 def _without_transform(dataset):
@@ -86,53 +86,35 @@ def clean_dataset(dataset):
 
 
 def dataset_filenames(dataset) -> Optional[list[str]]:
-    """The file names of ``dataset`` in index order, as lightly names them (``LightlyDataset.get_filenames()``,
-    or paths relative to ``root`` for ImageFolder-style datasets); ``None`` if it has no files."""
-    if _is_lightly_dataset(dataset):
-        return [str(f) for f in dataset.get_filenames()]
-    samples = getattr(dataset, "samples", None)
-    if isinstance(samples, (list, tuple)):
-        root = str(getattr(dataset, "root", "") or "")
-        paths = [s[0] if isinstance(s, (list, tuple)) else s for s in samples]
-        return [os.path.relpath(p, root) if root and os.path.isabs(p) else str(p) for p in paths]
-    return None
+    """The file names of ``dataset`` in index order, relative to its folder (``LightlyDataset.get_filenames()``,
+    ImageFolder-style ``.samples``): the keys a store of it records; ``None`` if it has no files."""
+    from accelerate_ssl.targets.keys import dataset_keys
+
+    return dataset_keys(dataset)
 
 
-class FilenameIndex:
-    """File name -> target row, from the names recorded (in row order) when the store was computed."""
-
-    def __init__(self, filenames: Sequence[str]):
-        self.filenames = [str(f) for f in filenames]
-        self._rows = {name: i for i, name in enumerate(self.filenames)}
-        if len(self._rows) != len(self.filenames):
-            raise ValueError("The dataset lists the same file name twice; rows cannot be found by file name. "
-                             "Use the index lookup (rela.wrap(loss) with a tracked DataLoader).")
+class FilenameIndex(TargetKeys):
+    """File name -> target row: the store's sample keys (:class:`~accelerate_ssl.targets.keys.TargetKeys`) when
+    they are file names; ``filenames`` lists them in row order."""
 
     @classmethod
-    def load(cls, store_path: Union[str, os.PathLike]) -> "FilenameIndex":
-        file = Path(store_path) / FILENAMES_SIDECAR
-        if not file.is_file():
-            raise FileNotFoundError(
-                f"{file} does not exist: this target store was computed without file names. Rebuild it with "
-                "accelerate_ssl.integrations.lightly.open_or_precompute(prior, dataset, cache_dir) from a dataset with "
-                "files (LightlyDataset / ImageFolder), or look rows up by index."
-            )
-        return cls(json.loads(file.read_text())["filenames"])
+    def from_filenames(cls, filenames: Sequence[str], store: Optional[str] = None) -> "FilenameIndex":
+        index = cls.from_keys([str(f) for f in filenames], kind="files", store=store)
+        return cls(index.sorted_keys, index.sorted_rows, "files", store)
 
-    def __len__(self) -> int:
-        return len(self.filenames)
+    @classmethod
+    def for_store(cls, store) -> Optional["FilenameIndex"]:
+        """The store's keys; for a store written before stores recorded keys, its ``filenames.json``; else None."""
+        if store.keys is not None:
+            return cls(store.keys.sorted_keys, store.keys.sorted_rows, store.keys.kind, store.keys.store)
+        file = Path(store.path) / FILENAMES_SIDECAR
+        if file.is_file():
+            return cls.from_filenames(json.loads(file.read_text())["filenames"], str(store.path))
+        return None
 
-    def rows(self, filenames: Sequence[str]) -> torch.Tensor:
-        """LongTensor of the rows of ``filenames`` (a batch's ``fname`` list)."""
-        if isinstance(filenames, str):
-            filenames = [filenames]
-        try:
-            return torch.tensor([self._rows[str(f)] for f in filenames], dtype=torch.long)
-        except KeyError as err:
-            raise KeyError(
-                f"File {err.args[0]!r} is not in the target store's file list ({len(self)} files, e.g. "
-                f"{self.filenames[:3]}); the targets were computed on another folder. Recompute them for this dataset."
-            ) from None
+    @property
+    def filenames(self) -> list[str]:
+        return self.in_row_order()
 
 
 def _slug(text: str) -> str:
@@ -155,7 +137,7 @@ def open_or_precompute(prior: Union[str, nn.Module], dataset, cache_dir: Union[s
     prior) gets another folder, and opening checks the fingerprint again. ``prior`` is a spec for
     :func:`~accelerate_ssl.targets.priors.create_prior` (random backbones get the data's channel count)
     or a ready ``Prior``. Under ``accelerate launch`` the precompute is sharded across the processes.
-    File names (if the dataset has them) are written to ``filenames.json`` in the store folder.
+    File names (if the dataset has them) are recorded in the store as its sample keys.
     """
     from accelerate_ssl import backbones
     from accelerate_ssl.data import dataset_fingerprint
@@ -176,13 +158,6 @@ def open_or_precompute(prior: Union[str, nn.Module], dataset, cache_dir: Union[s
         store = TargetStore.open(path, dataset=dataset)
     else:
         store = precompute_targets(prior, dataset, path, batch_size=batch_size, progress=progress)
-    names = dataset_filenames(dataset)
-    sidecar = path / FILENAMES_SIDECAR
-    if names is not None and not sidecar.is_file():
-        if len(names) != len(store):
-            raise ValueError(f"{len(names)} file names for a {len(store)}-row store; the dataset changed while "
-                             f"precomputing. Delete {path} and rerun.")
-        atomic_write_json(sidecar, {"filenames": names})
     return store
 
 
@@ -191,24 +166,28 @@ class LightlyReLA(ReLA):
     """:class:`~accelerate_ssl.rela.ReLA` that can also find a batch's targets by file name.
 
     ``wrap(loss, filenames=fnames)``: rows from the file names (lightly's ``(sample, target, fname)``
-    items) through the names recorded at precompute time, instead of the tracked index.
+    items), the same as ``wrap(loss, keys=fnames)``, instead of the tracked index.
     ``log_every=k`` prints ``step / lambda / loss_rela / loss_ssl`` every k optimiser steps.
     """
 
     def __init__(self, *args, filename_index: Optional[FilenameIndex] = None, log_every: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
-        self.filename_index = filename_index
+        self.filename_index = filename_index if filename_index is not None else FilenameIndex.for_store(self.store) \
+            if hasattr(self.store, "keys") else None
         self.log_every = int(log_every)
         self._last_logged = -1
 
-    def wrap(self, loss, *, index=None, features=None, filenames: Optional[Sequence[str]] = None):
+    def wrap(self, loss, *, index=None, features=None, filenames: Optional[Sequence[str]] = None, keys=None,
+             targets=None):
         if filenames is not None:
-            if index is not None:
-                raise ValueError("Pass index= or filenames= to wrap, not both.")
+            if index is not None or keys is not None:
+                raise ValueError("Pass index=, keys= or filenames= to wrap, not both.")
             if self.filename_index is None:
                 raise ValueError("This ReLA has no file-name list (the dataset has no files); pass index= or track "
                                  "the DataLoader instead of filenames=.")
             index = self.filename_index.rows(filenames)
+        elif keys is not None and getattr(self.store, "keys", None) is None and self.filename_index is not None:
+            index, keys = self.filename_index.rows(keys), None  # a cache written before stores held keys
         if self.log_every and self.steps % self.log_every == 0 and self.steps != self._last_logged:
             self._last_logged = self.steps
             if self.steps:
@@ -216,7 +195,7 @@ class LightlyReLA(ReLA):
                 fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
                 print(f"rela: step {s['step']:5d}  lambda {s['lambda']:.3f}  loss_rela {fmt(s['loss_rela'])}  "
                       f"loss_ssl {fmt(s['loss_ssl'])}", flush=True)
-        return super().wrap(loss, index=index, features=features)
+        return super().wrap(loss, index=index, features=features, keys=keys, targets=targets)
 
 
 class _NoReLA:
@@ -224,7 +203,7 @@ class _NoReLA:
 
     stats = {"lambda": 0.0, "loss_rela": None, "loss_ssl": None, "step": 0, "finished": True}
 
-    def wrap(self, loss, *, index=None, features=None, filenames=None):
+    def wrap(self, loss, *, index=None, features=None, filenames=None, keys=None, targets=None):
         return loss() if callable(loss) else loss
 
     def state_dict(self) -> dict:
@@ -258,7 +237,4 @@ def attach_rela(backbone: nn.Module, dataloader, *, prior: Union[str, nn.Module]
         raise TypeError(f"attach_rela needs a torch DataLoader, got {type(dataloader).__name__}.")
     clean = clean_dataset(dataset)
     store = open_or_precompute(prior, clean, cache_dir, weights=weights, progress=progress)
-    names_file = Path(store.path) / FILENAMES_SIDECAR
-    index = FilenameIndex.load(store.path) if names_file.is_file() else None
-    return LightlyReLA(store, backbone, dataset=clean, dataloader=dataloader, filename_index=index,
-                       log_every=log_every, **rela_kwargs)
+    return LightlyReLA(store, backbone, dataset=clean, dataloader=dataloader, log_every=log_every, **rela_kwargs)

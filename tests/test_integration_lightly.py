@@ -169,7 +169,7 @@ def test_lightly_dataset_folder_lookup_by_index_and_by_filename(tmp_path):
     from torch.utils.data import DataLoader
 
     from accelerate_ssl.backbones import ConvNet
-    from accelerate_ssl.integrations.lightly import FILENAMES_SIDECAR, LightlyReLA, attach_rela, clean_dataset
+    from accelerate_ssl.integrations.lightly import LightlyReLA, attach_rela, clean_dataset
 
     torch.manual_seed(0)
     folder = _image_folder(tmp_path / "images")
@@ -184,8 +184,8 @@ def test_lightly_dataset_folder_lookup_by_index_and_by_filename(tmp_path):
     backbone = ConvNet(in_channels=3, widths=(8, 16))
     rela = attach_rela(backbone, loader, prior="random:convnet", cache_dir=tmp_path / "targets", progress=False)
     assert isinstance(rela, LightlyReLA)
-    sidecar = Path(rela.store.path) / FILENAMES_SIDECAR
-    assert sidecar.is_file() and rela.filename_index.filenames == dataset.get_filenames()
+    # the file names are the store's sample keys (one key mechanism: filenames= is keys=)
+    assert rela.store.keys.in_row_order() == dataset.get_filenames() == rela.filename_index.filenames
 
     for (x0, x1), _, fnames in loader:
         # the file names of the batch map to exactly the indices the tracked loader recorded
@@ -219,9 +219,9 @@ def test_example_trains_on_an_image_folder_as_lightly_dataset(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "epoch: 00, loss:" in done.stdout and "rela: step" in done.stdout
     store = next((tmp_path / "rela-targets").glob("*/metadata.json")).parent
-    import json
+    from accelerate_ssl.targets.store import TargetStore
 
-    assert len(json.loads((store / "filenames.json").read_text())["filenames"]) == len(list(folder.rglob("*.png")))
+    assert len(TargetStore.open(store).keys) == len(list(folder.rglob("*.png")))
 
 
 def test_other_dataset_gets_its_own_store_and_bad_datasets_are_refused(tmp_path):

@@ -77,9 +77,20 @@ class IndexTracker:
         #: why the tracked loader's batches cannot have per-sample targets (e.g. it mixes samples), or None
         self.mixing: Optional[str] = None
         self._listeners: list[Callable[[torch.Tensor], None]] = []
+        self._upcoming: list[Callable[[torch.Tensor], None]] = []
 
     def add_listener(self, fn: Callable[[torch.Tensor], None]) -> None:
         self._listeners.append(fn)
+
+    def add_upcoming_listener(self, fn: Callable[[torch.Tensor], None]) -> None:
+        """``fn(indices)`` for every batch the loader *draws*, in order, before it is built and yielded (with
+        workers, several batches ahead; a drawn batch may never be yielded if the epoch is cut short): lets a
+        reader fetch its targets ahead (:class:`~accelerate_ssl.rela.lookup.RowPrefetcher`)."""
+        self._upcoming.append(fn)
+
+    def announce(self, indices: Any) -> None:
+        for fn in self._upcoming:
+            fn(torch.as_tensor(indices, dtype=torch.long).reshape(-1))
 
     def push(self, indices: Any) -> None:
         idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
@@ -97,6 +108,7 @@ class _TrackingIterMixin:
     def _next_index(self):
         index = super()._next_index()  # may raise StopIteration: nothing recorded then
         self._accelerate_ssl_fifo.append(index)
+        self._accelerate_ssl_tracker.announce(index)
         return index
 
     def _next_data(self):
@@ -316,7 +328,9 @@ class TrackedLoader:
             )
         self.wrapper, self.inner, self.tracker = wrapper, inner, tracker
         self._fifo: collections.deque = collections.deque()
-        track_indices(inner, _as_inner=True).add_listener(self._fifo.append)
+        inner_tracker = track_indices(inner, _as_inner=True)
+        inner_tracker.add_listener(self._fifo.append)
+        inner_tracker.add_upcoming_listener(tracker.announce)  # drawn by the inner loader: upcoming for this one too
 
     def __iter__(self) -> Iterator:
         self._fifo.clear()

@@ -169,6 +169,9 @@ class ReLA:
             (:class:`~accelerate_ssl.rela.guard.MisalignmentWarning`) when they are not: the rows are then most
             likely other samples' (:mod:`accelerate_ssl.rela.guard`). Two ``[B, n]`` products per batch, no host
             synchronisation.
+        prefetch: read the rows of each batch a tracked loader draws on a background thread, while the loop still
+            runs the steps before it (the loader knows a batch's indices before it yields it), so a store larger
+            than the page cache does not stall ``wrap`` on the disk. Rows are identical to a direct read.
     """
 
     def __init__(
@@ -191,6 +194,7 @@ class ReLA:
         targets_on_device: bool = False,
         capture: str = "output",
         alignment_check: bool = True,
+        prefetch: bool = False,
     ):
         if not isinstance(backbone, nn.Module):
             raise TypeError(f"backbone must be an nn.Module (the student's feature extractor), got {type(backbone).__name__}.")
@@ -208,7 +212,7 @@ class ReLA:
             self.check_dataset(dataset, "dataset=")
         if getattr(dataloader, "dataset", None) is not None:
             self.check_dataset(dataloader.dataset, "the DataLoader's dataset")
-        self.targets = TargetLookup(self.store, targets_on_device=targets_on_device)
+        self.targets = TargetLookup(self.store, targets_on_device=targets_on_device, prefetch=prefetch)
         self.backbone = backbone
         self._schedule_name = None if isinstance(schedule, Schedule) else str(schedule or "decay")
         if self._schedule_name is None:
@@ -322,6 +326,7 @@ class ReLA:
                 r._publish_index(idx, source=(id(tracker), tracker.iteration))
 
             tracker.add_listener(listener)
+            tracker.add_upcoming_listener(lambda idx, ref=ref: (r := ref()) is not None and r.targets.announce(idx))
             self._trackers.append(tracker)
         return dataloader
 
@@ -418,6 +423,7 @@ class ReLA:
         index=None,
         features: Union[torch.Tensor, Sequence[torch.Tensor], None] = None,
         targets: Optional[torch.Tensor] = None,
+        keys=None,
     ) -> torch.Tensor:
         """``lambda * L_rela + (1 - lambda) * loss`` for this micro-batch.
 
@@ -428,6 +434,9 @@ class ReLA:
             targets: the batch's raw prior targets ``[B, dim]``, carried by the batch itself (a sidecar field of a
                 WebDataset sample, a ``datasets`` column): no index is needed, so nothing can misalign them. They get
                 the same checks (width, finite) and the same PCA / z-scoring as the store's rows.
+            keys: the batch's sample keys (file names, WebDataset ``__key__`` s, an id column: a list of str or an int
+                tensor), mapped to rows through the keys recorded in the store at precompute; a key the store does
+                not hold stops training with its name (:meth:`TargetStore.key_rows`).
             features: the student features of this batch, one tensor per view or views stacked as
                 blocks of B rows (default: the backbone calls captured since the last wrap).
         """
@@ -463,11 +472,17 @@ class ReLA:
                     "and it must be the module given to ReLA (not a copy); or pass features= to wrap."
                 )
             feats = captured
+        if sum(x is not None for x in (index, targets, keys)) > 1:
+            raise ValueError("ReLA.wrap: pass one of index= (rows by position), keys= (rows by sample key) or targets= "
+                             "(rows carried by the batch), not both.")
         if targets is not None:
-            if index is not None:
-                raise ValueError("ReLA.wrap: pass index= (rows looked up in the store) or targets= (rows carried by "
-                                 "the batch), not both.")
             self._index_fresh = False  # the batch carries its rows: a tracked index is used up too
+        elif keys is not None:
+            if not hasattr(self.store, "key_rows"):
+                raise ValueError("ReLA.wrap(keys=) needs a TargetStore with recorded keys (precompute_targets(..., "
+                                 "keys=...)); these targets are an in-memory tensor: pass index= instead.")
+            index = self.store.key_rows(keys)
+            self._index_fresh = False  # the loop said which samples it holds: a tracked index is used up too
         elif index is not None:
             index = as_index(index)
             self.targets.check_not_placeholder(index)

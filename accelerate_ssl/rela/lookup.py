@@ -7,6 +7,7 @@ reduced table there, so a lookup is a device gather that never waits for the hos
 
 from __future__ import annotations
 
+import collections
 import os
 from typing import Optional
 
@@ -134,26 +135,102 @@ def _refuse_identical_rows(store, sample: int = 4096) -> None:
         raise ValueError(IDENTICAL_ROWS)
 
 
+class RowPrefetcher:
+    """Reads the rows of the batches a tracked loader has drawn but the loop has not reached yet, on one background
+    thread, so a store larger than the page cache is read while the current step runs.
+
+    :meth:`announce` gets each batch's indices when the loader draws them (before it builds the batch; with
+    ``num_workers > 0`` several batches ahead), :meth:`take` gets the indices ``wrap`` looks up. Rows are handed out
+    only for exactly the same index vector they were read for (compared element by element), so a prefetched row is
+    always the one a synchronous read would give; batches announced but never reached (an epoch cut short) are
+    dropped. At most ``depth`` batches are read ahead."""
+
+    MAX_PENDING = 64
+
+    def __init__(self, store, depth: int = 2):
+        self.store, self.depth = store, int(depth)
+        self._pending: collections.deque = collections.deque()  # [index, Future | None], oldest first
+        self._pool = None
+        self.hits = self.misses = 0
+
+    def announce(self, index: torch.Tensor) -> None:
+        idx = torch.as_tensor(index).detach().to("cpu", torch.long).reshape(-1).clone()
+        self._pending.append([idx, None])
+        while len(self._pending) > self.MAX_PENDING:
+            self._pending.popleft()
+        self._submit()
+
+    def _submit(self) -> None:
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="accelerate-ssl-rows")
+        for entry in list(self._pending)[: self.depth]:
+            if entry[1] is None:
+                n = len(self.store)
+                if len(entry[0]) and (int(entry[0].min()) < 0 or int(entry[0].max()) >= n):
+                    continue  # out of range: the lookup itself refuses it, with the message
+                entry[1] = self._pool.submit(self.store.__getitem__, entry[0])
+
+    def take(self, index: torch.Tensor) -> Optional[torch.Tensor]:
+        """The rows read ahead for exactly ``index`` (host LongTensor), or None (read them now)."""
+        for pos, (idx, future) in enumerate(self._pending):
+            if idx.shape == index.shape and torch.equal(idx, index):
+                for _ in range(pos + 1):
+                    self._pending.popleft()  # this batch, and the ones announced before it and never looked up
+                self._submit()
+                if future is None:
+                    break
+                self.hits += 1
+                return future.result()  # re-raises the store's own error (e.g. NaN rows), naming the rows
+        self.misses += 1
+        return None
+
+    def close(self) -> None:
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
 class TargetLookup:
     """The (PCA-reduced) target rows of a batch, from a store opened by :func:`open_targets`.
 
     Args:
         store: the opened targets (``len``, ``dim``, ``[idx]``, ``pca(n)``).
         targets_on_device: keep every reduced row on the features' device (``rows x n_components x 4`` bytes).
+        prefetch: read the rows of the batches a tracked loader has drawn on a background thread
+            (:class:`RowPrefetcher`), for stores larger than the page cache.
     """
 
-    def __init__(self, store, targets_on_device: bool = False):
+    def __init__(self, store, targets_on_device: bool = False, prefetch: bool = False):
         self.store = store
         self.targets_on_device = bool(targets_on_device)
+        self.prefetcher = RowPrefetcher(store) if prefetch and not self.targets_on_device else None
         self.pca: Optional[TargetPCA] = None
+        self._columns: Optional[int] = None  # leading columns used of a store reduced at write
         self._table: Optional[torch.Tensor] = None
         self._previous: Optional[torch.Tensor] = None  # explicit index= of the previous optimiser step
         self._current: Optional[torch.Tensor] = None  # ... and of this one
         self.checked_steps = 0
 
     def reduce_to(self, n_components: Optional[int]) -> int:
-        """Use the store's top ``n_components`` principal components (None / 0: raw rows); the row dim."""
-        if n_components:
+        """Use the store's top ``n_components`` principal components (None / 0: raw rows); the row dim.
+
+        A store reduced at write to ``k`` components (``precompute_targets(components=k)``) holds Eq. 41's rows
+        already: its first ``n_components`` columns are the n-component reduction (same eigenvectors, descending),
+        so they are used as they are, never reduced twice; more than ``k`` is refused."""
+        k = getattr(self.store, "components", None)
+        self._columns = None
+        if k is not None:
+            if n_components and n_components > k:
+                raise ValueError(
+                    f"n_components={n_components} but the target store was reduced at write to its top {k} principal "
+                    f"components (precompute_targets(components={k}) / --components {k}): pass n_components <= {k}, "
+                    f"or recompute the store with --components {n_components} (or without it for full rows).")
+            self.pca = None
+            self._columns = int(n_components) if n_components and n_components < k else None
+        elif n_components:
             if n_components > self.store.dim:
                 raise ValueError(f"n_components={n_components} exceeds the target dim {self.store.dim}; pass at most "
                                  f"{self.store.dim}.")
@@ -161,7 +238,16 @@ class TargetLookup:
         else:
             self.pca = None
         self._table = None
+        if self._columns is not None:
+            return self._columns
         return int(self.store.dim if self.pca is None else self.pca.n_components)
+
+    def _reduce(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored rows -> the rows the loss uses: the PCA of Eq. 41, or the leading columns of a store reduced at
+        write."""
+        if self._columns is not None:
+            return rows[:, : self._columns]
+        return rows if self.pca is None else self.pca.transform(rows)
 
     def __call__(self, index, device) -> torch.Tensor:
         """The targets of ``index`` on ``device``. From the host store: the index is read on the host (pass host
@@ -181,11 +267,19 @@ class TargetLookup:
                 f"Sample index out of range for the target store ({n} rows): got indices in "
                 f"[{int(idx.min())}, {int(idx.max())}]. The targets must be computed on the dataset being trained."
             )
-        rows = torch.as_tensor(self.store[idx], dtype=torch.float32)
+        rows = self.prefetcher.take(idx) if self.prefetcher is not None else None
+        if rows is None:
+            rows = self.store[idx]
+        rows = torch.as_tensor(rows, dtype=torch.float32)
         if torch.device(device).type == "cuda":
             rows = rows.pin_memory()
         rows = rows.to(device, non_blocking=True)
-        return rows if self.pca is None else self.pca.transform(rows)
+        return self._reduce(rows)
+
+    def announce(self, index) -> None:
+        """A tracked loader drew the indices of a batch the loop will reach later: read its rows ahead (prefetch)."""
+        if self.prefetcher is not None:
+            self.prefetcher.announce(index)
 
     def reduce_rows(self, rows: torch.Tensor, device) -> torch.Tensor:
         """Raw prior targets carried by the batch (``wrap(targets=)``) -> the rows the loss uses: the store's width,
@@ -193,7 +287,10 @@ class TargetLookup:
         if not isinstance(rows, torch.Tensor) or rows.ndim != 2 or not rows.is_floating_point():
             raise ValueError(f"ReLA.wrap(targets=) needs a float tensor [B, {self.store.dim}] of raw prior targets, got "
                              f"{type(rows).__name__} {tuple(getattr(rows, 'shape', ()))}.")
-        if rows.shape[1] != self.store.dim:
+        written = self.store.written_pca() if getattr(self.store, "components", None) is not None else None
+        if written is not None and rows.shape[1] == written.dim:  # raw rows for a store reduced at write
+            rows = written.transform(rows.detach().to(device=device, dtype=torch.float32, non_blocking=True))
+        elif rows.shape[1] != self.store.dim:
             raise ValueError(
                 f"ReLA.wrap(targets=) rows have dim {rows.shape[1]} but the targets ReLA was opened on have dim "
                 f"{self.store.dim}: they come from another prior (or were PCA-reduced already). Pass the raw rows the "
@@ -202,7 +299,7 @@ class TargetLookup:
         rows = rows.detach().to(device=device, dtype=torch.float32, non_blocking=True)
         torch._assert_async(torch.isfinite(rows).all(), "ReLA.wrap(targets=): NaN/Inf in the batch's target rows; the "
                             "sidecar holding them is broken: recompute it")
-        return rows if self.pca is None else self.pca.transform(rows)
+        return self._reduce(rows)
 
     def _device_table(self, device) -> torch.Tensor:
         """Every target row, reduced, on ``device`` (built once per device; one finiteness check then)."""
@@ -210,7 +307,7 @@ class TargetLookup:
             n = len(self.store)
             rows = [torch.as_tensor(self.store[np.arange(a, min(a + 65536, n))], dtype=torch.float32)
                     for a in range(0, n, 65536)]  # the store refuses NaN/Inf rows here, naming them
-            self._table = torch.cat([r if self.pca is None else self.pca.transform(r) for r in rows])
+            self._table = torch.cat([self._reduce(r) for r in rows])
         if self._table.device != torch.device(device):
             self._table = self._table.to(device)
         return self._table

@@ -19,6 +19,15 @@ consolidates. Batches never cross chunk boundaries, so every row is computed in 
 whatever the number of processes: the store is identical to a 1-process run (bitwise in fp32 on CPU).
 
 **NaN/Inf** rows are rejected at write time with the row indices and the likely cause.
+
+**Compact stores.** ``dtype="float16"`` / ``"bfloat16"`` stores each row in 2 bytes per value instead of 4
+(bfloat16 as its uint16 bit patterns; values beyond float16's range are refused at write with the bfloat16
+advice); ``components=k`` fits the batch PCA of :mod:`accelerate_ssl.targets.pca` (Eq. 41) over the finished rows
+and stores them projected and z-scored, ``k`` values per row. Chunks are float32 either way, so both only change
+the consolidation: a run interrupted (or refused for float16 overflow) resumes with another ``dtype``.
+
+**Keys.** One key per row (the data set's file names, or ``keys=``) is recorded with the store
+(:mod:`accelerate_ssl.targets.keys`); duplicated keys are refused before anything is computed.
 """
 
 from __future__ import annotations
@@ -40,8 +49,8 @@ import torch
 from ..atomic import atomic_path
 from ..data.solo import solo_fraction
 from ..data.spec import DATA_SPEC_HELP, data_spec, open_data
-from .store import (CHUNKS, FORMAT, FORMAT_VERSION, IDENTITY, MANIFEST, METADATA, TARGETS, TargetStore, atomic_write_text, file_sha256,
-                    read_json)
+from .store import (AT_WRITE_PCA, CHUNKS, DTYPES, FORMAT, FORMAT_VERSION, IDENTITY, MANIFEST, METADATA, PCA_DIR, TARGETS,
+                    TargetStore, atomic_write_text, encode_rows, file_sha256, read_json)
 
 _PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 DEFAULT_CHUNK_SIZE = 8192
@@ -193,7 +202,8 @@ def _python_command(prior, dataset, path) -> str:
 
 def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers: int = 0, precision: str = "fp32",
                        chunk_size: int = DEFAULT_CHUNK_SIZE, progress: bool = True,
-                       command: Optional[str] = None) -> "TargetStore":
+                       command: Optional[str] = None, dtype: str = "float32", components: Optional[int] = None,
+                       keys=None) -> "TargetStore":
     """Compute ``prior(preprocess(image))`` for every item of ``dataset`` in order and write a TargetStore.
 
     Args:
@@ -202,7 +212,14 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
         dataset: map-style, yields ``(image, label)`` or ``image`` (PIL, ndarray or tensor), untransformed.
         path: the store folder (created; resumed if it holds an unfinished run with the same settings).
         batch_size, num_workers: the DataLoader's.
-        precision: ``"fp32"``, ``"fp16"`` or ``"bf16"`` (autocast); rows are stored as float32.
+        precision: ``"fp32"``, ``"fp16"`` or ``"bf16"`` (autocast of the prior's forward).
+        dtype: how rows are stored: ``"float32"`` (default), ``"float16"`` or ``"bfloat16"`` (half the bytes; read
+            back as float32).
+        components: store the rows reduced to their top ``k`` principal components, z-scored (Eq. 41, fitted over
+            every finished row); ReLA then uses them as they are (``n_components`` at most ``k``).
+        keys: one key per item, recorded so rows can be found by key (``rela.wrap(keys=)``): ``None`` (default)
+            the data set's file names when it has files; a list (an id column, WebDataset ``__key__`` s); a
+            callable ``keys(i)``; ``False`` none. Duplicated keys are refused.
         chunk_size: rows per resumable chunk file.
         progress: show a tqdm bar (main process only).
         command: how to reproduce this store, recorded in the metadata (the CLI fills it in).
@@ -217,6 +234,8 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
 
     if precision not in _PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(_PRECISIONS)}, got {precision!r}.")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} (how the rows are stored), got {dtype!r}.")
     for name, value, low in (("batch_size", batch_size, 1), ("chunk_size", chunk_size, 1), ("num_workers", num_workers, 0)):
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
@@ -235,13 +254,20 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
     prior_info = {**prior.describe(), "preprocess": pre.config}
     fingerprint = dataset_fingerprint(dataset)
     dim = int(prior.output_dim)
+    if components is not None and (not isinstance(components, int) or isinstance(components, bool)
+                                   or not 1 <= components <= dim):
+        raise ValueError(f"components must be an int in [1, {dim}] (the prior's output dim is {dim}), got {components!r}.")
+    from .keys import TargetKeys, resolve_keys
+
+    key_list, key_kind = resolve_keys(keys, dataset)
+    row_keys = None if key_list is None else TargetKeys.from_keys(key_list, key_kind)  # duplicates refused here
     command = command or _python_command(prior, dataset, path)
     settings = {
         "prior": prior_info,
         "dataset": {"name": getattr(dataset, "name", type(dataset).__name__), "fingerprint": fingerprint},
         # stored views (accelerate_ssl.data.views): row j = view j % k of image j // k; None: the images themselves
         "views": dataset.views.to_dict() if isinstance(dataset, ReplayViews) else None,
-        "num_rows": n, "dim": dim, "dtype": "float32", "precision": precision,
+        "num_rows": n, "dim": dim, "dtype": dtype, "components": components, "precision": precision,
         "batch_size": batch_size, "chunk_size": chunk_size,
     }
     settings = json.loads(json.dumps(settings))  # as it reads back from JSON (lists, not tuples)
@@ -250,15 +276,21 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
     if (path / METADATA).is_file():
         store = TargetStore.open(path)
         old = {k: store.metadata.get(k) for k in settings}
+        old["dim"] = store.source_dim
         if _identity(old) != _identity(settings):
             raise ValueError(_settings_diff(path, old, settings, finished=True))
+        recorded = (store.metadata.get("keys") or {}).get("sha256")
+        wanted = None if row_keys is None else TargetKeys.digest(key_list)
+        if recorded != wanted and (key_kind == "user" or recorded is not None):
+            raise ValueError(f"{str(path)!r} holds a finished store with {'other' if recorded else 'no'} sample keys than "
+                             f"the ones given now. Use another --out / path, or delete {str(path)!r} to recompute it.")
         return store
 
     # ---- manifest: every process checks it, the main process writes it
     manifest_file = path / MANIFEST
     if manifest_file.is_file():
         old = read_json(manifest_file).get("settings")
-        if _identity(old or {}) != _identity(settings):
+        if _chunk_identity(old or {}) != _chunk_identity(settings):
             raise ValueError(_settings_diff(path, old or {}, settings, finished=False))
     state.wait_for_everyone()
     if state.is_main_process:
@@ -298,7 +330,7 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
             "preprocess": pre.config, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "library_version": __version__, "torch_version": torch.__version__, "num_processes": state.num_processes,
             "command": command,
-        })
+        }, dtype=dtype, components=components, keys=row_keys)
     state.wait_for_everyone()
     return TargetStore.open(path)
 
@@ -350,19 +382,51 @@ def _compute_chunks(prior, dataset, pre, path, todo, ranges, dim, batch_size, nu
         bar.close()
 
 
-def _consolidate(path: Path, ranges, dim: int, metadata: dict) -> None:
+class _ChunkRows:
+    """The finished float32 chunks as one ``[N, dim]`` array-like (``shape``, ``[a:b]``) for the batch PCA."""
+
+    def __init__(self, path: Path, ranges):
+        self.path, self.ranges = path, ranges
+        self.shape = (ranges[-1][1], int(np.load(chunk_path(path, 0), mmap_mode="r").shape[1]))
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        a, b, _ = rows.indices(self.shape[0])
+        parts = [np.load(chunk_path(self.path, k), mmap_mode="r")[max(a, s) - s : min(b, e) - s]
+                 for k, (s, e) in enumerate(self.ranges) if s < b and e > a]
+        return np.concatenate(parts) if parts else np.empty((0, self.shape[1]), np.float32)
+
+
+def _consolidate(path: Path, ranges, dim: int, metadata: dict, dtype: str = "float32", components: Optional[int] = None,
+                 keys=None) -> None:
     n = ranges[-1][1] if ranges else 0
     missing = [k for k, (a, b) in enumerate(ranges) if not _chunk_is_complete(path, k, b - a, dim)]
     if missing:
         raise RuntimeError(f"Chunks {missing[:10]} of {path} are missing after every process finished; rerun the same "
                            "command to compute them.")
+    reduce = None
+    if components is not None:  # Eq. 41 over every finished row (two streaming passes, App. N Alg. 2)
+        from safetensors.torch import save_file
+
+        from .pca import TargetPCA
+
+        reduce = TargetPCA.fit(_ChunkRows(path, ranges), int(components), standardize=True)
+        (path / PCA_DIR).mkdir(exist_ok=True)
+        with atomic_path(path / PCA_DIR / AT_WRITE_PCA, suffix=".safetensors") as tmp:
+            save_file(reduce.state_dict(), str(tmp), metadata={"n_components": str(components), "standardize": "True"})
+        metadata.update(source_dim=dim, dim=int(components), pca_file=f"{PCA_DIR}/{AT_WRITE_PCA}")
+    width = dim if reduce is None else int(components)
     final = path / TARGETS
     with atomic_path(final) as tmp:
-        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(n, dim))
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=DTYPES[dtype], shape=(n, width))
         for k, (a, b) in enumerate(ranges):
-            out[a:b] = np.load(chunk_path(path, k), mmap_mode="r")
+            rows = np.load(chunk_path(path, k), mmap_mode="r")
+            if reduce is not None:
+                rows = reduce.transform(torch.from_numpy(np.array(rows))).numpy()
+            out[a:b] = encode_rows(rows, dtype, first_row=a)  # float16 overflow refused here, chunks kept
         out.flush()
         del out
+    if keys is not None:
+        metadata["keys"] = keys.save(path)
     with atomic_path(path / IDENTITY, suffix=".npy") as tmp:
         np.save(tmp, np.concatenate([np.load(ids_path(path, k)) for k in range(len(ranges))]), allow_pickle=False)
     metadata["file_bytes"] = final.stat().st_size
@@ -381,6 +445,11 @@ def _identity(settings: dict) -> dict:
         return settings
     return {**settings, "dataset": {**settings["dataset"],
                                     "fingerprint": {k: fp.get(k) for k in ("length", "kind", "sha256")}}}
+
+
+def _chunk_identity(settings: dict) -> dict:
+    """What the chunks depend on: not how the finished rows are stored (``dtype``, ``components``)."""
+    return {k: v for k, v in _identity(settings).items() if k not in ("dtype", "components")}
 
 
 def _settings_diff(path: Path, old: dict, new: dict, finished: bool) -> str:
@@ -434,7 +503,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="only the first N images (fashion-mnist)")
     parser.add_argument("--out", required=True, help="store folder to write (resumed if interrupted)")
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--precision", choices=sorted(_PRECISIONS), default="fp32")
+    parser.add_argument("--precision", choices=sorted(_PRECISIONS), default="fp32",
+                        help="autocast precision of the prior's forward (default fp32)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="how the rows are stored (default float32): float16 or bfloat16 take half the bytes and "
+                             "are read back as float32; values beyond float16's range are refused (use bfloat16)")
+    parser.add_argument("--components", type=int, default=None, metavar="K",
+                        help="store the rows reduced to their top K principal components, z-scored (batch PCA, ReLA "
+                             "v2 Eq. 41, fitted over every row at the end): K values per row; ReLA then uses at most "
+                             "K components")
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="rows per resumable chunk file")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -455,6 +532,10 @@ def _command_line(args: argparse.Namespace) -> str:
         parts += ["--fraction", str(args.fraction)]
     parts += ["--out", args.out, "--batch-size", str(args.batch_size), "--precision", args.precision,
               "--chunk-size", str(args.chunk_size)]
+    if args.dtype != "float32":
+        parts += ["--dtype", args.dtype]
+    if args.components is not None:
+        parts += ["--components", str(args.components)]
     return shlex.join(parts)
 
 
@@ -472,15 +553,20 @@ def run(args: argparse.Namespace) -> int:
         prior = create_prior(args.prior, weights=args.weights, offline=True if args.offline else None, **overrides)
         store = precompute_targets(prior, dataset, args.out, batch_size=args.batch_size, num_workers=args.num_workers,
                                    precision=args.precision, chunk_size=args.chunk_size,
-                                   progress=not args.no_progress, command=_command_line(args))
+                                   progress=not args.no_progress, command=_command_line(args), dtype=args.dtype,
+                                   components=args.components)
     except (ValueError, FileNotFoundError, TypeError) as err:
         print(f"accelerate-ssl precompute: error: {err}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"path": str(store.path), "rows": len(store), "dim": store.dim, "prior": prior.spec,
-                          "precision": args.precision, "file_sha256": store.metadata.get("file_sha256")}))
+                          "precision": args.precision, "dtype": store.dtype, "components": store.components,
+                          "keys": len(store.keys) if store.keys is not None else 0,
+                          "file_sha256": store.metadata.get("file_sha256")}))
     else:
-        print(f"wrote {store.path}: {len(store)} rows x {store.dim} ({prior.spec}, {args.precision})")
+        how = "" if store.dtype == "float32" else f", stored as {store.dtype}"
+        how += "" if store.components is None else f", reduced to {store.components} PCA components"
+        print(f"wrote {store.path}: {len(store)} rows x {store.dim} ({prior.spec}, {args.precision}{how})")
     return 0
 
 

@@ -3,9 +3,14 @@
 A store is a folder::
 
     metadata.json        written last, atomically: its presence marks a finished store
-    targets.npy          float32 [N, dim], row i = dataset index i
+    targets.npy          [N, dim], row i = dataset index i: float32 (default), float16, or bfloat16 stored as its
+                         uint16 bit patterns (``precompute_targets(dtype=)``); rows are read back as float32
     identity.npy         int64 [N], row i's sample digest (file name, array row or image; data.fingerprint.RowIdentity)
-    pca/<key>.safetensors fitted batch-PCA states (``store.pca(...)``)
+    keys-sorted.npy,     optional: one key per row (file names of folder data sets, or ``precompute_targets(keys=)``),
+    keys-rows.npy        sorted, and the row of each (:mod:`accelerate_ssl.targets.keys`; ``rela.wrap(keys=)``)
+    pca/<key>.safetensors fitted batch-PCA states (``store.pca(...)``); ``pca/at-write.safetensors`` when the rows
+                         were PCA-reduced at write (``precompute_targets(components=k)``: rows are already
+                         ``V_k^T (y - mu) / sigma``, Eq. 41, and metadata ``components`` says so)
 
 While a precompute runs the folder holds ``manifest.json`` (the run's settings) and
 ``chunks/chunk-XXXXX.npy`` instead (see :mod:`accelerate_ssl.targets.precompute`).
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import mmap
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -38,6 +44,39 @@ IDENTITY = "identity.npy"
 MANIFEST = "manifest.json"
 CHUNKS = "chunks"
 PCA_DIR = "pca"
+AT_WRITE_PCA = "at-write.safetensors"
+#: stored dtypes: the name in metadata.json -> the dtype of the .npy file (bfloat16: its uint16 bit patterns)
+DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
+FLOAT16_MAX = 65504.0
+
+
+def encode_rows(rows, dtype: str, first_row: int = 0) -> np.ndarray:
+    """float32 rows -> the stored dtype (bfloat16: round-to-nearest-even, as torch, kept as uint16 bit patterns).
+    Refuses values float16 cannot hold (|x| > 65504 become inf), naming the rows and the fix."""
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    if dtype == "float32":
+        return rows
+    if dtype == "float16":
+        too_big = np.abs(rows).max(axis=-1) > FLOAT16_MAX if rows.size else np.zeros(len(rows), bool)
+        if too_big.any():
+            bad = (first_row + np.flatnonzero(too_big)).tolist()
+            raise ValueError(
+                f"{len(bad)} target row(s) hold values beyond float16's range (|x| up to {float(np.abs(rows).max()):.4g} > "
+                f"{FLOAT16_MAX:g}), e.g. rows {bad[:10]}: they would be stored as inf. Use dtype='bfloat16' (--dtype "
+                "bfloat16: float32's range in the same 2 bytes) or float32; with components=k the reduced rows are "
+                "z-scored and fit in float16.")
+        return rows.astype(np.float16)
+    if dtype == "bfloat16":
+        bits = torch.tensor(rows).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)  # (a copy)
+        return bits
+    raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
+
+
+def decode_rows(stored: np.ndarray, dtype: str) -> np.ndarray:
+    """Stored rows -> float32 (exact: every float16 / bfloat16 value is a float32)."""
+    if dtype == "bfloat16":
+        return (np.asarray(stored, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.array(stored, dtype=np.float32)
 FORMAT = "accelerate-ssl-targets"
 FORMAT_VERSION = 1
 
@@ -85,6 +124,9 @@ class TargetStore:
         self.path = Path(path)
         self.metadata = metadata
         self._array = array
+        self._keys = None
+        self._written_pca = None
+        self._random_rows: Optional[np.ndarray] = None  # a second mapping advised for random access
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -130,10 +172,17 @@ class TargetStore:
         except (ValueError, OSError) as err:
             raise TargetStoreCorruptError(f"{data_path} is not a readable .npy file ({err}); recompute the store.") from err
         expected = (int(metadata["num_rows"]), int(metadata["dim"]))
-        if tuple(array.shape) != expected or str(array.dtype) != metadata["dtype"]:
+        if metadata["dtype"] not in DTYPES:
+            raise TargetStoreCorruptError(f"{meta_path} names dtype {metadata['dtype']!r}, not one of {sorted(DTYPES)}; "
+                                          "recompute the store (or upgrade accelerate-ssl).")
+        if tuple(array.shape) != expected or array.dtype != DTYPES[metadata["dtype"]]:
             raise TargetStoreCorruptError(f"{data_path} holds {array.dtype} {tuple(array.shape)} but {METADATA} says "
                                           f"{metadata['dtype']} {expected}; recompute the store.")
         store = cls(path, metadata, array)
+        if metadata.get("keys"):
+            from .keys import TargetKeys
+
+            store._keys = TargetKeys.load(path, metadata["keys"], expected[0])
         if dataset is not None:
             store.check_dataset(dataset)
         return store
@@ -161,7 +210,7 @@ class TargetStore:
         bad: list[int] = []
         n = len(self)
         for a in tqdm(range(0, n, block_rows), desc="verify rows", unit="block", disable=not progress):
-            rows = np.asarray(self._array[a : a + block_rows])
+            rows = decode_rows(self._array[a : a + block_rows], self.dtype)
             ok = np.isfinite(rows).all(axis=1)
             if not ok.all():
                 bad.extend((a + np.flatnonzero(~ok)).tolist())
@@ -170,7 +219,14 @@ class TargetStore:
                 f"Target store {str(self.path)!r} has NaN/Inf values in {len(bad)} row(s): {bad[:10]}"
                 f"{'...' if len(bad) > 10 else ''} (prior {self.metadata.get('prior', {}).get('spec')!r}). Recompute the "
                 "store (delete the folder and rerun its precompute command).")
-        return {"rows": n, "dim": self.dim, "sha256": actual, "checksum": "ok" if recorded else "not recorded"}
+        if self._keys is not None:
+            from .keys import TargetKeys
+
+            if TargetKeys.digest(self._keys.in_row_order()) != self.metadata["keys"].get("sha256"):
+                raise TargetStoreCorruptError(f"The sample keys of {str(self.path)!r} differ from the ones recorded when "
+                                              "the store was written (a copy error or an edited file); recompute it.")
+        return {"rows": n, "dim": self.dim, "dtype": self.dtype, "sha256": actual,
+                "checksum": "ok" if recorded else "not recorded", "keys": len(self._keys) if self._keys else 0}
 
     def verify_rows(self, dataset, progress: bool = False) -> dict:
         """Check, item by item, that row i belongs to ``dataset[i]``: every row's identity digest (its file name,
@@ -238,6 +294,7 @@ class TargetStore:
             "prior": prior.get("spec"),
             "prior_weights_sha256": prior.get("weights_sha256") or prior.get("checkpoint_sha256"),
             "dataset_sha256": (self.metadata.get("dataset") or {}).get("fingerprint", {}).get("sha256"),
+            "dtype": self.dtype, "components": self.components,
         }
 
     # ------------------------------------------------------------------ access
@@ -249,9 +306,86 @@ class TargetStore:
         return int(self._array.shape[1])
 
     @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self), self.dim)
+
+    @property
+    def dtype(self) -> str:
+        """How the rows are stored: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (read back as float32)."""
+        return str(self.metadata.get("dtype", "float32"))
+
+    @property
+    def components(self) -> Optional[int]:
+        """``k`` when the rows were PCA-reduced at write to ``k`` components (they are then Eq. 41's reduced,
+        z-scored rows), else None."""
+        k = self.metadata.get("components")
+        return None if k is None else int(k)
+
+    @property
+    def source_dim(self) -> int:
+        """The prior's output dim (= :attr:`dim` unless the rows were reduced at write)."""
+        return int(self.metadata.get("source_dim", self.dim))
+
+    @property
     def array(self) -> np.ndarray:
-        """The memory-mapped ``[N, dim]`` array (read-only)."""
+        """The memory-mapped ``[N, dim]`` array as stored (read-only; bfloat16 rows are uint16 bit patterns:
+        ``store[idx]`` decodes to float32)."""
         return self._array
+
+    @property
+    def keys(self):
+        """The key -> row map (:class:`~accelerate_ssl.targets.keys.TargetKeys`), or None when no keys were
+        recorded."""
+        return self._keys
+
+    def key_rows(self, keys) -> torch.Tensor:
+        """The rows of a batch's sample keys (LongTensor); a key the store does not hold raises
+        :class:`~accelerate_ssl.targets.keys.TargetKeyError` naming it."""
+        if self._keys is None:
+            raise ValueError(
+                f"Target store {str(self.path)!r} records no sample keys (its data set has no file names and no keys= "
+                "was given at precompute), so rows cannot be found by key. Recompute it with precompute_targets(..., "
+                "keys=<one key per item>), or look rows up by index (a tracked DataLoader, wrap(index=)).")
+        return self._keys.rows(keys)
+
+    def decoded(self):
+        """The rows as a float32 array-like (``shape``, ``[a:b]``), decoded block by block (for streaming readers
+        such as the batch PCA); the memmap itself when the rows are float32."""
+        return self._array if self.dtype == "float32" else _DecodedRows(self._array, self.dtype)
+
+    def written_pca(self):
+        """The PCA the rows were reduced with at write (:class:`~accelerate_ssl.targets.pca.TargetPCA`), or None."""
+        if self.components is None:
+            return None
+        if self._written_pca is None:
+            from safetensors.torch import load_file
+
+            from .pca import TargetPCA
+
+            file = self.path / PCA_DIR / AT_WRITE_PCA
+            try:
+                self._written_pca = TargetPCA.from_state_dict(load_file(str(file)))
+            except Exception as err:
+                raise TargetStoreCorruptError(f"{file} (the PCA the rows were reduced with) is unreadable ({err}); "
+                                              "recompute the store.") from err
+        return self._written_pca
+
+    def _random_access(self) -> np.ndarray:
+        """The rows through a second mapping of the file advised ``MADV_RANDOM``: a batch's scattered rows are read
+        page by page, without the kernel's read-ahead around every fault (on a store larger than the page cache,
+        256 random rows read ~30x fewer bytes from the disk). Slices keep the first mapping, whose read-ahead suits
+        sequential passes (the PCA fit, ``verify``)."""
+        if self._random_rows is None:
+            array = self._array
+            can_advise = hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_RANDOM")  # Linux, macOS
+            if not can_advise or not isinstance(array, np.memmap) or array.size == 0:
+                self._random_rows = array
+            else:
+                with open(self.path / self.metadata["file"], "rb") as f:
+                    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                mapped.madvise(mmap.MADV_RANDOM)
+                self._random_rows = np.ndarray(array.shape, array.dtype, buffer=mapped, offset=array.offset)
+        return self._random_rows
 
     def __getitem__(self, idx: Any) -> torch.Tensor:
         if isinstance(idx, torch.Tensor):
@@ -264,7 +398,8 @@ class TargetStore:
             idx = idx.astype(np.int64, copy=False)
             if idx.size and (idx.min() < -len(self) or idx.max() >= len(self)):
                 raise IndexError(f"Row index out of range for a store of {len(self)} rows.")
-        rows = np.array(self._array[idx], dtype=np.float32)
+        source = self._random_access() if isinstance(idx, np.ndarray) else self._array
+        rows = decode_rows(source[idx], self.dtype)
         finite = np.isfinite(rows)
         if not finite.all():  # a disk fault or a bad prior: never hand such a row to training
             bad_rows = np.atleast_1d(np.arange(len(self))[idx])[~np.atleast_1d(finite.all(axis=-1))]
@@ -283,6 +418,11 @@ class TargetStore:
 
         from .pca import TargetPCA
 
+        if self.components is not None:
+            raise ValueError(
+                f"Target store {str(self.path)!r} holds rows already reduced at write to their top {self.components} "
+                "principal components (Eq. 41): another PCA of them would reduce twice. Their first n columns are the "
+                "n-component reduction (ReLA's n_components does that).")
         n = self.dim if n_components is None else min(int(n_components), self.dim)
         file = self.path / PCA_DIR / f"pca-n{n}-{'zscore' if standardize else 'centre'}.safetensors"
         if file.is_file():
@@ -291,7 +431,7 @@ class TargetStore:
             except Exception as err:
                 raise TargetStoreCorruptError(f"{file} is unreadable ({err}); delete it and call store.pca(...) again "
                                               "to refit.") from err
-        fitted = TargetPCA.fit(self._array, n, standardize=standardize, block_size=block_size, progress=progress)
+        fitted = TargetPCA.fit(self.decoded(), n, standardize=standardize, block_size=block_size, progress=progress)
         try:
             file.parent.mkdir(exist_ok=True)
             with atomic_path(file) as tmp:
@@ -306,8 +446,21 @@ class TargetStore:
         return sorted(p.name for p in folder.glob("pca-*.safetensors")) if folder.is_dir() else []
 
     def __repr__(self) -> str:
-        return (f"TargetStore({str(self.path)!r}, rows={len(self)}, dim={self.dim}, "
+        extra = "" if self.dtype == "float32" else f", dtype={self.dtype!r}"
+        extra += "" if self.components is None else f", components={self.components}"
+        return (f"TargetStore({str(self.path)!r}, rows={len(self)}, dim={self.dim}{extra}, "
                 f"prior={self.metadata.get('prior', {}).get('spec')!r})")
+
+
+class _DecodedRows:
+    def __init__(self, array: np.ndarray, dtype: str):
+        self.array, self.dtype, self.shape = array, dtype, array.shape
+
+    def __len__(self) -> int:
+        return int(self.shape[0])
+
+    def __getitem__(self, idx) -> np.ndarray:
+        return decode_rows(self.array[idx], self.dtype)
 
 
 # ------------------------------------------------------------------------------------------------
