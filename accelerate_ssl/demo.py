@@ -23,8 +23,8 @@ network and EMA update; 16 target components; the head fitted by least squares a
 both runs, plain BYOL's best measured rate) is the one ``benchmarks/speedup.py`` measures. ``--rela-step
 two-view`` runs the former step (two views, EMA kept) for comparison.
 
-Reproducibility: ``--threads`` is fixed (default 2), so the same command on the same machine gives bit-identical
-numbers; another CPU can round differently (oneDNN picks kernels by instruction set, recorded in ``demo.json``)
+Reproducibility: ``--threads`` is fixed (default 1, whatever the machine), so the same command on the same
+machine gives bit-identical numbers; another CPU can round differently (oneDNN picks kernels by instruction set, recorded in ``demo.json``)
 and 1000 plain steps amplify that, so a single run is placed inside the multi-seed range measured for these
 settings (:data:`REFERENCE`) rather than compared with one number.
 
@@ -107,9 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate of both runs (and the ReLA head)")
     parser.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64], help="student ConvNet block widths (default 16 32 64)")
     parser.add_argument("--probe-epochs", type=int, default=30, help="linear-probe epochs (default 30)")
-    parser.add_argument("--threads", type=int, default=2,
-                        help="torch CPU threads (default 2, fixed: the thread count changes float rounding, so the same "
-                             "command gives the same numbers on any machine with the same CPU kernels)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1, fixed on every machine: the thread count changes float "
+                             "rounding; one thread also keeps a shared or busy machine from being oversubscribed)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (speed-up, accuracies, seeds, paths) after the table instead of the sentences")
 
