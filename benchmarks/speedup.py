@@ -260,8 +260,6 @@ def import_demo(args, path: str) -> dict:
         rela = {k: v for k, v in r["rela"].items() if k != "lambda_per_step"}
         unit = ("rela", prior, s["budget"], s["rela_step"], r["seed"])
         out[unit] = {"unit": list(unit), **rela, "lambda_end": r["rela"]["lambda_per_step"][-1], **extra}
-        memo = Path(d["targets"]["path"]).parent / f"{Path(d['targets']['path']).name}.precompute.json"
-        out[("precompute", prior, r["seed"])] = d["targets"]["precompute"] if memo else None
     return out
 
 
@@ -355,7 +353,7 @@ def main(argv=None) -> int:
     Path(args.runs).mkdir(parents=True, exist_ok=True)
     done = {}
     for path in args.demo_json:
-        done.update({k: v for k, v in import_demo(args, path).items() if k[0] != "precompute"})
+        done.update(import_demo(args, path))
     precompute = {p: prepare_targets(args, p) for p in args.priors}
     units = [("plain", s) for s in args.seeds]
     units += [("rela", p, b, st, s) for p in args.priors for b in args.budgets for st in args.rela_steps for s in args.seeds]
