@@ -57,6 +57,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--priors", nargs="+", default=list(PRIORS), choices=list(PRIORS))
     p.add_argument("--budgets", type=int, nargs="+", default=[100, 250], help="ReLA run lengths in steps")
+    p.add_argument("--cells", nargs="*", default=None, metavar="PRIOR:BUDGET",
+                   help="run these prior/budget cells instead of every --priors x --budgets")
+    p.add_argument("--skip-plain", action="store_true",
+                   help="run only the ReLA and timing units (the plain runs come later, e.g. from --demo-json); no analysis")
     p.add_argument("--rela-steps", nargs="+", default=["one-view"], choices=["one-view", "two-view"])
     p.add_argument("--compare", nargs="*", default=["digits:250"],
                    help="PRIOR:BUDGET cells also run with the other --rela-step (the step comparison)")
@@ -80,7 +84,10 @@ def parse_args(argv=None):
     p.add_argument("--tables", metavar="JSON", help="print the README tables from a results JSON and exit")
     args = p.parse_args(argv)
     args.plain_probes = sorted({s for s in args.plain_probes if 0 <= s <= args.full_steps} | {0, args.full_steps})
-    args.compare = [(c.split(":")[0], int(c.split(":")[1])) for c in args.compare]
+    pairs = lambda specs: [(c.split(":")[0], int(c.split(":")[1])) for c in specs]  # noqa: E731
+    args.compare = pairs(args.compare)
+    args.cells = pairs(args.cells) if args.cells is not None else [(p_, b_) for p_ in args.priors for b_ in args.budgets]
+    args.priors = list(dict.fromkeys([c[0] for c in args.cells]))
     return args
 
 
@@ -356,12 +363,12 @@ def main(argv=None) -> int:
         done.update(import_demo(args, path))
     precompute = {p: prepare_targets(args, p) for p in args.priors}
     units = [("plain", s) for s in args.seeds]
-    units += [("rela", p, b, st, s) for p in args.priors for b in args.budgets for st in args.rela_steps for s in args.seeds]
+    units += [("rela", p, b, st, s) for p, b in args.cells for st in args.rela_steps for s in args.seeds]
     other = {"one-view": "two-view", "two-view": "one-view"}
     units += [("rela", p, b, other[st], s) for p, b in args.compare for st in args.rela_steps for s in args.seeds
               if p in args.priors and other[st] not in args.rela_steps]
     if args.timing_steps:
-        units.append(("timing", args.priors[-1]))
+        units.append(("timing", "digits" if "digits" in args.priors else args.priors[0]))
     todo = []
     for u in units:
         f = _unit_file(args, u)
@@ -369,6 +376,8 @@ def main(argv=None) -> int:
             done[u] = json.loads(f.read_text())
         elif u not in done:
             todo.append(u)
+    if args.skip_plain:
+        todo = [u for u in todo if u[0] != "plain"]
     print(f"{len(units) - len(todo)} of {len(units)} units done; {len(todo)} to run, {args.jobs} at a time")
     if args.jobs == 1:
         for u in todo:
@@ -380,6 +389,9 @@ def main(argv=None) -> int:
         with ProcessPoolExecutor(max_workers=args.jobs, mp_context=mp.get_context("spawn")) as pool:
             for u, r in zip(todo, pool.map(_run_and_save, [args] * len(todo), todo)):
                 done[u] = r
+    if args.skip_plain:
+        print("--skip-plain: ReLA and timing units done; rerun without it (and the plain runs) for the analysis")
+        return 0
     result = {"command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/speedup.py", *sys.argv[1:]]),
               "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "platform": platform.platform(),
                           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "load_average_start": load,
