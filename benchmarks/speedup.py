@@ -304,7 +304,8 @@ def analyse(args, units: dict, precompute: dict) -> dict:
             "step_time_ratio": statistics.fmean(p["step_time_ratio"] for p in per_seed),
             "step_cpu_ratio": statistics.fmean(p["step_cpu_ratio"] for p in per_seed),
             # the goal: plain's full-budget accuracy within 1/10 of plain's full-budget wall-clock, precompute included
-            "reaches_plain_full": m >= full["top1"], "cost_fraction_of_plain_full": rela_cost / full["train_seconds"]}
+            "reaches_plain_full": m >= full["top1"], "cost_fraction_of_plain_full": rela_cost / full["train_seconds"],
+            "cpu_fraction_of_plain_full": rela_cpu / full["train_cpu_seconds"]}
     return {"plain": {"mean_curve": mean_plain["curve"], "full_top1": full["top1"], "full_seconds": full["train_seconds"],
                       "per_seed": {str(s): plain[s]["curve"] for s in args.seeds}}, "cells": cells}
 
@@ -327,6 +328,10 @@ def tables(result: dict) -> str:
     p = result["plain"]
     lines.append(f"\nPlain BYOL, {result['settings']['full_steps']} steps: {p['full_top1']:.2f} % "
                  f"({p['full_seconds']:.0f} s of training, mean of seeds {result['settings']['seeds']}).")
+    for c in result["cells"].values():
+        lines.append(f"- {c['prior']} @ {c['budget']} ({c['rela_step']}): {c['top1']:.2f} % vs plain's {p['full_top1']:.2f} % "
+                     f"at {result['settings']['full_steps']} steps, at {c['cost_fraction_of_plain_full']:.3f} of its "
+                     f"wall-clock / {c['cpu_fraction_of_plain_full']:.3f} of its CPU time, precompute included")
     if result.get("timing"):
         k = result["timing"]["kinds"]
         ratio = {n: (k[n]["median_step_seconds"] / k["plain"]["median_step_seconds"],
