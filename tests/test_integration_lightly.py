@@ -254,6 +254,10 @@ def test_other_dataset_gets_its_own_store_and_bad_datasets_are_refused(tmp_path)
 
 
 def test_cifar10_missing_gives_a_clear_error(tmp_path):
-    done = subprocess.run([sys.executable, str(EXAMPLE), "--dataset", "cifar10", "--data-root", str(tmp_path)],
+    no_prior = subprocess.run([sys.executable, str(EXAMPLE), "--dataset", "cifar10", "--data-root", str(tmp_path)],
+                              cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=120)
+    assert no_prior.returncode != 0 and "needs --prior" in no_prior.stderr  # no default prior outside Fashion-MNIST
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--dataset", "cifar10", "--data-root", str(tmp_path),
+                           "--prior", "random:convnet"],
                           cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=120)
     assert done.returncode != 0 and "CIFAR-10 not found" in done.stderr and "never downloads" in done.stderr
