@@ -192,10 +192,12 @@ def test_a_run_is_placed_in_the_reference_range_only_for_its_settings(monkeypatc
     assert set(demo.REFERENCE) >= {"speedup_cpu", "mean_cpu", "speedup_steps", "machine"}  # the measured range ships
     monkeypatch.setattr(demo, "REFERENCE", None)
     assert "not measured" in demo._reference_line(defaults, result)
-    monkeypatch.setattr(demo, "REFERENCE", {"speedup_cpu": [2.5, 3.5, 3.1], "mean_cpu": 3.03,
-                                            "speedup_steps": [3.0, 4.0, 3.6], "machine": "the 2-core VM"})
-    assert "is inside that range" in demo._reference_line(defaults, result)
-    assert "is below that range" in demo._reference_line(defaults, {"speedup_cpu": {"speedup": 2.0}})
+    monkeypatch.setattr(demo, "REFERENCE", {"speedup_cpu": [2.5, 3.5], "mean_cpu": 3.03,
+                                            "speedup_steps": [3.0, 4.0], "machine": "the 2-core VM"})
+    assert "inside the CPU-time range" in demo._reference_line(defaults, result)
+    assert "below the CPU-time range" in demo._reference_line(defaults, {"speedup_cpu": {"speedup": 2.0}})
+    line = demo._reference_line(defaults, {"speedup_cpu": {"speedup": 3.0}, "speedup": {"speedup": 4.5}})
+    assert "inside the CPU-time range" in line and "4.50x, above the steps range" in line
     assert "these differ" in demo._reference_line(parser.parse_args(["--threads", "2"]), result)
     assert "these differ" in demo._reference_line(parser.parse_args(["--prior", "random:convnet"]), result)
     # seeds, output folder and --json do not change the numbers of a seed
