@@ -14,7 +14,7 @@ Controllers (see the table in the README):
 =================  =======================================================  =====================
 name               rule                                                     source
 =================  =======================================================  =====================
-``Decay``          continuous 0.8 -> 0 from the ReLA loss plateau           ReLA v2, App. L, Alg. 1
+``Decay``          adaptive in [0, 0.8]: falls as the ReLA loss plateaus    ReLA v2, App. L, Alg. 1
 ``Switch``         lambda 1 until the ReLA loss converges, then 0 for good  ReLA v1, App. J
 ``Constant(lam)``  fixed lambda                                             ablation
 ``Epochs(f, T)``   lambda 1 for the first fraction f of T steps, then 0     authors' ``--rela_conlam``

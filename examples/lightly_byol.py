@@ -108,13 +108,21 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.06)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prior", default="random:convnet", help="prior spec for the ReLA targets (create_prior)")
+    p.add_argument("--prior", default=None,
+                   help="prior spec for the ReLA targets (create_prior): a model trained on data like yours; default "
+                        "for fashion-mnist shipped:digits-byol (trained on other data, measured to help); required "
+                        "for other data sets")
     p.add_argument("--targets", default="rela-targets", help="folder caching the precomputed targets")
     p.add_argument("--log-every", type=int, default=10, help="print ReLA's lambda every N steps")
     p.add_argument("--no-rela", action="store_true", help="plain BYOL (the same loop, ReLA disabled)")
     args = p.parse_args(argv)
     if args.dataset not in ("fashion-mnist", "cifar10") and not args.dataset.startswith("folder:"):
         p.error(f"unknown --dataset {args.dataset!r}; use fashion-mnist, cifar10 or folder:<path>")
+    if args.prior is None and not args.no_rela:
+        if args.dataset != "fashion-mnist":
+            p.error(f"--dataset {args.dataset} needs --prior: a model trained on data like it, e.g. "
+                    "--prior timm:vit_small_patch14_dinov2.lvd142m (`accelerate-ssl priors list`)")
+        args.prior = "shipped:digits-byol"
     return args
 
 

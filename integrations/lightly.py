@@ -4,7 +4,7 @@ lightly's examples build a ``DataLoader`` over a torchvision-style dataset (or a
 whose transform makes the views, and a model with a ``backbone``. :func:`attach_rela` takes exactly
 those two objects and does everything ReLA needs behind one line::
 
-    rela = attach_rela(model.backbone, dataloader, prior="random:convnet", cache_dir="rela-targets")
+    rela = attach_rela(model.backbone, dataloader, prior="shipped:digits-byol", cache_dir="rela-targets")
     ...
     loss = rela.wrap(0.5 * (criterion(p0, z1) + criterion(p1, z0)))
 
@@ -213,7 +213,7 @@ class _NoReLA:
         pass
 
 
-def attach_rela(backbone: nn.Module, dataloader, *, prior: Union[str, nn.Module] = "random:convnet",
+def attach_rela(backbone: nn.Module, dataloader, *, prior: Union[str, nn.Module, None] = None,
                 cache_dir: Union[str, os.PathLike] = "rela-targets", weights: Optional[str] = None,
                 enabled: bool = True, log_every: int = 0, progress: bool = True, **rela_kwargs):
     """One line to add ReLA to a lightly loop: precompute/open the targets of ``dataloader``'s dataset and
@@ -223,7 +223,9 @@ def attach_rela(backbone: nn.Module, dataloader, *, prior: Union[str, nn.Module]
         backbone: the student's feature extractor (``model.backbone``).
         dataloader: the training DataLoader (its dataset's transform makes the views; any map-style
             dataset with a ``transform`` attribute, or a ``LightlyDataset``).
-        prior: prior spec (``create_prior``) or a ``Prior``; ``weights`` a local weights file for it.
+        prior: prior spec (``create_prior``) or a ``Prior``; ``weights`` a local weights file for it. Required: a
+            model trained on data like yours (e.g. ``timm:vit_small_patch14_dinov2.lvd142m``; for 28 px grayscale
+            images ``shipped:digits-byol``). An untrained network saves nothing in the project's measurements.
         cache_dir: folder holding the stores (one per prior and dataset).
         enabled: ``False`` returns an object whose ``wrap`` returns the loss unchanged (same loop, no ReLA).
         log_every: print lambda and both losses every ``log_every`` optimiser steps (0: never).
@@ -232,6 +234,11 @@ def attach_rela(backbone: nn.Module, dataloader, *, prior: Union[str, nn.Module]
     """
     if not enabled:
         return _NoReLA()
+    if prior is None:
+        raise ValueError("attach_rela needs prior=: a model trained on data like yours, e.g. "
+                         "prior='timm:vit_small_patch14_dinov2.lvd142m' or 'open_clip:ViT-B-32/laion2b_s34b_b79k' "
+                         "(`accelerate-ssl priors list`), or 'shipped:digits-byol' for 28 px grayscale images. There is "
+                         "no default: an untrained network ('random:convnet') saves nothing in the measurements.")
     dataset = getattr(dataloader, "dataset", None)
     if dataset is None:
         raise TypeError(f"attach_rela needs a torch DataLoader, got {type(dataloader).__name__}.")

@@ -9,7 +9,7 @@ import torch
 
 from accelerate_ssl import demo
 from accelerate_ssl.cli import main as cli_main
-from accelerate_ssl.recipes import speedup
+from accelerate_ssl.recipes import cost_speedup, speedup
 
 
 # ---------------------------------------------------------------------------------------------- arithmetic
@@ -52,7 +52,7 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 def _check_outputs(out: Path, stdout: str, budget: int, plain_steps: int) -> dict:
     assert "| steps | plain BYOL top-1 % | ReLA top-1 % | lambda |" in stdout
-    assert "speed-up:" in stdout
+    assert "speed-up in wall-clock:" in stdout and "in CPU time:" in stdout and "in steps:" in stdout
     w, h = _png_size(out / "demo.png")
     assert w > 300 and h > 300
     result = json.loads((out / "demo.json").read_text())
@@ -67,6 +67,13 @@ def _check_outputs(out: Path, stdout: str, budget: int, plain_steps: int) -> dic
     assert result["rela_top1"] == result["rela"]["curve"][-1]["top1"]
     recomputed = speedup([(c["step"], c["top1"]) for c in result["plain"]["curve"]], result["rela_top1"], budget)
     assert recomputed == result["speedup"]
+    # wall-clock: plain's training seconds to ReLA's accuracy / (ReLA's training seconds + the precompute)
+    rela_cost = result["rela"]["curve"][-1]["train_seconds"] + result["targets"]["precompute"]["seconds"]
+    assert result["speedup_wall"] == cost_speedup(result["plain"]["curve"], result["rela_top1"], rela_cost)
+    assert result["targets"]["precompute"]["seconds"] > 0 and result["speedup_wall"]["cost_rela"] > rela_cost - 1e-9
+    assert result["step_time_ratio"] > 0 and result["speedup_cpu"]["cost_rela"] > 0
+    assert len(result["machine"]["load_average_start"]) == 3 and len(result["machine"]["load_average_end"]) == 3
+    assert result["machine"]["cpu_capability"] and result["machine"]["torch_threads"] == 1
     assert result["table"] in stdout
     assert result["command"].startswith("accelerate-ssl")
     assert result["machine"]["cpu_count"] >= 1
@@ -90,6 +97,8 @@ def test_demo_tiny_end_to_end(tmp_path, capsys, fashion_mnist_available):
     again = json.loads((out / "demo.json").read_text())
     printed = json.loads(stdout.strip().splitlines()[-1])
     assert printed["speedup"] == again["speedup"] and printed["rela_top1"] == again["rela_top1"]
+    # the precompute's cost is recorded once and counted again by the run that re-uses the store
+    assert again["targets"]["precompute"] == result["targets"]["precompute"]
     assert [c["top1"] for c in again["rela"]["curve"]] == [c["top1"] for c in result["rela"]["curve"]]
     assert [c["top1"] for c in again["plain"]["curve"]] == [c["top1"] for c in result["plain"]["curve"]]
     # --weights as on every verb: other weights for the same spec never re-use those targets
@@ -121,7 +130,7 @@ def test_demo_several_seeds_reports_mean_curves_and_each_speedup(tmp_path, capsy
             assert point["top1_std"] == pytest.approx(abs(accs[0] - accs[1]) / 2)
     for r in result["per_seed"]:
         assert r["speedup"] == speedup([(c["step"], c["top1"]) for c in r["plain"]["curve"]], r["rela_top1"], 4)
-        assert f"seed {r['seed']}: {r['speedup']['text']}" in stdout
+        assert f"seed {r['seed']}: wall-clock {r['speedup_wall']['text']}; steps {r['speedup']['text']}" in stdout
     assert "(mean of 2 seeds)" in stdout and " ± " in result["table"]
 
 
@@ -153,8 +162,10 @@ def test_default_prior_ships_and_loads():
 
     from accelerate_ssl.targets.priors import shipped_prior_file
 
-    assert demo.DEFAULT_PRIOR == "shipped:fashion-mnist-byol-20k"  # label-free, and small enough to ship (<= 10 MB)
-    assert shipped_prior_file("fashion-mnist-byol-20k").stat().st_size < 10 * 2**20
+    # a prior trained on other data (digits), label-free: a user's situation, not an upper bound; small enough to ship
+    assert demo.DEFAULT_PRIOR == "shipped:digits-byol"
+    assert shipped_prior_file("digits-byol").stat().st_size < 10 * 2**20
+    assert "other data" in demo.PRIOR_TRAINING[demo.DEFAULT_PRIOR]
     prior = create_prior(demo.DEFAULT_PRIOR)
     assert prior.describe()["family"] == "shipped" and len(prior.describe()["checkpoint_sha256"]) == 64
     x = torch.randint(0, 256, (2, 1, 28, 28), dtype=torch.uint8)
@@ -169,3 +180,25 @@ def test_demo_defaults(tmp_path, capsys, fashion_mnist_available):
     assert cli_main(["demo", "--out", str(out)]) == 0
     result = _check_outputs(out, capsys.readouterr().out, budget=250, plain_steps=1000)
     assert result["rela_top1"] > result["plain_top1_at_budget"]
+
+
+def test_a_run_is_placed_in_the_reference_range_only_for_its_settings(monkeypatch):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    defaults = parser.parse_args([])
+    result = {"speedup_cpu": {"speedup": 3.0}}
+    assert set(demo.REFERENCE) >= {"speedup_cpu", "mean_cpu", "speedup_steps", "machine"}  # the measured range ships
+    monkeypatch.setattr(demo, "REFERENCE", None)
+    assert "not measured" in demo._reference_line(defaults, result)
+    monkeypatch.setattr(demo, "REFERENCE", {"speedup_cpu": [2.5, 3.5], "mean_cpu": 3.03,
+                                            "speedup_steps": [3.0, 4.0], "machine": "the 2-core VM"})
+    assert "inside the CPU-time range" in demo._reference_line(defaults, result)
+    assert "below the CPU-time range" in demo._reference_line(defaults, {"speedup_cpu": {"speedup": 2.0}})
+    line = demo._reference_line(defaults, {"speedup_cpu": {"speedup": 3.0}, "speedup": {"speedup": 4.5}})
+    assert "inside the CPU-time range" in line and "4.50x, above the steps range" in line
+    assert "these differ" in demo._reference_line(parser.parse_args(["--threads", "2"]), result)
+    assert "these differ" in demo._reference_line(parser.parse_args(["--prior", "random:convnet"]), result)
+    # seeds, output folder and --json do not change the numbers of a seed
+    assert "inside" in demo._reference_line(parser.parse_args(["--seeds", "0", "1", "--json", "--out", "x"]), result)

@@ -26,7 +26,7 @@ needs_fmnist = pytest.mark.skipif(not HAVE_FMNIST, reason="Fashion-MNIST idx fil
 #: the README's commands (README section "lightly"); the tests below run exactly these.
 README_WITH_RELA = "python examples/lightly_byol.py --epochs 1 --limit 256 --batch-size 64"
 README_NO_RELA = "python examples/lightly_byol.py --epochs 1 --limit 256 --batch-size 64 --no-rela"
-README_FOLDER = "python examples/lightly_byol.py --dataset folder:my_images --epochs 1 --batch-size 8"
+README_FOLDER = "python examples/lightly_byol.py --dataset folder:my_images --prior random:convnet --epochs 1 --batch-size 8"
 
 
 # ---------------------------------------------------------------------------------------------- the diff
@@ -235,8 +235,10 @@ def test_other_dataset_gets_its_own_store_and_bad_datasets_are_refused(tmp_path)
     a = ArrayImageDataset(rng.integers(0, 256, (32, 12, 12), dtype=np.uint8), np.zeros(32), name="a")
     b = ArrayImageDataset(rng.integers(0, 256, (32, 12, 12), dtype=np.uint8), np.zeros(32), name="b")
     backbone = ConvNet(widths=(8,))
-    ra = attach_rela(backbone, DataLoader(a, batch_size=8), cache_dir=tmp_path, progress=False)
-    rb = attach_rela(backbone, DataLoader(b, batch_size=8), cache_dir=tmp_path, progress=False)
+    with pytest.raises(ValueError, match="needs prior=.*no default"):  # no default prior that saves nothing
+        attach_rela(backbone, DataLoader(a, batch_size=8), cache_dir=tmp_path, progress=False)
+    ra = attach_rela(backbone, DataLoader(a, batch_size=8), prior="random:convnet", cache_dir=tmp_path, progress=False)
+    rb = attach_rela(backbone, DataLoader(b, batch_size=8), prior="random:convnet", cache_dir=tmp_path, progress=False)
     assert ra.store.path != rb.store.path  # a stale cache is never reused for other data
     assert not torch.equal(ra.store[[0, 1]], rb.store[[0, 1]])
     assert attach_rela(backbone, DataLoader(a), enabled=False).wrap(torch.tensor(3.0)) == 3.0
@@ -253,6 +255,10 @@ def test_other_dataset_gets_its_own_store_and_bad_datasets_are_refused(tmp_path)
 
 
 def test_cifar10_missing_gives_a_clear_error(tmp_path):
-    done = subprocess.run([sys.executable, str(EXAMPLE), "--dataset", "cifar10", "--data-root", str(tmp_path)],
+    no_prior = subprocess.run([sys.executable, str(EXAMPLE), "--dataset", "cifar10", "--data-root", str(tmp_path)],
+                              cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=120)
+    assert no_prior.returncode != 0 and "needs --prior" in no_prior.stderr  # no default prior outside Fashion-MNIST
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--dataset", "cifar10", "--data-root", str(tmp_path),
+                           "--prior", "random:convnet"],
                           cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=120)
     assert done.returncode != 0 and "CIFAR-10 not found" in done.stderr and "never downloads" in done.stderr

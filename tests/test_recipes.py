@@ -91,6 +91,56 @@ def test_rela_only_steps_never_compute_the_ssl_loss():
         train_ssl(model, iter(()), 1, optimizer=opt, view_generator=torch.Generator(), rela_views="strong")
 
 
+def _count_calls(model):
+    """Record the online and momentum backbones' forward calls and every EMA update's momentum."""
+    calls = {"online": 0, "momentum": 0, "ema": []}
+    model.backbone.register_forward_hook(lambda *a: calls.__setitem__("online", calls["online"] + 1))
+    model.backbone_momentum.register_forward_hook(lambda *a: calls.__setitem__("momentum", calls["momentum"] + 1))
+    original = model.update_momentum
+    model.update_momentum = lambda m: (calls["ema"].append(m), original(m))[1]
+    return calls
+
+
+@pytest.mark.parametrize("views", ["weak", "clean"])
+def test_one_view_rela_step_skips_the_ssl_branch_then_resyncs_the_ema(views):
+    """While lambda == 1 the default step forwards one view and never touches the momentum network; the first
+    step with lambda < 1 copies the student into it (m = 0), then BYOL runs with its EMA as usual."""
+    from accelerate_ssl.schedules import Epochs
+
+    model, opt = _byol()
+    calls = _count_calls(model)
+    momentum0 = [p.clone() for p in model.backbone_momentum.parameters()]
+    rela = ReLA(torch.randn(64, 6), model.backbone, schedule=Epochs(0.5, total_steps=4),
+                feature_dim=model.backbone.feature_dim)
+    opt.add_param_group({"params": list(rela.parameters())})
+    batches = tensor_batches(IMAGES, random_batches(64, 16, torch.Generator().manual_seed(0)))
+    log = train_ssl(model, batches, 2, optimizer=opt, view_generator=torch.Generator().manual_seed(2), rela=rela,
+                    rela_views=views)
+    assert log["lambda_per_step"] == [1.0, 1.0]
+    assert calls == {"online": 2, "momentum": 0, "ema": []}  # one forward per step, no momentum forward, no EMA
+    assert all(torch.equal(a, b) for a, b in zip(momentum0, model.backbone_momentum.parameters()))
+    assert len(log["step_cpu_seconds"]) == 2 and log["train_cpu_seconds"] > 0
+    train_ssl(model, batches, 4, optimizer=opt, view_generator=torch.Generator().manual_seed(3), rela=rela,
+              rela_views=views, start_step=2, momentum=0.9)
+    rela.close()
+    assert calls["online"] == 2 + 2 * 2 and calls["momentum"] == 2 * 2  # the full method: two views, momentum targets
+    assert calls["ema"] == [0.0, 0.9, 0.9]  # re-sync to the student, then the EMA of every step
+
+
+def test_two_view_rela_step_keeps_the_old_behaviour():
+    model, opt = _byol()
+    calls = _count_calls(model)
+    rela = ReLA(torch.randn(64, 6), model.backbone, schedule=Constant(1.0), feature_dim=model.backbone.feature_dim)
+    opt.add_param_group({"params": list(rela.parameters())})
+    train_ssl(model, tensor_batches(IMAGES, random_batches(64, 16, torch.Generator().manual_seed(0))), 3,
+              optimizer=opt, view_generator=torch.Generator().manual_seed(2), rela=rela, rela_views="weak",
+              rela_step="two-view", momentum=0.9)
+    rela.close()
+    assert calls == {"online": 6, "momentum": 0, "ema": [0.9, 0.9, 0.9]}
+    with pytest.raises(ValueError, match="rela_step"):
+        train_ssl(model, iter(()), 1, optimizer=opt, view_generator=torch.Generator(), rela_step="three-view")
+
+
 def test_a_non_finite_loss_stops_the_run_naming_the_step():
     model, opt = _byol()
     model.step_loss = lambda features, views, index: features[0].sum() * float("nan")

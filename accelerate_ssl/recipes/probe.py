@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-__all__ = ["Probe", "steps_to_reach", "speedup", "mean_run"]
+__all__ = ["Probe", "steps_to_reach", "speedup", "cost_speedup", "mean_run"]
 
 
 class Probe:
@@ -86,6 +86,21 @@ def speedup(plain_curve: list[tuple[int, float]], rela_acc: float, budget: int) 
             "text": f"{s / budget:.2f}x (plain BYOL needs {s:.0f} steps to reach {rela_acc:.2f} %)"}
 
 
+def cost_speedup(plain_curve: list[dict], rela_acc: float, rela_cost: float, key: str = "train_seconds",
+                 unit: str = "s") -> dict:
+    """Speed-up in what a user pays: the plain run's cost (``key`` of its checkpoints: ``train_seconds`` wall,
+    ``train_cpu_seconds`` CPU) to reach ``rela_acc``, read off its (cost, top-1) curve by linear interpolation,
+    divided by ``rela_cost`` (ReLA's training cost **plus** its precompute); a lower bound if plain never gets
+    there within its run."""
+    s = steps_to_reach([(c[key], c["top1"]) for c in plain_curve], rela_acc)
+    if s is None:
+        last = max(c[key] for c in plain_curve)
+        return {"cost_plain": None, "cost_rela": rela_cost, "speedup": last / rela_cost, "lower_bound": True,
+                "text": f"> {last / rela_cost:.1f}x (plain BYOL never reached {rela_acc:.2f} % within {last:.0f} {unit})"}
+    return {"cost_plain": s, "cost_rela": rela_cost, "speedup": s / rela_cost, "lower_bound": False,
+            "text": f"{s / rela_cost:.2f}x ({s:.0f} {unit} of plain BYOL / {rela_cost:.0f} {unit} of ReLA, precompute included)"}
+
+
 def mean_run(runs: list[dict]) -> dict:
     """Checkpoint-wise mean (and population std) of several seeds' runs of the same length."""
     if len(runs) == 1:
@@ -97,10 +112,13 @@ def mean_run(runs: list[dict]) -> dict:
         top1 = [p["top1"] for p in points]
         mean = {"step": points[0]["step"], "top1": statistics.fmean(top1), "top1_std": statistics.pstdev(top1)}
         for key in points[0]:
-            if key not in mean and isinstance(points[0][key], (int, float)):
+            if key not in mean and isinstance(points[0][key], (int, float)) and not isinstance(points[0][key], bool):
                 mean[key] = statistics.fmean(p[key] for p in points)
         curve.append(mean)
-    out = {"curve": curve, "train_seconds": statistics.fmean(r["train_seconds"] for r in runs)}
+    out = {"curve": curve}
+    for key in ("train_seconds", "train_cpu_seconds", "median_step_seconds", "median_step_cpu_seconds"):
+        if key in runs[0]:
+            out[key] = statistics.fmean(r[key] for r in runs)
     if "lambda_per_step" in runs[0]:
         out["lambda_per_step"] = [statistics.fmean(v) for v in zip(*(r["lambda_per_step"] for r in runs))]
     return out

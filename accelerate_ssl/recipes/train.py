@@ -33,11 +33,15 @@ from torch import nn
 from .views import BYOL_VIEWS, WEAK_VIEWS, ViewConfig, random_views
 
 __all__ = ["train_ssl", "loader_batches", "tensor_batches", "shuffled_batches", "random_batches",
-           "warmup_cosine_lr", "cosine_lr", "cosine_momentum", "RELA_VIEWS"]
+           "warmup_cosine_lr", "cosine_lr", "cosine_momentum", "RELA_VIEWS", "RELA_STEPS"]
 
 #: what the student sees while lambda == 1 (the ReLA term only): the SSL views, ReLA v1's weak views,
-#: or the images as the batch source gives them (one forward pass; the targets' own images)
+#: or the images as the batch source gives them (the targets' own images, or replayed stored views)
 RELA_VIEWS = ("byol", "weak", "clean")
+#: what a step costs while lambda == 1: ``"one-view"`` (default) forwards one view per image and skips the SSL
+#: branch entirely (no second view, no momentum network, no EMA update); ``"two-view"`` forwards the method's
+#: ``n_views`` views and keeps the EMA update (the recipe before the cheaper step; kept for comparison)
+RELA_STEPS = ("one-view", "two-view")
 
 Batches = Iterator[tuple[torch.Tensor, Optional[torch.Tensor]]]
 
@@ -119,6 +123,7 @@ def train_ssl(
     views: ViewConfig = BYOL_VIEWS,
     rela=None,
     rela_views: str = "byol",
+    rela_step: str = "one-view",
     lr: Optional[Callable[[int], float]] = None,
     momentum: Union[float, Callable[[int], float]] = 0.99,
     checkpoints: Sequence[int] = (),
@@ -131,26 +136,37 @@ def train_ssl(
     """Train ``method`` for ``steps - start_step`` optimiser steps; return its log.
 
     Each step: the next ``(images, index)`` of ``batches``; ``method.n_views`` random ``views`` of the
-    images (``rela_views`` while ``rela.lam >= 1``: see :data:`RELA_VIEWS`); the backbone's features of
-    each view; the loss ``method.step_loss(features, views, index)``, through ``rela.wrap`` when ``rela``
-    is given; ``optimizer`` step (``lr(step)`` set first when given); ``method.update_momentum``.
-    A loss that is not finite stops the run with an error naming the step.
+    images; the backbone's features of each view; the loss ``method.step_loss(features, views, index)``,
+    through ``rela.wrap`` when ``rela`` is given; ``optimizer`` step (``lr(step)`` set first when given);
+    ``method.update_momentum``. A loss that is not finite stops the run with an error naming the step.
+
+    While ``rela.lam >= 1`` (the ReLA term only, ReLA v1 App. J's first stage) the step is ReLA's regression
+    alone: with ``rela_step="one-view"`` (default) the student sees **one** view per image (``rela_views``, see
+    :data:`RELA_VIEWS`) and the SSL branch is skipped entirely: no second view, no momentum forward, no EMA
+    update. The first step with lambda < 1 copies the online backbone and heads into the momentum network
+    (``update_momentum(0.0)``: the EMA restarts from the student the regression produced, not from its
+    initialisation), then the full method runs. ``rela_step="two-view"``: ``n_views`` views (``rela_views``)
+    and the EMA update every step, as before the cheaper step existed.
 
     ``probe(backbone) -> top-1 %`` runs at every step in ``checkpoints`` (``start_step``: before training); each
     checkpoint's record also holds ``checkpoint_extras()``. ``on_step(step, loss)`` runs after every step
     (e.g. to save a resumable checkpoint). ``progress``: the tqdm bar's label (None: no bar).
 
-    Returns ``{"curve": [{"step", "top1", "lambda", "train_seconds", "probe_seconds", ...}],
-    "lambda_per_step": [...] (with ReLA), "step_seconds": [...], "train_seconds": total}``.
+    Returns ``{"curve": [{"step", "top1", "lambda", "train_seconds", "train_cpu_seconds", "probe_seconds", ...}],
+    "lambda_per_step": [...] (with ReLA), "step_seconds": [...], "step_cpu_seconds": [...], "train_seconds": total,
+    "train_cpu_seconds": total}`` (CPU seconds: this process, all its threads).
     """
     if rela_views not in RELA_VIEWS:
         raise ValueError(f"rela_views must be one of {RELA_VIEWS}, got {rela_views!r}.")
+    if rela_step not in RELA_STEPS:
+        raise ValueError(f"rela_step must be one of {RELA_STEPS}, got {rela_step!r}.")
     backbone = method.backbone
     momentum_at = momentum if callable(momentum) else (lambda step, m=float(momentum): m)
     cuda = any(p.is_cuda for p in method.parameters())
     curve: list[dict] = []
     lambdas: list[float] = []
     step_seconds: list[float] = []
+    step_cpu: list[float] = []  # process CPU time per step (all threads): robust to other jobs on the machine
     shown: dict = {}  # the bar's postfix: last loss, last probe
     bar = None
     if progress:
@@ -163,7 +179,7 @@ def train_ssl(
         acc = probe(backbone)
         lam = lambdas[-1] if lambdas else (rela.lam if rela is not None else 0.0)
         curve.append({"step": step, "top1": acc, "lambda": lam, "train_seconds": sum(step_seconds),
-                      "probe_seconds": time.perf_counter() - t, **(checkpoint_extras() if checkpoint_extras else {})})
+                      "train_cpu_seconds": sum(step_cpu), "probe_seconds": time.perf_counter() - t, **(checkpoint_extras() if checkpoint_extras else {})})
         if bar is not None:
             shown["probe"] = f"{acc:.2f}%"
             bar.set_postfix(shown)
@@ -174,18 +190,23 @@ def train_ssl(
         x, index = next(batches)  # producing the batch is not timed: step_seconds are the training's own
         if cuda:
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         method.train()
         if lr is not None:
             for group in optimizer.param_groups:
                 group["lr"] = lr(step)
         rela_only = rela is not None and rela.lam >= 1.0
+        one_view = rela_only and rela_step == "one-view"
+        if not rela_only and getattr(method, "_ema_behind", False):
+            method.update_momentum(0.0)  # the momentum network restarts from the student ReLA trained
+            method._ema_behind = False
+        n = 1 if one_view else method.n_views
         if rela_only and rela_views == "clean":  # one forward pass of the images themselves
-            vs = [x] * method.n_views
-            fs = [backbone(x)] * method.n_views
+            vs = [x] * n
+            fs = [backbone(x)] * n
         else:
             cfg = WEAK_VIEWS if (rela_only and rela_views == "weak") else views
-            vs = [random_views(x, cfg, view_generator) for _ in range(method.n_views)]
+            vs = [random_views(x, cfg, view_generator) for _ in range(n)]
             fs = [backbone(v) for v in vs]
         ssl_loss = lambda: method.step_loss(fs, vs, index)  # noqa: E731
         if rela is not None:
@@ -196,10 +217,14 @@ def train_ssl(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        method.update_momentum(momentum_at(step))
+        if one_view:
+            method._ema_behind = True  # on the method, so a run continued by another call re-syncs too
+        else:
+            method.update_momentum(momentum_at(step))
         if cuda:
             torch.cuda.synchronize()
         step_seconds.append(time.perf_counter() - t0)
+        step_cpu.append(time.process_time() - c0)
         value = loss.item()
         if not math.isfinite(value):
             raise FloatingPointError(f"the loss became {value} at step {step}; lower the learning rate.")
@@ -213,4 +238,5 @@ def train_ssl(
             checkpoint(step + 1)
     if bar is not None:
         bar.close()
-    return {"curve": curve, "lambda_per_step": lambdas, "step_seconds": step_seconds, "train_seconds": sum(step_seconds)}
+    return {"curve": curve, "lambda_per_step": lambdas, "step_seconds": step_seconds, "step_cpu_seconds": step_cpu,
+            "train_seconds": sum(step_seconds), "train_cpu_seconds": sum(step_cpu)}
