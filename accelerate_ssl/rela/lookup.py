@@ -85,6 +85,13 @@ def open_targets(targets, dataset, dataloader):
     data set ReLA will train on: ``dataset`` and ``dataloader.dataset`` (a store: their fingerprints; a Tensor:
     their lengths)."""
     checked = _trained_datasets(dataset, dataloader)
+    for ref in checked:
+        if isinstance(ref, torch.utils.data.IterableDataset) or not hasattr(ref, "__len__"):
+            raise TypeError(
+                f"A {type(ref).__name__} streams samples without positions, so ReLA cannot look rows up by index. Let the "
+                "targets ride in the batch: precompute sidecars (`accelerate-ssl precompute --data wds:<shards> / "
+                "hf:<path>`), join them in the pipeline (ShardedTargets.join / .column), create ReLA without dataset= "
+                "/ dataloader=, and pass rela.wrap(loss, targets=batch_targets) (README: At web scale).")
     if isinstance(targets, torch.Tensor):
         store = _TensorTargets(targets)
         for ref in checked:
@@ -96,9 +103,10 @@ def open_targets(targets, dataset, dataloader):
         _refuse_identical_rows(store)
         return store
     if isinstance(targets, (str, os.PathLike)):
+        from ..targets.sidecar import SIDECARS, ShardedTargets
         from ..targets.store import TargetStore
 
-        store = TargetStore.open(targets)
+        store = (ShardedTargets if os.path.isfile(os.path.join(targets, SIDECARS)) else TargetStore).open(targets)
     else:
         missing = [a for a in ("__getitem__", "__len__", "dim", "pca") if not hasattr(targets, a)]
         if missing:
