@@ -103,7 +103,7 @@ def _read_sidecar(file: Path) -> tuple[dict, dict]:
 
     try:
         with safe_open(str(file), framework="pt") as f:
-            meta = dict(f.metadata() or {})
+            meta = _header(f)
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except Exception as err:  # safetensors raises its own error types
         raise SidecarError(f"sidecar {str(file)!r} is unreadable ({err}); delete it and rerun the precompute to "
@@ -113,6 +113,12 @@ def _read_sidecar(file: Path) -> tuple[dict, dict]:
     return meta, tensors
 
 
+def _header(f) -> dict:
+    """A sidecar's own metadata: one JSON entry of the safetensors header (one key, so the file's bytes do not depend
+    on the order safetensors writes several keys in)."""
+    return json.loads((f.metadata() or {}).get(FORMAT, "{}"))
+
+
 def _sidecar_done(file: Path, settings_sha: str, stage: str) -> bool:
     if not file.is_file():
         return False
@@ -120,7 +126,7 @@ def _sidecar_done(file: Path, settings_sha: str, stage: str) -> bool:
         from safetensors import safe_open
 
         with safe_open(str(file), framework="pt") as f:
-            meta = f.metadata() or {}
+            meta = _header(f)
     except Exception:
         return False
     return meta.get("settings_sha256") == settings_sha and meta.get("stage") == stage
@@ -130,11 +136,11 @@ def _write_sidecar(file: Path, shard: str, keys: list[str], rows: torch.Tensor, 
                    settings_sha: str, stage: str) -> None:
     from safetensors.torch import save_file
 
-    meta = {"format": FORMAT, "version": str(FORMAT_VERSION), "shard": shard, "rows": str(len(keys)),
-            "keys": json.dumps(keys), "keys_sha256": _keys_sha256(keys), "settings_sha256": settings_sha, "stage": stage}
+    meta = {"format": FORMAT, "version": FORMAT_VERSION, "shard": shard, "rows": len(keys), "keys": keys,
+            "keys_sha256": _keys_sha256(keys), "settings_sha256": settings_sha, "stage": stage}
     with atomic_path(file) as tmp:
         save_file({"targets": rows, "digests": torch.from_numpy(np.asarray(digests, dtype=np.int64))}, str(tmp),
-                  metadata=meta)
+                  metadata={FORMAT: json.dumps(meta, sort_keys=True)})
 
 
 # ------------------------------------------------------------------------------------------------ precompute
@@ -219,7 +225,7 @@ def precompute_sidecars(prior, source, path, *, batch_size: int = 256, precision
             meta, tensors = _read_sidecar(file)
             rows = tensors["targets"].float()
             reduced = fitted.transform(rows.reshape(-1, rows.shape[-1])).reshape(*rows.shape[:-1], components)
-            _write_sidecar(file, shard, json.loads(meta["keys"]), cast_rows(reduced, dtype), tensors["digests"].numpy(),
+            _write_sidecar(file, shard, meta["keys"], cast_rows(reduced, dtype), tensors["digests"].numpy(),
                            settings_sha, "final")
         state.wait_for_everyone()
 
@@ -294,7 +300,7 @@ def _finish(path: Path, source, settings: dict, command: str, processes: int, ve
             raise RuntimeError(f"The sidecar of shard {shard!r} is missing after every process finished; rerun the same "
                                "command to compute it.")
         meta, tensors = _read_sidecar(file)
-        for key in json.loads(meta["keys"]):
+        for key in meta["keys"]:
             if key in owner:
                 raise SidecarError(f"key {key!r} is in shard {owner[key]!r} and in shard {shard!r}: keys name samples, "
                                    "so they must be unique across the data set; fix the shards.")
@@ -415,7 +421,7 @@ class ShardedTargets:
         if not file.is_file():
             raise SidecarError(f"the sidecar of shard {name!r} ({file.name}) is missing from {str(self.path)!r}.")
         meta, tensors = _read_sidecar(file)
-        keys = json.loads(meta["keys"])
+        keys = meta["keys"]
         rows = tensors["targets"].float()
         if "keys_sha256" in record and (meta["keys_sha256"] != record["keys_sha256"] or _keys_sha256(keys) != record["keys_sha256"]):
             raise SidecarError(f"the sidecar of shard {name!r} holds another key list than {SIDECARS} recorded (a stale "
