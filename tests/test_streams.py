@@ -352,3 +352,20 @@ def test_stored_views_are_replayed_with_their_own_rows(tmp_path, prior):
         assert torch.allclose(s["target"], own(prior, as_tensor(expect)[None])[0], atol=1e-5)
         assert torch.equal(s["target"], targets[np.array([n * 3 + v])][0])
     assert picked == {0, 1, 2}
+
+
+def test_store_verify_checks_every_sidecar_checksum(stream, tmp_path):
+    import shutil
+
+    root, urls, spec, targets = stream
+    shutil.copytree(root / "sidecars", tmp_path / "c")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate_ssl.cli", "store", "verify", str(tmp_path / "c"), "--json"]
+    ok = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["shards"] == 3, ok.stderr
+    file = tmp_path / "c" / "shard-000001.tar.safetensors"
+    data = bytearray(file.read_bytes())
+    data[-1] ^= 1  # one flipped bit in the data: same size, so only the checksum sees it
+    file.write_bytes(bytes(data))
+    bad = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert bad.returncode == 1 and "the sidecar of shard 'shard-000001.tar' changed on disk" in bad.stdout

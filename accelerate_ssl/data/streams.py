@@ -177,6 +177,10 @@ def open_stream(spec, split: str = "train", *, image_field: Optional[str] = None
 
 
 def _hf_source(ds, spec, image_field, key_field, shard_rows) -> StreamSource:
+    if not hasattr(ds, "__len__"):
+        raise TypeError(f"{spec}: a streaming datasets.IterableDataset has no row count to cut into sidecar shards; "
+                        "precompute over the same data as a Dataset (load_dataset without streaming=True, or "
+                        "save_to_disk / parquet), or as WebDataset shards (wds:<pattern>).")
     image_field = image_field or "image"
     if image_field not in ds.column_names:
         raise ValueError(f"{spec}: no image column {image_field!r} (columns: {ds.column_names}); name it with "
