@@ -326,7 +326,8 @@ def test_float16_and_pca_at_write_sidecars(stream, prior, tmp_path):
     assert red.dim == k and torch.allclose(red[np.arange(len(red))], expected, atol=1e-4)
     assert torch.allclose(red.pca(2).transform(red[np.arange(3)]), expected[:3, :2], atol=1e-4)
     backbone = torch.nn.Linear(SIZE * SIZE, 8)
-    rela = ReLA(red, backbone, feature_dim=8, total_steps=1)
+    rela = ReLA(str(tmp_path / "p"), backbone, feature_dim=8, total_steps=1)  # a sidecar folder by path
+    assert isinstance(rela.store, ShardedTargets) and rela.store.identity() == red.identity()
     x = torch.from_numpy(np.stack([image_of(n) for n in range(4)])).float().reshape(4, -1) / 255
     assert torch.isfinite(rela.wrap(backbone(x).sum() * 0, targets=red[np.arange(4)]))
     with pytest.raises(ValueError, match="dim 256 but the targets ReLA was opened on have dim 4"):
@@ -369,3 +370,13 @@ def test_store_verify_checks_every_sidecar_checksum(stream, tmp_path):
     file.write_bytes(bytes(data))
     bad = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert bad.returncode == 1 and "the sidecar of shard 'shard-000001.tar' changed on disk" in bad.stdout
+
+
+def test_a_checkpoint_names_its_sidecars_and_refuses_others(stream, prior, tmp_path):
+    root, urls, spec, full = stream
+    half = precompute_sidecars(prior, spec, tmp_path / "h", batch_size=4, dtype="float16", progress=False)
+    state = ReLA(full, torch.nn.Linear(4, 8), feature_dim=8, total_steps=1).state_dict()
+    assert state["store"]["dataset_sha256"] == half.identity()["dataset_sha256"]  # same keys, other rows
+    ReLA(ShardedTargets.open(root / "sidecars"), torch.nn.Linear(4, 8), feature_dim=8, total_steps=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="trained on another target store"):
+        ReLA(half, torch.nn.Linear(4, 8), feature_dim=8, total_steps=1).load_state_dict(state)
