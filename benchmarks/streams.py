@@ -4,8 +4,8 @@ A synthetic WebDataset (``--images`` 16x16 grayscale PNGs in ``--shards`` tar sh
 pixels 0..2 of image n encode n, the rest is a seeded pattern). Measured:
 
 1. ``accelerate launch --multi_gpu --num_processes 2`` (gloo on CPU) ``accelerate-ssl precompute --data wds:...``:
-   uninterrupted, and again into another folder killed (SIGKILL to the process group) once a third of the sidecars
-   exist, then resumed: every sidecar file must be byte-identical to the uninterrupted run's.
+   uninterrupted, and again into another folder killed (SIGKILL to every rank and the launcher) once a third of the
+   sidecars exist, then resumed: every sidecar file must be byte-identical to the uninterrupted run's.
 2. Throughput of the precompute (one process) over ``--sub-shards`` shards, as a ratio to the bare prior forward over
    the same stream (tar read + PNG decode + preprocessing + forward, nothing written).
 3. Bytes per sample of the sidecars: float32, float16, PCA-k float16 (``--components``).
@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,6 +103,11 @@ def launch(spec: str, out: Path, args, kill_at: int = 0) -> float:
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL)
     while proc.poll() is None:
         if kill_at and len(list(out.glob("*.tar.safetensors"))) >= kill_at:
+            # the launcher starts each rank in a session of its own: kill every rank, then the launcher
+            ranks = psutil.Process(proc.pid).children(recursive=True)
+            for p in ranks:
+                p.send_signal(signal.SIGKILL)
+            psutil.wait_procs(ranks, timeout=30)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             return -1.0
@@ -194,8 +200,10 @@ def main() -> None:
     if not (resumed / "sidecars.json").is_file():
         killed = launch(spec, resumed, args, kill_at=args.shards // 3)
         left = len(list(resumed.glob("*.tar.safetensors")))
+        alive = [p.pid for p in psutil.process_iter(["cmdline"]) if str(resumed) in " ".join(p.info["cmdline"] or [])]
+        assert not alive, f"ranks still running after the kill: {alive}"
         launch(spec, resumed, args)
-        result["kill"] = {"killed": killed < 0, "sidecars_when_killed": left}
+        result["kill"] = {"killed": killed < 0, "sidecars_when_killed": left, "processes_alive_after_kill": len(alive)}
     same = [(full / n.name).read_bytes() == n.read_bytes() for n in sorted(resumed.glob("*.tar.safetensors"))]
     result["precompute_2proc"] = {"seconds": seconds, "images_per_s": args.images / seconds if seconds else None,
                                   "sidecars": len(same), "identical_after_kill_and_resume": all(same) and len(same) == args.shards}
