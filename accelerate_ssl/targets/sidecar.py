@@ -360,7 +360,6 @@ class ShardedTargets:
             self._offsets = np.cumsum([0] + [s["rows"] for s in self._shards])
         else:  # (the raw pass of a --components run: read the files for the counts)
             self._offsets = np.cumsum([0] + [int(_read_sidecar(self.path / s["file"])[0]["rows"]) for s in self._shards])
-            self.metadata = {**metadata, "dim": metadata["dim"]}
 
     @classmethod
     def open(cls, path) -> "ShardedTargets":
