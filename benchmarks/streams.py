@@ -144,17 +144,20 @@ def loader(urls, targets, batch: int):
     return torch.utils.data.DataLoader(ds, batch_size=batch, num_workers=1)
 
 
-def train_round(urls, targets, prior, steps: int, batch: int, seed: int) -> list[float]:
-    """Step times (s) of a small BYOL-style loop (shared-weight, stop-grad) with or without ReLA on sidecar targets."""
+def train_round(urls, targets, prior, steps: int, batch: int, seed: int, rows=None) -> list[float]:
+    """Step times (s) of a small BYOL-style loop (shared-weight, stop-grad): without targets, with ReLA on sidecar
+    targets joined in the pipeline, or (``rows``: every row in memory, gathered by the image's number) with ReLA's
+    term but no join, which splits the overhead into the join's and ReLA's own."""
     torch.manual_seed(seed)
     net = ConvNet(1, (32, 64, 128))
     head = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
     rela = ReLA(targets, net, feature_dim=128, total_steps=steps) if targets is not None else None
     opt = torch.optim.SGD([*net.parameters(), *head.parameters(), *(rela.parameters() if rela else [])], lr=0.05)
-    times, it = [], iter(loader(urls, targets, batch))
+    times, it = [], iter(loader(urls, targets if rows is None else None, batch))
     for step in range(steps):
         start = time.perf_counter()
         x, *t = next(it)
+        t = [rows[number_of(x)]] if rows is not None else t
         x = x.float() / 255
         v1, v2 = x + 0.05 * torch.randn_like(x), x.flip(-1)
         p1, p2 = head(net(v1)), head(net(v2))
@@ -189,7 +192,9 @@ def main() -> None:
     work = Path(args.work)
     urls = make_shards(work / "data", args.images, args.shards, args.size)
     spec = f"wds:{work}/data/shard-{{000000..{args.shards - 1:06d}}}.tar"
-    result: dict = {"settings": {**vars(args), "prior": PRIOR, "command": " ".join(["python", *sys.argv])}}
+    cache = work / "phases.json"  # finished phases (resumable): precompute, throughput, sizes
+    done = json.loads(cache.read_text()) if cache.is_file() else {}
+    result: dict = {"settings": {**vars(args), "prior": PRIOR, "command": " ".join(["python", *sys.argv])}, **done}
 
     # 1. 2-process precompute, uninterrupted and killed + resumed: identical sidecars
     full, resumed = work / "sidecars-full", work / "sidecars-killed"
@@ -204,6 +209,7 @@ def main() -> None:
         assert not alive, f"ranks still running after the kill: {alive}"
         launch(spec, resumed, args)
         result["kill"] = {"killed": killed < 0, "sidecars_when_killed": left, "processes_alive_after_kill": len(alive)}
+        write_results(cache, {k: result[k] for k in ("kill",)})
     same = [(full / n.name).read_bytes() == n.read_bytes() for n in sorted(resumed.glob("*.tar.safetensors"))]
     result["precompute_2proc"] = {"seconds": seconds, "images_per_s": args.images / seconds if seconds else None,
                                   "sidecars": len(same), "identical_after_kill_and_resume": all(same) and len(same) == args.shards}
@@ -214,37 +220,44 @@ def main() -> None:
     sub = f"wds:{work}/data/shard-{{000000..{args.sub_shards - 1:06d}}}.tar"
     source = open_stream(sub)
     n_sub = args.images // args.shards * args.sub_shards
-    bare = bare_forward(prior, source, source.shards, args.batch)
-    sizes = {}
-    for name, kw in (("float32", {}), ("float16", {"dtype": "float16"}),
-                     (f"pca{args.components}-float16", {"dtype": "float16", "components": args.components})):
-        out = work / f"sub-{name}"
-        shutil.rmtree(out, ignore_errors=True)
-        start = time.perf_counter()
-        t = precompute_sidecars(prior, source, out, batch_size=args.batch, progress=False, **kw)
-        sizes[name] = {"bytes_per_sample": t.metadata["bytes_per_sample"], "images_per_s": n_sub / (time.perf_counter() - start)}
-    result["throughput"] = {"bare_forward_images_per_s": bare, "precompute_images_per_s": sizes["float32"]["images_per_s"],
-                            "ratio": sizes["float32"]["images_per_s"] / bare}
-    result["bytes_per_sample"] = {k: v["bytes_per_sample"] for k, v in sizes.items()}
+    if "throughput" not in result:
+        bare = bare_forward(prior, source, source.shards, args.batch)
+        sizes = {}
+        for name, kw in (("float32", {}), ("float16", {"dtype": "float16"}),
+                         (f"pca{args.components}-float16", {"dtype": "float16", "components": args.components})):
+            out = work / f"sub-{name}"
+            shutil.rmtree(out, ignore_errors=True)
+            start = time.perf_counter()
+            t = precompute_sidecars(prior, source, out, batch_size=args.batch, progress=False, **kw)
+            sizes[name] = {"bytes_per_sample": t.metadata["bytes_per_sample"],
+                           "images_per_s": n_sub / (time.perf_counter() - start)}
+        result["throughput"] = {"bare_forward_images_per_s": bare, "precompute_images_per_s": sizes["float32"]["images_per_s"],
+                                "ratio": sizes["float32"]["images_per_s"] / bare}
+        result["bytes_per_sample"] = {k: v["bytes_per_sample"] for k, v in sizes.items()}
+        write_results(cache, {k: result[k] for k in ("kill", "throughput", "bytes_per_sample") if k in result})
     print(result["throughput"], result["bytes_per_sample"], flush=True)
 
     # 4. training step time, with vs without sidecar targets (alternating rounds)
     targets = ShardedTargets.open(full)
     targets.pca(128)  # (the student's width) fitted once over every row (cached in the folder), not inside a timed step
-    plain, joined = [], []
+    rows = targets[np.arange(len(targets))]
+    plain, joined, memory = [], [], []
     for r in range(args.rounds):
         plain += train_round(urls, None, prior, args.steps, args.batch, r)
         joined += train_round(urls, targets, prior, args.steps, args.batch, r)
+        memory += train_round(urls, targets, prior, args.steps, args.batch, r, rows=rows)
     result["training"] = {"step_s_without_targets": float(np.median(plain)), "step_s_with_targets": float(np.median(joined)),
+                          "step_s_rela_rows_in_memory_no_join": float(np.median(memory)),
                           "ratio_median": float(np.median(joined) / np.median(plain)),
+                          "ratio_rela_term_only_median": float(np.median(memory) / np.median(plain)),
                           "ratio_mean": float(np.mean(joined) / np.mean(plain)), "steps_each": len(plain),
-                          "rows_checked_against_the_prior": len(joined) * args.batch}
+                          "rows_checked_against_the_prior": (len(joined) + len(memory)) * args.batch}
     print(result["training"], flush=True)
 
     # 5. counted extrapolation (FLOPs and bytes are counted; H100 throughput is an assumption, stated)
     ratio = result["throughput"]["ratio"]
     per_sample = {"float32": lambda d: 4 * d, "float16": lambda d: 2 * d, "pca256-float16": lambda d: 2 * 256}
-    key_overhead = sizes["float16"]["bytes_per_sample"] - 2 * prior.output_dim  # keys + digest per sample, measured
+    key_overhead = result["bytes_per_sample"]["float16"] - 2 * prior.output_dim  # keys + digest per sample, measured
     result["extrapolation"] = {
         "assumptions": {"h100_bf16_dense_tflops": H100_BF16_DENSE_TFLOPS, "mfu": ASSUMED_MFU, "image_size": 224,
                         "precompute_efficiency": ratio, "key_overhead_bytes_per_sample": key_overhead,
