@@ -355,21 +355,21 @@ def test_stored_views_are_replayed_with_their_own_rows(tmp_path, prior):
     assert picked == {0, 1, 2}
 
 
-def test_store_verify_checks_every_sidecar_checksum(stream, tmp_path):
+def test_store_verify_checks_every_sidecar_checksum(stream, tmp_path, capsys):
     import shutil
+
+    from accelerate_ssl.cli import main
 
     root, urls, spec, targets = stream
     shutil.copytree(root / "sidecars", tmp_path / "c")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate_ssl.cli", "store", "verify", str(tmp_path / "c"), "--json"]
-    ok = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    assert ok.returncode == 0 and json.loads(ok.stdout)["shards"] == 3, ok.stderr
+    assert main(["store", "verify", str(tmp_path / "c"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["shards"] == 3
     file = tmp_path / "c" / "shard-000001.tar.safetensors"
     data = bytearray(file.read_bytes())
     data[-1] ^= 1  # one flipped bit in the data: same size, so only the checksum sees it
     file.write_bytes(bytes(data))
-    bad = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    assert bad.returncode == 1 and "the sidecar of shard 'shard-000001.tar' changed on disk" in bad.stdout
+    assert main(["store", "verify", str(tmp_path / "c"), "--json"]) == 1
+    assert "the sidecar of shard 'shard-000001.tar' changed on disk" in capsys.readouterr().out
 
 
 def test_a_checkpoint_names_its_sidecars_and_refuses_others(stream, prior, tmp_path):
