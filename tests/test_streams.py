@@ -211,6 +211,10 @@ def test_a_killed_precompute_resumes_shard_by_shard_to_identical_sidecars(stream
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "s").glob("shard-00000[01]*")} == done
     with pytest.raises(ValueError, match="other settings"):
         precompute_sidecars(prior, source, tmp_path / "s", batch_size=4, dtype="float16", progress=False)
+    from accelerate_ssl import precompute_targets
+
+    again = precompute_targets(prior, spec, tmp_path / "s", batch_size=4, progress=False)  # the same call, by spec
+    assert isinstance(again, ShardedTargets) and again.identity() == full.identity()
 
 
 # ------------------------------------------------------------------------------------------------ bad inputs

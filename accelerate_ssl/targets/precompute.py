@@ -199,7 +199,10 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
     Args:
         prior: a :class:`~accelerate_ssl.targets.priors.Prior` (``create_prior(...)``). A random prior
             with default statistics is normalised with ``dataset.mean``/``dataset.std`` when present.
-        dataset: map-style, yields ``(image, label)`` or ``image`` (PIL, ndarray or tensor), untransformed.
+        dataset: map-style, yields ``(image, label)`` or ``image`` (PIL, ndarray or tensor), untransformed; or
+            streamed data, ``"wds:<shard pattern>"`` / ``"hf:<path or name>"`` / an ``open_stream(...)`` source: then
+            one sidecar per data shard is written and a :class:`~accelerate_ssl.targets.sidecar.ShardedTargets` returned
+            (:func:`~accelerate_ssl.targets.sidecar.precompute_sidecars` has the sidecar options).
         path: the store folder (created; resumed if it holds an unfinished run with the same settings).
         batch_size, num_workers: the DataLoader's.
         precision: ``"fp32"``, ``"fp16"`` or ``"bf16"`` (autocast); rows are stored as float32.
@@ -220,6 +223,13 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
     for name, value, low in (("batch_size", batch_size, 1), ("chunk_size", chunk_size, 1), ("num_workers", num_workers, 0)):
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
+    from ..data.streams import StreamSource, is_stream_spec
+
+    if is_stream_spec(dataset) or isinstance(dataset, StreamSource):  # streamed data: one sidecar per shard
+        from .sidecar import precompute_sidecars
+
+        return precompute_sidecars(prior, dataset, path, batch_size=batch_size, precision=precision, progress=progress,
+                                   command=command)
     module = type(dataset).__module__.split(".")[0]
     if module in ("datasets", "webdataset"):
         spec = "hf:<path or name>" if module == "datasets" else "wds:<shard pattern>"
