@@ -18,6 +18,8 @@ _LAZY: dict[str, str] = {
     "list_priors": "accelerate_ssl.targets.priors",
     "precompute_targets": "accelerate_ssl.targets.precompute",
     "TargetStore": "accelerate_ssl.targets.store",
+    "precompute_sidecars": "accelerate_ssl.targets.sidecar", "ShardedTargets": "accelerate_ssl.targets.sidecar",
+    "open_stream": "accelerate_ssl.data.streams", "decode_images": "accelerate_ssl.data.streams",
     "StoredViews": "accelerate_ssl.data.views", "ReplayViews": "accelerate_ssl.data.views",
     "synthesize": "accelerate_ssl.distill.synthesize", "warm_start": "accelerate_ssl.distill.warmstart",
     "ReLA": "accelerate_ssl.rela",

@@ -10,6 +10,8 @@ torch, torchvision, safetensors, numpy, tqdm and pillow. Everything else is an e
     pip install "accelerate-ssl[plots]"       # PNGs of the demo and benchmarks
     pip install "accelerate-ssl[sklearn]"     # the digits data set, solo-learn's data.fraction split
     pip install "accelerate-ssl[lightning]"   # ReLACallback for a Lightning Trainer
+    pip install "accelerate-ssl[webdataset]"  # wds:<shards> data: precompute sidecars, join them in a pipeline
+    pip install "accelerate-ssl[hf]"          # hf:<path or name> data (Hugging Face datasets)
     pip install "accelerate-ssl[all]"         # all of the above
 """
 
@@ -28,6 +30,9 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "matplotlib": ("plots", "matplotlib"),
     "sklearn": ("sklearn", "scikit-learn"),
     "lightning": ("lightning", "lightning"),
+    "webdataset": ("webdataset", "webdataset"),
+    "braceexpand": ("webdataset", "webdataset"),
+    "datasets": ("hf", "datasets"),
 }
 
 

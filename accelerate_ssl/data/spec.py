@@ -7,6 +7,10 @@
                                 (:func:`~.datasets.image_folder`)
 ``solo:<path>``                 a train folder indexed exactly as solo-learn indexes it (labelled /
 ``solo-no-labels:<path>``       ``data.no_labels``; :func:`~.solo.solo_image_dataset`)
+``wds:<shard pattern>``         WebDataset tar shards, streamed (:func:`~.streams.open_stream`; precompute writes
+                                one sidecar per shard)
+``hf:<path or name>``           a Hugging Face ``datasets`` data set (``save_to_disk`` folder, parquet, or a name),
+                                streamed by shards of rows (:func:`~.streams.open_stream`)
 ==============================  =====================================================================
 """
 
@@ -20,9 +24,11 @@ from typing import Callable, Optional
 __all__ = ["DATA_SPEC_HELP", "data_spec", "open_data"]
 
 DATA_SPEC_HELP = ("fashion-mnist, digits, folder:<path> or a folder path (class sub-folders, or a flat folder of "
-                  "images), solo:<path> / solo-no-labels:<path> (indexed exactly as solo-learn indexes that train folder)")
+                  "images), solo:<path> / solo-no-labels:<path> (indexed exactly as solo-learn indexes that train folder), "
+                  "wds:<shard pattern> (WebDataset tar shards, e.g. wds:data/shard-{000000..000063}.tar) or "
+                  "hf:<path or name> (Hugging Face datasets; name the image column with --image-field)")
 _NAMED = ("fashion-mnist", "digits")
-_PATH_KINDS = ("folder", "solo", "solo-no-labels")
+_PATH_KINDS = ("folder", "solo", "solo-no-labels", "wds", "hf")
 
 
 def data_spec(value: str) -> str:
@@ -58,6 +64,10 @@ def open_data(spec: str, split: str = "train", *, root: Optional[str] = None, li
         spec = data_spec(spec)
     except argparse.ArgumentTypeError as err:
         raise ValueError(str(err)) from None
+    if spec.startswith(("wds:", "hf:")):
+        raise ValueError(f"{spec!r} is a streamed data set: it has no dataset[i]. Its targets are sidecars "
+                         f"(`accelerate-ssl precompute --data {spec} --out DIR`) joined to the samples by key "
+                         "(accelerate_ssl.ShardedTargets); open it with accelerate_ssl.data.streams.open_stream.")
     if fraction is not None and not spec.startswith(("solo:", "solo-no-labels:")):
         raise ValueError("fraction (--fraction) reproduces solo-learn's data.fraction and needs the data spec "
                          "solo:<train folder> (--data solo:<path>), or solo-no-labels:<path> with data.no_labels.")

@@ -78,9 +78,10 @@ def open_targets(targets):
     if isinstance(targets, torch.Tensor):
         store = _TensorTargets(targets)
     elif isinstance(targets, (str, os.PathLike)):
+        from ..targets.sidecar import SIDECARS, ShardedTargets
         from ..targets.store import TargetStore
 
-        store = TargetStore.open(targets)
+        store = (ShardedTargets if os.path.isfile(os.path.join(targets, SIDECARS)) else TargetStore).open(targets)
     else:
         missing = [a for a in ("__getitem__", "__len__", "dim", "pca") if not hasattr(targets, a)]
         if missing:
@@ -95,14 +96,19 @@ def open_targets(targets):
 
 def check_trained_dataset(store, dataset, which: str, vouched: bool = False) -> None:
     """Refuse ``dataset`` (a data set ReLA will train on, named ``which`` in the message) unless the store was computed
-    on it: the store's fingerprint check, or its length for stores without one (in-memory targets). A data set whose
+    on it: the store's fingerprint check, or its length for stores without one (in-memory targets). Streams
+    (iterable data sets) have no positions: refused, naming ``wrap(targets=)``. A data set whose
     samples cannot be identified (augmentation inside ``__getitem__``) is refused, unless ``vouched``: another data set
     of the run (``dataset=``, the clean set) passed the check, and the lengths agree; then a warning says what is not
     checked. Iterable data sets have no rows to check (their loops pass ``targets=``, or are refused when tracked)."""
     from torch.utils.data import IterableDataset
 
-    if isinstance(dataset, IterableDataset):
-        return
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise TypeError(
+            f"A {type(dataset).__name__} streams samples without positions, so ReLA cannot look rows up by index. Let "
+            "the targets ride in the batch: precompute sidecars (`accelerate-ssl precompute --data wds:<shards> / "
+            "hf:<path>`), join them in the pipeline (ShardedTargets.join / .column), create ReLA without dataset= / "
+            "dataloader=, and pass rela.wrap(loss, targets=batch_targets) (README: At web scale).")
     if hasattr(store, "check_dataset"):
         try:
             store.check_dataset(dataset)

@@ -209,7 +209,10 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
     Args:
         prior: a :class:`~accelerate_ssl.targets.priors.Prior` (``create_prior(...)``). A random prior
             with default statistics is normalised with ``dataset.mean``/``dataset.std`` when present.
-        dataset: map-style, yields ``(image, label)`` or ``image`` (PIL, ndarray or tensor), untransformed.
+        dataset: map-style, yields ``(image, label)`` or ``image`` (PIL, ndarray or tensor), untransformed; or
+            streamed data, ``"wds:<shard pattern>"`` / ``"hf:<path or name>"`` / an ``open_stream(...)`` source: then
+            one sidecar per data shard is written and a :class:`~accelerate_ssl.targets.sidecar.ShardedTargets` returned
+            (:func:`~accelerate_ssl.targets.sidecar.precompute_sidecars` has the sidecar options).
         path: the store folder (created; resumed if it holds an unfinished run with the same settings).
         batch_size, num_workers: the DataLoader's.
         precision: ``"fp32"``, ``"fp16"`` or ``"bf16"`` (autocast of the prior's forward).
@@ -239,6 +242,21 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
     for name, value, low in (("batch_size", batch_size, 1), ("chunk_size", chunk_size, 1), ("num_workers", num_workers, 0)):
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
+    from ..data.streams import StreamSource, is_stream_spec
+
+    if is_stream_spec(dataset) or isinstance(dataset, StreamSource):  # streamed data: one sidecar per shard
+        from .sidecar import precompute_sidecars
+
+        return precompute_sidecars(prior, dataset, path, batch_size=batch_size, precision=precision, progress=progress,
+                                   command=command)
+    module = type(dataset).__module__.split(".")[0]
+    if module in ("datasets", "webdataset"):
+        spec = "hf:<path or name>" if module == "datasets" else "wds:<shard pattern>"
+        raise TypeError(f"A {type(dataset).__name__} is streamed data: its targets are sidecars joined by sample key, not "
+                        "rows by position. Use accelerate_ssl.precompute_sidecars(prior, "
+                        + ("open_stream(dataset, image_field='image')" if module == "datasets" else "'wds:<shard pattern>'")
+                        + f", path) or `accelerate-ssl precompute --data {spec} --out PATH`, then train with "
+                        "rela.wrap(loss, targets=batch['target']) (README: At web scale).")
     if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
         raise TypeError(f"precompute_targets needs a map-style dataset (len() and dataset[i]): target row i belongs to "
                         f"dataset[i], and a {type(dataset).__name__} has no stable index. Wrap the samples in a map-style "
@@ -515,6 +533,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="rows per resumable chunk file")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    streams = parser.add_argument_group("streamed data (wds:, hf:): one sidecar per data shard")
+    streams.add_argument("--image-field", default=None, help="the image field of a wds sample (default: the first of "
+                         "png/jpg/jpeg/webp/...) or the image column of an hf data set (default: image)")
+    streams.add_argument("--key-field", default=None, help="hf: the column naming each sample (default: the row number)")
+    streams.add_argument("--shard-rows", type=int, default=10000, help="hf: rows per sidecar shard")
+    streams.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                         help="how sidecar rows are stored")
+    streams.add_argument("--components", type=int, default=None,
+                         help="store the top-k principal components of the z-scored rows (ReLA v2 Eq. 41) instead")
+    streams.add_argument("--views", type=int, default=None,
+                         help="k stored views per sample (view 0 the image, 1..k-1 random resized crops + flips)")
+    streams.add_argument("--view-seed", type=int, default=0, help="the seed every stored view derives from")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (path, rows, dim, prior, sha256) instead of the sentence")
 
@@ -543,6 +573,10 @@ def run(args: argparse.Namespace) -> int:
     from .. import backbones
     from .priors import create_prior
 
+    from ..data.streams import is_stream_spec
+
+    if is_stream_spec(args.data):
+        return _run_stream(args)
     try:
         dataset = open_data(args.data, args.split, root=args.data_root, limit=args.limit, fraction=args.fraction)
         overrides: dict[str, Any] = {}
@@ -576,3 +610,43 @@ def _image_channels(item) -> int:
 
     image = item[0] if isinstance(item, (tuple, list)) else item
     return int(Preprocess.to_tensor(image).shape[0])
+
+
+def _run_stream(args: argparse.Namespace) -> int:
+    """`accelerate-ssl precompute --data wds:... / hf:...`: sidecars (accelerate_ssl.targets.sidecar)."""
+    from .. import backbones
+    from ..data.streams import open_stream
+    from ..data.views import StoredViews
+    from .priors import create_prior
+    from .sidecar import SidecarError, precompute_sidecars
+
+    try:
+        source = open_stream(args.data, args.split, image_field=args.image_field, key_field=args.key_field,
+                             shard_rows=args.shard_rows)
+        overrides: dict[str, Any] = {}
+        family, _, arch = args.prior.partition(":")
+        if family == "random" and arch in backbones.BACKBONES:
+            _, image, _ = next(source.samples(source.shards[0]))
+            overrides["in_channels"] = _image_channels(image)
+        prior = create_prior(args.prior, weights=args.weights, offline=True if args.offline else None, **overrides)
+        views = StoredViews(k=args.views, seed=args.view_seed) if args.views else None
+        parts = ["accelerate-ssl", "precompute", "--prior", args.prior, "--data", args.data, "--out", args.out,
+                 "--batch-size", str(args.batch_size), "--precision", args.precision, "--dtype", args.dtype]
+        for flag, value in (("--weights", args.weights), ("--image-field", args.image_field), ("--key-field", args.key_field),
+                            ("--components", args.components), ("--views", args.views)):
+            if value is not None:
+                parts += [flag, str(value)]
+        targets = precompute_sidecars(prior, source, args.out, batch_size=args.batch_size, precision=args.precision,
+                                      dtype=args.dtype, components=args.components, views=views,
+                                      progress=not args.no_progress, command=shlex.join(parts))
+    except (ValueError, FileNotFoundError, TypeError, ImportError, SidecarError) as err:
+        print(f"accelerate-ssl precompute: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"path": str(targets.path), "rows": len(targets), "dim": targets.dim, "prior": prior.spec,
+                          "shards": len(targets.shards), "dtype": args.dtype,
+                          "bytes_per_sample": targets.metadata["bytes_per_sample"]}))
+    else:
+        print(f"wrote {targets.path}: {len(targets.shards)} sidecar shard(s), {len(targets)} rows x {targets.dim} "
+              f"({prior.spec}, {args.dtype})")
+    return 0

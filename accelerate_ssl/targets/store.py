@@ -474,7 +474,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                           "recorded when it was written, and check that every row is finite. With "
                                           "--data, also check item by item that row i belongs to item i of that data "
                                           "set, naming the rows that do not.")
-    verify.add_argument("path", help="the store folder (written by `accelerate-ssl precompute --out`)")
+    verify.add_argument("path", help="the store folder, or a sidecar folder of streamed data (written by "
+                                     "`accelerate-ssl precompute --out`)")
     verify.add_argument("--data", default=None, type=_data_spec,
                         help="also check, item by item, that row i belongs to item i of this data set (the --data "
                              "given to precompute; every file name, array row or image is compared)")
@@ -499,6 +500,19 @@ def _fraction(value: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .sidecar import SIDECARS, ShardedTargets, SidecarError
+
+    if (Path(args.path) / SIDECARS).is_file():  # a sidecar folder (streamed data): every file's checksum
+        try:
+            summary = ShardedTargets.open(args.path).verify()
+        except (FileNotFoundError, SidecarError) as err:
+            print(json.dumps({"path": args.path, "ok": False, "error": str(err)}) if args.json else
+                  f"accelerate-ssl store verify: error: {err}", file=sys.stdout if args.json else sys.stderr)
+            return 1
+        print(json.dumps({"path": args.path, "ok": True, **summary}) if args.json else
+              f"{args.path}: ok, {summary['shards']} sidecar shard(s), {summary['rows']} rows x {summary['dim']}, "
+              "every checksum matches")
+        return 0
     try:
         store = TargetStore.open(args.path)
         summary = store.verify(progress=not args.no_progress)

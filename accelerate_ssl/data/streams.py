@@ -1,0 +1,194 @@
+"""Streamed data sets as shards of keyed samples: WebDataset tar shards (``wds:<pattern>``) and Hugging Face
+``datasets`` (``hf:<path or name>``), for precompute (:mod:`accelerate_ssl.targets.sidecar`).
+
+A :class:`StreamSource` is an ordered list of shards, each an ordered list of ``(key, image, raw)`` samples:
+
+- ``wds:<pattern>``: the tar files the pattern names (braces ``{000000..000063}`` and globs ``*`` expand, in
+  sorted order); a sample's key is its WebDataset ``__key__`` (the file name up to the first dot, grouped the
+  way ``webdataset`` groups them); the image is the field named by ``image_field`` (default: the first of
+  ``png jpg jpeg webp ppm bmp tif tiff`` the sample has). ``raw`` is that field's bytes.
+- ``hf:<path or name>``: a folder written by ``Dataset.save_to_disk``, a ``.parquet`` file or folder of them, or a
+  data set name ``load_dataset`` resolves (``split``); the image is column ``image_field`` (default ``image``), the
+  key column ``key_field`` (default: the row number); shards are ``shard_size`` consecutive rows.
+
+**Nothing is unpickled.** Only the image field is read, with PIL (wds) or Arrow (hf); every other field of a
+tar sample stays bytes and is dropped. WebDataset's default decoders unpickle ``.pyd`` / ``.pickle`` fields
+(a shard from the web can run code that way); use :func:`decode_images` in your pipeline instead of
+``.decode()`` to decode only image fields.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import os
+from pathlib import Path
+from typing import Iterator, Optional
+
+from ..optional import require
+
+__all__ = ["StreamSource", "open_stream", "decode_images", "IMAGE_FIELDS", "is_stream_spec"]
+
+IMAGE_FIELDS = ("png", "jpg", "jpeg", "webp", "ppm", "bmp", "tif", "tiff")
+STREAM_KINDS = ("wds", "hf")
+DEFAULT_HF_SHARD_ROWS = 10000
+
+
+def is_stream_spec(spec) -> bool:
+    return isinstance(spec, str) and spec.partition(":")[0] in STREAM_KINDS and ":" in spec
+
+
+def decode_image(data: bytes):
+    """One image field's bytes -> a PIL image (L or RGB), fully read (the only decoder our readers use)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        im.load()
+        return im.convert("RGB") if im.mode not in ("L", "RGB") else im.copy()
+
+
+def decode_images(fields=IMAGE_FIELDS):
+    """A ``.map`` stage for a ``webdataset`` pipeline: decodes only the image ``fields`` with PIL and leaves every
+    other field as bytes (never unpickles; a safe replacement for ``.decode("pil")``)."""
+    wanted = set(fields)
+
+    def decode(sample: dict) -> dict:
+        return {k: decode_image(v) if k in wanted and isinstance(v, bytes) else v for k, v in sample.items()}
+
+    return decode
+
+
+def _expand(pattern: str) -> list[str]:
+    braceexpand = require("braceexpand", "wds:<shard pattern> data").braceexpand
+    out: list[str] = []
+    for part in braceexpand(pattern):
+        part = part[len("file:"):] if part.startswith("file:") else part
+        matches = sorted(glob.glob(part)) if any(c in part for c in "*?[") else [part]
+        out.extend(matches)
+    return out
+
+
+class StreamSource:
+    """Shards of keyed samples (module docstring). ``shards``: the shard names (unique, the sidecars' names);
+    :meth:`samples` iterates one shard."""
+
+    def __init__(self, spec: str, shards: list[str], kind: str, image_field: Optional[str], key_field: Optional[str],
+                 paths: Optional[list[str]] = None, hf=None, shard_rows: int = DEFAULT_HF_SHARD_ROWS):
+        self.spec, self.shards, self.kind = spec, shards, kind
+        self.image_field, self.key_field = image_field, key_field
+        self._paths = dict(zip(shards, paths)) if paths is not None else {}
+        self._hf, self.shard_rows = hf, shard_rows
+        self.name = spec
+
+    def describe(self) -> dict:
+        return {"spec": self.spec, "kind": self.kind, "image_field": self.image_field, "key_field": self.key_field,
+                "shards": len(self.shards), **({"shard_rows": self.shard_rows} if self.kind == "hf" else {})}
+
+    def samples(self, shard: str) -> Iterator[tuple[str, object, Optional[bytes]]]:
+        """``(key, PIL image, raw image bytes or None)`` of every sample of ``shard``, in order."""
+        if self.kind == "wds":
+            yield from self._wds_samples(shard)
+        else:
+            yield from self._hf_samples(shard)
+
+    # ---------------------------------------------------------------- WebDataset
+    def _wds_samples(self, shard: str):
+        tariterators = require("webdataset.tariterators", "wds:<shard pattern> data")
+        path = self._paths[shard]
+        with open(path, "rb") as stream:
+            files = tariterators.tar_file_expander([{"url": path, "stream": stream}])
+            for sample in tariterators.group_by_keys(files):
+                key = sample["__key__"]
+                field = self.image_field or next((f for f in IMAGE_FIELDS if f in sample), None)
+                if field is None or field not in sample:
+                    fields = sorted(k for k in sample if not k.startswith("__"))
+                    raise ValueError(f"wds shard {shard!r}: sample {key!r} has no image field "
+                                     f"{field or ' / '.join(IMAGE_FIELDS)!r} (it has {fields}); name the image field "
+                                     "with --image-field (image_field=).")
+                raw = sample[field]
+                yield key, decode_image(raw), raw
+
+    # ---------------------------------------------------------------- Hugging Face datasets
+    def _hf_samples(self, shard: str):
+        a, b = (int(x) for x in shard.split("-")[1:3])
+        ds = self._hf
+        keys = ds[a:b][self.key_field] if self.key_field else [str(i) for i in range(a, b)]
+        for off in range(0, b - a, 256):
+            images = ds[a + off : min(a + off + 256, b)][self.image_field]
+            for j, image in enumerate(images):
+                if isinstance(image, dict) and "bytes" in image:  # Image(decode=False)
+                    raw = image["bytes"]
+                    image = decode_image(raw)
+                yield str(keys[off + j]), image, None
+
+    def hf_keys(self) -> list[str]:
+        """Every key of an ``hf:`` source, in row order (the key column, or the row numbers)."""
+        if self.key_field:
+            return [str(k) for k in self._hf[self.key_field]]
+        return [str(i) for i in range(len(self._hf))]
+
+
+def load_hf(path_or_name: str, split: str = "train"):
+    """A Hugging Face ``Dataset`` from a ``save_to_disk`` folder, a parquet file / folder, or a name (``split``)."""
+    datasets = require("datasets", "hf:<path or name> data")
+    p = Path(path_or_name)
+    if p.is_dir() and ((p / "dataset_info.json").is_file() or (p / "state.json").is_file() or (p / "dataset_dict.json").is_file()):
+        ds = datasets.load_from_disk(str(p))
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise ValueError(f"hf:{path_or_name} holds splits {sorted(ds)}, not {split!r}; pass --split.")
+            ds = ds[split]
+        return ds
+    files = sorted(glob.glob(str(p / "*.parquet"))) if p.is_dir() else [str(p)] if p.suffix == ".parquet" else []
+    if files:
+        return datasets.load_dataset("parquet", data_files=files, split="train")
+    if p.exists():
+        raise ValueError(f"hf:{path_or_name} is neither a Dataset.save_to_disk folder nor parquet file(s).")
+    return datasets.load_dataset(path_or_name, split=split)
+
+
+def open_stream(spec, split: str = "train", *, image_field: Optional[str] = None, key_field: Optional[str] = None,
+                shard_rows: int = DEFAULT_HF_SHARD_ROWS) -> StreamSource:
+    """The :class:`StreamSource` of ``wds:<pattern>`` or ``hf:<path or name>``, or of a Hugging Face ``Dataset``
+    object (module docstring)."""
+    if not isinstance(spec, str):
+        if type(spec).__module__.startswith("datasets"):
+            return _hf_source(spec, getattr(spec, "info", None) and f"hf:{spec.info.dataset_name or 'dataset'}",
+                              image_field, key_field, shard_rows)
+        raise TypeError(f"open_stream takes a 'wds:<shard pattern>' / 'hf:<path>' spec or a datasets.Dataset, got "
+                        f"{type(spec).__name__}.")
+    kind, _, rest = spec.partition(":")
+    if kind not in STREAM_KINDS or not rest:
+        raise ValueError(f"{spec!r} is not a stream spec; use wds:<shard pattern> or hf:<path or name>.")
+    if kind == "wds":
+        require("webdataset", "wds:<shard pattern> data")
+        paths = _expand(rest)
+        missing = [p for p in paths if not os.path.isfile(p)]
+        if not paths or missing:
+            raise FileNotFoundError(f"wds:{rest} names no tar shard" + (f" that exists (e.g. {missing[0]!r})" if missing else "")
+                                    + "; give local shard paths, e.g. wds:data/shard-{000000..000063}.tar.")
+        names = [Path(p).name for p in paths]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"wds:{rest} names several shards called {dupes[0]!r}; sidecars are named by shard file "
+                             "name, so shard names must be unique.")
+        return StreamSource(spec, names, "wds", image_field, None, paths=[os.path.abspath(p) for p in paths])
+    return _hf_source(load_hf(rest, split), spec, image_field, key_field, shard_rows)
+
+
+def _hf_source(ds, spec, image_field, key_field, shard_rows) -> StreamSource:
+    if not hasattr(ds, "__len__"):
+        raise TypeError(f"{spec}: a streaming datasets.IterableDataset has no row count to cut into sidecar shards; "
+                        "precompute over the same data as a Dataset (load_dataset without streaming=True, or "
+                        "save_to_disk / parquet), or as WebDataset shards (wds:<pattern>).")
+    image_field = image_field or "image"
+    if image_field not in ds.column_names:
+        raise ValueError(f"{spec}: no image column {image_field!r} (columns: {ds.column_names}); name it with "
+                         "--image-field (image_field=).")
+    if key_field is not None and key_field not in ds.column_names:
+        raise ValueError(f"{spec}: no key column {key_field!r} (columns: {ds.column_names}).")
+    if not isinstance(shard_rows, int) or shard_rows < 1:
+        raise ValueError(f"shard_rows must be an int >= 1, got {shard_rows!r}.")
+    n = len(ds)
+    shards = [f"rows-{a:09d}-{min(a + shard_rows, n):09d}" for a in range(0, n, shard_rows)]
+    return StreamSource(spec, shards, "hf", image_field, key_field, hf=ds, shard_rows=shard_rows)

@@ -1,0 +1,614 @@
+"""Sidecar targets for streamed data: one keyed targets file per data shard, joined to the samples by key.
+
+For WebDataset shards and Hugging Face ``datasets`` (:mod:`accelerate_ssl.data.streams`), targets travel with the
+sample (DataCompDR-style): :func:`precompute_sidecars` writes, for every data shard, a sidecar
+``<shard>.safetensors`` holding the shard's targets in its sample order and the list of its sample keys; a training
+pipeline joins them back (:meth:`ShardedTargets.join` for a ``webdataset`` pipeline, :meth:`ShardedTargets.column`
+for a ``datasets.Dataset``) and the loop passes the batch's rows: ``rela.wrap(loss, targets=batch_targets)``.
+
+A sidecar folder::
+
+    sidecars.json                  written last (its atomic rename marks the run finished): the settings, and per
+                                   shard its file, rows, sha256 of the file and of its key list
+    <shard>.safetensors            tensors ``targets`` [n, d] (or [n, k, d] with k stored views) in --dtype, and
+                                   ``digests`` int64 [n] (first 8 bytes of blake2b of each sample's image bytes,
+                                   wds); metadata: the shard name, its keys (JSON) and their sha256, the settings' sha256
+    pca/                           the PCA fitted over every row (``ShardedTargets.pca``), or used at write (--components)
+
+Sidecars are plain arrays (safetensors), never pickles, and nothing here unpickles a shard field.
+
+**Identity.** A sidecar is fingerprinted by its shard's key list, in order. The join walks each data shard in
+lockstep with its sidecar: sample j of a shard must carry the key of row j, and (wds) the bytes digest of row j;
+a missing sidecar, a key missing, reordered or duplicated, a sidecar shorter or longer than its shard, or a key of
+another shard stops the pipeline with an error naming the shard and the key.
+
+**Sharding and resuming.** Under ``accelerate launch`` process r computes data shards r, r + P, r + 2P, ...
+(every shard exactly once, for any shard count); a sidecar is written atomically once its shard is done, so a
+killed run resumes shard by shard. Rows are computed in batches that never cross a shard, so the files are
+byte-identical whatever the number of processes or interruptions (fp32 on CPU).
+
+**Compact rows.** ``dtype`` float16 / bfloat16 halves the bytes (:func:`cast_rows`); ``components=k`` stores the
+top-k principal components of the z-scored rows (ReLA v2 Eq. 41, fitted over every row after the raw pass; the raw
+sidecars are rewritten reduced). A reduced folder's ``pca(n)`` is the first n of those components.
+
+**Stored views** (``views=StoredViews(k=...)``): k targets per sample, view v of the image with key ``key`` is
+``apply_view(image, views.params(key_index(key), v, H, W))`` — the parameterisation of
+:mod:`accelerate_ssl.data.views` with the key hashed to the image index; the join replays a view and hands its row.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import random
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+import numpy as np
+import torch
+
+from ..atomic import atomic_path, atomic_write_text
+from ..data.views import StoredViews, apply_view
+from .pca import TargetPCA
+from .store import file_sha256
+
+__all__ = ["precompute_sidecars", "ShardedTargets", "SidecarError", "cast_rows", "key_index", "DTYPES", "SIDECARS"]
+
+SIDECARS = "sidecars.json"
+MANIFEST = "sidecars-manifest.json"
+PCA_DIR = "pca"
+FORMAT = "accelerate-ssl-sidecars"
+FORMAT_VERSION = 1
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class SidecarError(ValueError):
+    """A sidecar does not belong to the data it is joined with, or is damaged."""
+
+
+# ------------------------------------------------------------------------------------------------ small pieces
+def cast_rows(rows: torch.Tensor, dtype: str) -> torch.Tensor:
+    """float32 rows -> the stored dtype (``float32`` / ``float16`` / ``bfloat16``); refuses values fp16 cannot hold."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
+    if dtype == "float16" and rows.numel() and float(rows.abs().max()) > 65504:
+        raise ValueError(f"Target values up to {float(rows.abs().max()):.3g} overflow float16 (max 65504); store them as "
+                         "bfloat16 or float32 (--dtype), or reduce them (--components).")
+    return rows.to(DTYPES[dtype]).contiguous()
+
+
+def key_index(key: str) -> int:
+    """A sample key as the integer image index of :meth:`StoredViews.params` (40 bits of its blake2b)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=5).digest(), "big")
+
+
+def bytes_digest(data: bytes) -> int:
+    """The int64 digest of a sample's image bytes recorded per sidecar row."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big", signed=True)
+
+
+def _keys_sha256(keys: list[str]) -> str:
+    return hashlib.sha256("\n".join(keys).encode()).hexdigest()
+
+
+def sidecar_name(shard: str) -> str:
+    return f"{shard}.safetensors"
+
+
+def _read_sidecar(file: Path) -> tuple[dict, dict]:
+    """``(metadata, tensors)`` of one sidecar file (raises SidecarError when unreadable)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            meta = _header(f)
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as err:  # safetensors raises its own error types
+        raise SidecarError(f"sidecar {str(file)!r} is unreadable ({err}); delete it and rerun the precompute to "
+                           "recompute that shard.") from err
+    if meta.get("format") != FORMAT:
+        raise SidecarError(f"{str(file)!r} is not an accelerate-ssl sidecar; recompute it.")
+    return meta, tensors
+
+
+def _header(f) -> dict:
+    """A sidecar's own metadata: one JSON entry of the safetensors header (one key, so the file's bytes do not depend
+    on the order safetensors writes several keys in)."""
+    return json.loads((f.metadata() or {}).get(FORMAT, "{}"))
+
+
+def _sidecar_done(file: Path, settings_sha: str, stage: str) -> bool:
+    if not file.is_file():
+        return False
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as f:
+            meta = _header(f)
+    except Exception:
+        return False
+    return meta.get("settings_sha256") == settings_sha and meta.get("stage") == stage
+
+
+def _write_sidecar(file: Path, shard: str, keys: list[str], rows: torch.Tensor, digests: np.ndarray,
+                   settings_sha: str, stage: str) -> None:
+    from safetensors.torch import save_file
+
+    meta = {"format": FORMAT, "version": FORMAT_VERSION, "shard": shard, "rows": len(keys), "keys": keys,
+            "keys_sha256": _keys_sha256(keys), "settings_sha256": settings_sha, "stage": stage}
+    with atomic_path(file) as tmp:
+        save_file({"targets": rows, "digests": torch.from_numpy(np.asarray(digests, dtype=np.int64))}, str(tmp),
+                  metadata={FORMAT: json.dumps(meta, sort_keys=True)})
+
+
+# ------------------------------------------------------------------------------------------------ precompute
+def precompute_sidecars(prior, source, path, *, batch_size: int = 256, precision: str = "fp32",
+                        dtype: str = "float32", components: Optional[int] = None, views: Optional[StoredViews] = None,
+                        progress: bool = True, command: Optional[str] = None) -> "ShardedTargets":
+    """Run ``prior`` over every sample of a stream (``wds:`` / ``hf:`` spec or a :class:`StreamSource`) and write one
+    sidecar per data shard into ``path`` (module docstring). Resumes an interrupted run with the same settings;
+    refuses other settings. Returns the opened :class:`ShardedTargets` (on every process)."""
+    from tqdm.auto import tqdm
+
+    from .. import __version__
+    from ..data.streams import StreamSource, open_stream
+    from .precompute import _PRECISIONS, _process_state, _settings_diff
+
+    source = source if isinstance(source, StreamSource) else open_stream(source)
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(_PRECISIONS)}, got {precision!r}.")
+    cast_rows(torch.zeros(1), dtype)  # the dtype name is checked now
+    if components is not None and (not isinstance(components, int) or not 1 <= components <= prior.output_dim):
+        raise ValueError(f"components must be an int in [1, {prior.output_dim}] (the prior's width), got {components!r}.")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}.")
+    path = Path(path)
+    state = _process_state()
+    pre = prior.preprocess
+    settings = json.loads(json.dumps({
+        "prior": {**prior.describe(), "preprocess": pre.config},
+        "data": {k: v for k, v in source.describe().items() if k != "spec"}, "shards": source.shards,
+        "dim": int(prior.output_dim), "dtype": dtype, "components": components,
+        "views": views.to_dict() if views is not None else None, "precision": precision, "batch_size": batch_size,
+    }))
+    settings_sha = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    command = command or f"precompute_sidecars(create_prior({prior.spec!r}), {source.spec!r}, {str(path)!r})"
+
+    for marker in (path / SIDECARS, path / MANIFEST):
+        if marker.is_file():
+            old = json.loads(marker.read_text()).get("settings", {})
+            if old != settings:
+                raise ValueError(_settings_diff(path, old, settings, finished=marker.name == SIDECARS))
+    if (path / SIDECARS).is_file():
+        return ShardedTargets.open(path)
+    state.wait_for_everyone()
+    if state.is_main_process and not (path / MANIFEST).is_file():
+        atomic_write_text(path / MANIFEST, json.dumps({"settings": settings, "command": command}, indent=1))
+    state.wait_for_everyone()
+
+    mine = source.shards[state.process_index :: state.num_processes]  # every shard exactly once
+    for shard in mine:
+        for stale in path.glob(f"{sidecar_name(shard)}.*tmp*"):  # left by a write that was interrupted
+            stale.unlink(missing_ok=True)
+    raw_stage = "raw" if components else "final"
+    todo = [s for s in mine if not (_sidecar_done(path / sidecar_name(s), settings_sha, raw_stage)
+                                    or (components and _sidecar_done(path / sidecar_name(s), settings_sha, "final")))]
+    if state.is_main_process and progress and len(todo) < len(mine):
+        print(f"precompute: resuming {path}: {len(mine) - len(todo)} of {len(mine)} shard(s) of this process already "
+              "done", file=sys.stderr)
+    device = state.device
+    prior = prior.to(device).eval()
+    bar = tqdm(total=len(todo), desc=f"precompute {prior.spec}", unit="shard", dynamic_ncols=True,
+               disable=not (progress and state.is_main_process))
+    for shard in todo:
+        keys, rows, digests = _shard_rows(prior, pre, source, shard, batch_size, precision, views, device)
+        _write_sidecar(path / sidecar_name(shard), shard, keys, rows if components else cast_rows(rows, dtype), digests,
+                       settings_sha, raw_stage)
+        bar.update()
+    bar.close()
+    state.wait_for_everyone()
+
+    if components:  # PCA at write: fit over every raw row (main process), then each process reduces its shards
+        fit_file = path / PCA_DIR / f"write-n{components}-zscore.safetensors"
+        if state.is_main_process and not fit_file.is_file():
+            raw = ShardedTargets(path, {"shards": [{"shard": s, "file": sidecar_name(s)} for s in source.shards],
+                                        "dim": settings["dim"], "views": settings["views"]}, check=False)
+            _save_pca(TargetPCA.fit(_AllRows(raw), components, standardize=True, progress=progress), fit_file)
+        state.wait_for_everyone()
+        fitted = _load_pca(fit_file)
+        for shard in mine:
+            file = path / sidecar_name(shard)
+            if _sidecar_done(file, settings_sha, "final"):
+                continue
+            meta, tensors = _read_sidecar(file)
+            rows = tensors["targets"].float()
+            reduced = fitted.transform(rows.reshape(-1, rows.shape[-1])).reshape(*rows.shape[:-1], components)
+            _write_sidecar(file, shard, meta["keys"], cast_rows(reduced, dtype), tensors["digests"].numpy(),
+                           settings_sha, "final")
+        state.wait_for_everyone()
+
+    if state.is_main_process:
+        _finish(path, source, settings, command, state.num_processes, __version__)
+    state.wait_for_everyone()
+    return ShardedTargets.open(path)
+
+
+def _shard_rows(prior, pre, source, shard, batch_size, precision, views, device):
+    """Keys, float32 rows ``[n, d]`` (``[n, k, d]`` with views) and image-bytes digests of one data shard."""
+    from .precompute import _PRECISIONS
+    from .priors import Preprocess
+
+    keys: list[str] = []
+    digests: list[int] = []
+    seen: dict[str, int] = {}
+    out: list[torch.Tensor] = []
+    batch: list[torch.Tensor] = []
+    k = views.k if views is not None else 1
+    amp = _PRECISIONS[precision]
+
+    def flush():
+        if not batch:
+            return
+        shapes = {tuple(t.shape) for t in batch}
+        x = (pre.batch(torch.stack(batch)) if len(shapes) == 1 else
+             torch.stack([pre.batch(t.unsqueeze(0))[0] for t in batch])).to(device)
+        with torch.inference_mode():
+            if amp is None:
+                y = prior(x)
+            else:
+                with torch.autocast(device_type=device.type, dtype=amp):
+                    y = prior(x)
+        y = y.float().cpu()
+        bad = (~torch.isfinite(y).all(1)).nonzero().flatten()
+        if len(bad):
+            first = keys[len(keys) - len(batch) // k + int(bad[0]) // k]
+            raise ValueError(f"Prior {prior.spec} gave NaN/Inf features for {len(bad)} row(s) of shard {shard!r} "
+                             f"(e.g. key {first!r}, {precision}); nothing was written for this shard.")
+        out.append(y)
+        batch.clear()
+
+    for key, image, raw in source.samples(shard):
+        if key in seen:
+            raise SidecarError(f"shard {shard!r}: key {key!r} appears twice (samples {seen[key]} and {len(keys)}); keys "
+                               "name samples, so they must be unique within a shard: fix the shard.")
+        seen[key] = len(keys)
+        keys.append(key)
+        digests.append(bytes_digest(raw) if raw is not None else 0)
+        if views is None:
+            batch.append(Preprocess.to_tensor(image))
+        else:
+            h, w = (image.size[1], image.size[0]) if hasattr(image, "size") and not hasattr(image, "shape") else image.shape[-2:]
+            for v in range(k):
+                batch.append(Preprocess.to_tensor(apply_view(image, views.params(key_index(key), v, h, w))))
+        if len(batch) >= batch_size * k:
+            flush()
+    flush()
+    dim = int(prior.output_dim)
+    rows = torch.cat(out) if out else torch.zeros(0, dim)
+    if views is not None:
+        rows = rows.reshape(len(keys), k, dim)
+    return keys, rows, np.asarray(digests, dtype=np.int64)
+
+
+def _finish(path: Path, source, settings: dict, command: str, processes: int, version: str) -> None:
+    shards, owner = [], {}
+    for shard in source.shards:
+        file = path / sidecar_name(shard)
+        if not file.is_file():
+            raise RuntimeError(f"The sidecar of shard {shard!r} is missing after every process finished; rerun the same "
+                               "command to compute it.")
+        meta, tensors = _read_sidecar(file)
+        for key in meta["keys"]:
+            if key in owner:
+                raise SidecarError(f"key {key!r} is in shard {owner[key]!r} and in shard {shard!r}: keys name samples, "
+                                   "so they must be unique across the data set; fix the shards.")
+            owner[key] = shard
+        shards.append({"shard": shard, "file": file.name, "rows": int(meta["rows"]), "keys_sha256": meta["keys_sha256"],
+                       "bytes": file.stat().st_size, "sha256": file_sha256(file)})
+    k = (settings["views"] or {}).get("k", 1)
+    samples = sum(s["rows"] for s in shards)
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "settings": settings, "shards": shards,
+            "num_samples": samples, "num_rows": samples * k, "dim": settings["components"] or settings["dim"],
+            "dtype": settings["dtype"], "views": settings["views"],
+            "bytes_per_sample": sum(s["bytes"] for s in shards) / max(samples, 1), "command": command,
+            "num_processes": processes, "library_version": version,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    atomic_write_text(path / SIDECARS, json.dumps(meta, indent=1))
+    (path / MANIFEST).unlink(missing_ok=True)
+
+
+def _save_pca(fitted: TargetPCA, file: Path) -> None:
+    from safetensors.torch import save_file
+
+    with atomic_path(file) as tmp:
+        save_file(fitted.state_dict(), str(tmp))
+
+
+def _load_pca(file: Path) -> TargetPCA:
+    from safetensors.torch import load_file
+
+    return TargetPCA.from_state_dict(load_file(str(file)))
+
+
+# ------------------------------------------------------------------------------------------------ reading
+class _AllRows:
+    """Every row of a sidecar folder as one ``[N, d]`` array-like (``shape``, ``[a:b]``) for the streaming PCA fit."""
+
+    def __init__(self, targets: "ShardedTargets"):
+        self.targets = targets
+        self.shape = (len(targets), targets.dim)
+
+    def __getitem__(self, s: slice) -> torch.Tensor:
+        return self.targets[np.arange(*s.indices(self.shape[0]))]
+
+
+class ShardedTargets:
+    """A sidecar folder opened for ReLA and for joining (module docstring): ``len`` (rows: samples x views),
+    ``dim``, ``store[rows]`` (global rows, shards in order), ``pca(n)``, ``identity()``, :meth:`join`,
+    :meth:`column`, :meth:`verify`."""
+
+    def __init__(self, path, metadata: dict, check: bool = True):
+        self.path, self.metadata = Path(path), metadata
+        self._shards = metadata["shards"]
+        self._by_name = {s["shard"]: s for s in self._shards}
+        self._cache: dict[str, tuple] = {}
+        self.views = StoredViews.from_dict(metadata["views"]) if metadata.get("views") else None
+        self._pca: dict = {}
+        if check:
+            self._offsets = np.cumsum([0] + [s["rows"] for s in self._shards])
+        else:  # (the raw pass of a --components run: read the files for the counts)
+            self._offsets = np.cumsum([0] + [int(_read_sidecar(self.path / s["file"])[0]["rows"]) for s in self._shards])
+
+    @classmethod
+    def open(cls, path) -> "ShardedTargets":
+        """Open a sidecar folder; every listed sidecar must be there with its recorded size."""
+        path = Path(path)
+        meta_file = path / SIDECARS
+        if not meta_file.is_file():
+            if (path / MANIFEST).is_file():
+                cmd = json.loads((path / MANIFEST).read_text()).get("command")
+                raise SidecarError(f"{str(path)!r} holds an unfinished sidecar precompute (no {SIDECARS}): it was "
+                                   f"interrupted. Resume it by rerunning `{cmd}`; finished shards are kept.")
+            raise FileNotFoundError(f"No sidecar folder at {str(path)!r} (no {SIDECARS}); write one with "
+                                    "`accelerate-ssl precompute --data wds:<shards> --out PATH` (or hf:<path>).")
+        metadata = json.loads(meta_file.read_text())
+        if metadata.get("format") != FORMAT:
+            raise SidecarError(f"{meta_file} is not accelerate-ssl sidecar metadata.")
+        for s in metadata["shards"]:
+            file = path / s["file"]
+            if not file.is_file():
+                raise SidecarError(f"the sidecar of shard {s['shard']!r} ({file.name}) is missing from {str(path)!r}; "
+                                   f"copy it back or rerun `{metadata.get('command')}` into a new folder.")
+            if file.stat().st_size != s["bytes"]:
+                raise SidecarError(f"the sidecar of shard {s['shard']!r} has {file.stat().st_size} bytes but "
+                                   f"{SIDECARS} recorded {s['bytes']} (truncated or replaced); recompute it.")
+        return cls(path, metadata)
+
+    # ---------------------------------------------------------------- the store interface ReLA uses
+    def __len__(self) -> int:
+        return int(self._offsets[-1]) * (self.views.k if self.views else 1)
+
+    @property
+    def dim(self) -> int:
+        return int(self.metadata["dim"])
+
+    @property
+    def shards(self) -> list[str]:
+        return [s["shard"] for s in self._shards]
+
+    def identity(self) -> dict:
+        """What a ReLA checkpoint records of these targets (compared when it is loaded)."""
+        prior = self.metadata.get("settings", {}).get("prior", {})
+        return {"rows": len(self), "dim": self.dim,
+                "targets_sha256": hashlib.sha256("".join(s.get("sha256", "") for s in self._shards).encode()).hexdigest(),
+                "prior": prior.get("spec"),
+                "prior_weights_sha256": prior.get("weights_sha256") or prior.get("checkpoint_sha256"),
+                "dataset_sha256": hashlib.sha256("".join(s["keys_sha256"] for s in self._shards).encode()).hexdigest()}
+
+    def shard(self, name: str) -> tuple[list[str], torch.Tensor, np.ndarray]:
+        """``(keys, float32 rows, digests)`` of one data shard's sidecar, checked against the folder's record."""
+        if name in self._cache:
+            return self._cache[name]
+        record = self._by_name.get(name)
+        if record is None:
+            raise SidecarError(f"data shard {name!r} has no sidecar in {str(self.path)!r} (it holds {len(self._shards)} "
+                               f"shards, e.g. {self.shards[:3]}): these targets were computed for other shards; "
+                               "precompute them for this data.")
+        file = self.path / record["file"]
+        if not file.is_file():
+            raise SidecarError(f"the sidecar of shard {name!r} ({file.name}) is missing from {str(self.path)!r}.")
+        meta, tensors = _read_sidecar(file)
+        keys = meta["keys"]
+        rows = tensors["targets"].float()
+        if "keys_sha256" in record and (meta["keys_sha256"] != record["keys_sha256"] or _keys_sha256(keys) != record["keys_sha256"]):
+            raise SidecarError(f"the sidecar of shard {name!r} holds another key list than {SIDECARS} recorded (a stale "
+                               "or replaced file); recompute the folder.")
+        if len(rows) != len(keys):
+            raise SidecarError(f"the sidecar of shard {name!r} holds {len(rows)} rows for {len(keys)} keys; recompute it.")
+        if not bool(torch.isfinite(rows).all()):
+            bad = (~torch.isfinite(rows.reshape(len(rows), -1)).all(1)).nonzero().flatten()[:5].tolist()
+            raise SidecarError(f"the sidecar of shard {name!r} has NaN/Inf rows for keys {[keys[i] for i in bad]}; "
+                               "recompute it.")
+        self._cache = {name: (keys, rows, tensors["digests"].numpy())} if len(self._cache) >= 2 else {
+            **self._cache, name: (keys, rows, tensors["digests"].numpy())}
+        return self._cache[name]
+
+    def __getitem__(self, idx: Any) -> torch.Tensor:
+        """Global rows (shards in order; with k views row j is view j % k of sample j // k)."""
+        if isinstance(idx, torch.Tensor):
+            idx = idx.detach().cpu().numpy()
+        scalar = np.ndim(idx) == 0 and not isinstance(idx, slice)
+        idx = np.arange(len(self))[idx] if isinstance(idx, slice) else np.atleast_1d(np.asarray(idx, dtype=np.int64))
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"Row index out of range for sidecar targets of {len(self)} rows.")
+        k = self.views.k if self.views else 1
+        sample, view = np.divmod(idx, k)
+        which = np.searchsorted(self._offsets, sample, side="right") - 1
+        out = torch.empty(len(idx), self.dim)
+        for s in np.unique(which):
+            sel = np.flatnonzero(which == s)
+            _, rows, _ = self.shard(self._shards[s]["shard"])
+            local = torch.from_numpy(sample[sel] - self._offsets[s])
+            out[torch.from_numpy(sel)] = rows[local, torch.from_numpy(view[sel])] if self.views else rows[local]
+        return out[0] if scalar else out
+
+    def pca(self, n_components: Optional[int] = None, standardize: bool = True, progress: bool = False) -> TargetPCA:
+        """ReLA v2 Eq. 41 over every row: fitted by streaming over the sidecars (saved in ``pca/``). For reduced
+        sidecars (``components=k`` at write) the rows are already ``V_k^T (y - mu) / sigma``: the first n of them."""
+        n = self.dim if n_components is None else min(int(n_components), self.dim)
+        if self.metadata.get("settings", {}).get("components"):
+            comps = torch.eye(self.dim, dtype=torch.float64)[:, :n]
+            return TargetPCA(torch.zeros(self.dim), torch.ones(self.dim), comps, torch.ones(n), standardize, len(self))
+        if (n, standardize) in self._pca:
+            return self._pca[(n, standardize)]
+        file = self.path / PCA_DIR / f"pca-n{n}-{'zscore' if standardize else 'centre'}.safetensors"
+        if file.is_file():
+            fitted = _load_pca(file)
+        else:
+            fitted = TargetPCA.fit(_AllRows(self), n, standardize=standardize, progress=progress)
+            try:
+                _save_pca(fitted, file)
+            except OSError:  # a read-only folder still works, the fit is just not cached
+                pass
+        self._pca[(n, standardize)] = fitted
+        return fitted
+
+    def verify(self) -> dict:
+        """Every sidecar file's sha256 against the one recorded when the folder was finished."""
+        for s in self._shards:
+            if file_sha256(self.path / s["file"]) != s["sha256"]:
+                raise SidecarError(f"the sidecar of shard {s['shard']!r} changed on disk since it was written (sha256 "
+                                   "differs); recompute it.")
+        return {"shards": len(self._shards), "rows": len(self), "dim": self.dim}
+
+    # ---------------------------------------------------------------- joining
+    def join(self, field: str = "target", image_field: Optional[str] = None, view: Any = "random", seed: int = 0,
+             check_bytes: bool = True) -> "SidecarJoin":
+        """A ``webdataset`` pipeline stage adding each sample's target row as ``sample[field]`` (float32 tensor
+        ``[dim]``): ``wds.WebDataset(urls, shardshuffle=...).compose(targets.join())``, before any sample shuffle."""
+        return SidecarJoin(self, field, image_field, view, seed, check_bytes)
+
+    def column(self, dataset, key_column: Optional[str] = None, name: str = "target"):
+        """``dataset`` (the ``datasets.Dataset`` the sidecars were computed on) with a column ``name`` holding each
+        row's target (float32 list of ``dim``); keys (``key_column``, default the row numbers) are checked first."""
+        import pyarrow as pa
+
+        from ..data.streams import open_stream
+        from ..optional import require
+
+        datasets = require("datasets", "ShardedTargets.column")
+        if self.views:
+            raise SidecarError("column() attaches one target per row; these sidecars hold stored views: use join().")
+        source = open_stream(dataset, image_field=self.metadata["settings"]["data"].get("image_field"),
+                             key_field=key_column, shard_rows=self.metadata["settings"]["data"].get("shard_rows") or 1)
+        keys = source.hf_keys()
+        if source.shards != self.shards:
+            raise SidecarError(f"the data set has {len(keys)} rows in {len(source.shards)} shard(s), the sidecars are for "
+                               f"{int(self._offsets[-1])} rows in {len(self._shards)}: computed on another data set.")
+        parts = []
+        for i, s in enumerate(self._shards):
+            stored, rows, _ = self.shard(s["shard"])
+            mine = keys[int(self._offsets[i]) : int(self._offsets[i + 1])]
+            _check_keys(s["shard"], mine, stored)
+            parts.append(rows.numpy())
+        flat = np.concatenate(parts).astype(np.float32, copy=False)
+        table = pa.table({name: pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), self.dim)})
+        return datasets.concatenate_datasets([dataset, datasets.Dataset(table)], axis=1)
+
+    def __repr__(self) -> str:
+        return f"ShardedTargets({str(self.path)!r}, shards={len(self._shards)}, rows={len(self)}, dim={self.dim})"
+
+
+def _check_keys(shard: str, actual: list[str], stored: list[str]) -> None:
+    """The keys a shard holds now against its sidecar's, in order: the first difference, named."""
+    if actual == stored:
+        return
+    seen: dict[str, int] = {}
+    for j, key in enumerate(actual):
+        if key in seen:
+            raise SidecarError(f"shard {shard!r}: key {key!r} appears twice (samples {seen[key]} and {j}).")
+        seen[key] = j
+    j = next((j for j, (a, b) in enumerate(zip(actual, stored)) if a != b), min(len(actual), len(stored)))
+    _mismatch(shard, j, actual[j] if j < len(actual) else None, stored)
+
+
+def _mismatch(shard: str, j: int, key: Optional[str], stored: list[str]) -> None:
+    """Raise the error for sample j of ``shard`` carrying ``key`` (None: the data shard ended) against ``stored``."""
+    if key is None:
+        raise SidecarError(f"data shard {shard!r} ended after {j} samples but its sidecar holds {len(stored)} (next "
+                           f"key {stored[j]!r}): the shard was truncated or rewritten since the targets were computed; "
+                           "recompute its sidecar.")
+    if j >= len(stored):
+        raise SidecarError(f"shard {shard!r}: sample {j} (key {key!r}) has no target row: the sidecar holds only "
+                           f"{len(stored)} rows (shorter than its shard: truncated or stale); recompute it.")
+    where = stored.index(key) if key in stored else None
+    if where is None:
+        raise SidecarError(f"shard {shard!r}: key {key!r} (sample {j}) is not in its sidecar, whose row {j} is for key "
+                           f"{stored[j]!r}: the sidecar is stale or belongs to another shard; recompute it.")
+    raise SidecarError(f"shard {shard!r}: sample {j} has key {key!r} but the sidecar's row {j} is for key {stored[j]!r} "
+                       f"({key!r} is its row {where}): samples are reordered or missing relative to the sidecar (or were "
+                       "shuffled before the join: put the join right after the shard reader); recompute the sidecar "
+                       "for this shard order.")
+
+
+class SidecarJoin:
+    """The ``webdataset`` stage of :meth:`ShardedTargets.join`: walks each shard in lockstep with its sidecar (the
+    key and the image bytes' digest of every sample checked against its row), adds ``sample[field]``; with stored
+    views, replays view ``v`` of the image (``view``: ``"random"``, seeded per key and pass, or an int) and adds
+    ``sample["view"]``. Never decodes anything but the image of a stored view, and never unpickles."""
+
+    def __init__(self, targets: ShardedTargets, field, image_field, view, seed, check_bytes):
+        self.targets, self.field, self.image_field = targets, field, image_field
+        self.view, self.seed, self.check_bytes = view, int(seed), check_bytes
+        self.passes = 0
+
+    def __call__(self, samples: Iterable[dict]) -> Iterator[dict]:
+        from ..data.streams import IMAGE_FIELDS, decode_image
+
+        current, keys, rows, digests, pos, seen = None, [], None, None, 0, {}
+        for sample in samples:
+            key, url = sample["__key__"], sample.get("__url__")
+            if url is None:
+                raise SidecarError("ShardedTargets.join needs each sample's __url__ (its shard): put the join right after "
+                                   "wds.WebDataset(...) / tarfile_to_samples(), before any map or shuffle.")
+            shard = Path(str(url)).name
+            if shard != current or (pos == len(keys) and keys and key == keys[0]):  # a new shard, or this one again
+                if current is not None and pos < len(keys) and shard != current:
+                    _mismatch(current, pos, None, keys)
+                current, pos, seen = shard, 0, {}
+                keys, rows, digests = self.targets.shard(shard)
+                self.passes += 1
+            if key in seen:
+                raise SidecarError(f"shard {shard!r}: key {key!r} appears twice (samples {seen[key]} and {pos}); the "
+                                   "shard has a duplicated key: fix it and recompute its sidecar.")
+            if pos >= len(keys) or keys[pos] != key:
+                _mismatch(shard, pos, key, keys)
+            field = self.image_field or next((f for f in IMAGE_FIELDS if f in sample), None)
+            if self.check_bytes and digests[pos] != 0 and field in sample and isinstance(sample[field], bytes):
+                if bytes_digest(sample[field]) != digests[pos]:
+                    raise SidecarError(f"shard {shard!r}: the image of key {key!r} is not the one its target was "
+                                       "computed from (its bytes changed); recompute the sidecar of this shard.")
+            seen[key] = pos
+            row = rows[pos]
+            if self.targets.views is not None:
+                v = self._pick(key)
+                image = sample[field]
+                image = decode_image(image) if isinstance(image, bytes) else image
+                h, w = image.size[1], image.size[0]
+                sample[field] = apply_view(image, self.targets.views.params(key_index(key), v, h, w))
+                sample["view"], row = v, row[v]
+            sample[self.field] = row
+            pos += 1
+            yield sample
+        if current is not None and pos < len(keys):
+            _mismatch(current, pos, None, keys)
+
+    def _pick(self, key: str) -> int:
+        k = self.targets.views.k
+        if self.view == "random":
+            return random.Random(f"{self.seed}/{self.passes}/{key}").randrange(k)
+        if not isinstance(self.view, int) or not 0 <= self.view < k:
+            raise ValueError(f"view must be 'random' or an int in [0, {k}), got {self.view!r}.")
+        return self.view
