@@ -524,8 +524,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=sorted(_PRECISIONS), default="fp32",
                         help="autocast precision of the prior's forward (default fp32)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                        help="how the rows are stored (default float32): float16 or bfloat16 take half the bytes and "
-                             "are read back as float32; values beyond float16's range are refused (use bfloat16)")
+                        help="how the rows are stored, in a store or in sidecars (default float32): float16 or bfloat16 "
+                             "take half the bytes and are read back as float32; values beyond float16's range are "
+                             "refused (use bfloat16)")
     parser.add_argument("--components", type=int, default=None, metavar="K",
                         help="store the rows reduced to their top K principal components, z-scored (batch PCA, ReLA "
                              "v2 Eq. 41, fitted over every row at the end): K values per row; ReLA then uses at most "
@@ -538,10 +539,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "png/jpg/jpeg/webp/...) or the image column of an hf data set (default: image)")
     streams.add_argument("--key-field", default=None, help="hf: the column naming each sample (default: the row number)")
     streams.add_argument("--shard-rows", type=int, default=10000, help="hf: rows per sidecar shard")
-    streams.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
-                         help="how sidecar rows are stored")
-    streams.add_argument("--components", type=int, default=None,
-                         help="store the top-k principal components of the z-scored rows (ReLA v2 Eq. 41) instead")
     streams.add_argument("--views", type=int, default=None,
                          help="k stored views per sample (view 0 the image, 1..k-1 random resized crops + flips)")
     streams.add_argument("--view-seed", type=int, default=0, help="the seed every stored view derives from")

@@ -73,9 +73,10 @@ def cast_rows(rows: torch.Tensor, dtype: str) -> torch.Tensor:
     """float32 rows -> the stored dtype (``float32`` / ``float16`` / ``bfloat16``); refuses values fp16 cannot hold."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
-    if dtype == "float16" and rows.numel() and float(rows.abs().max()) > 65504:
-        raise ValueError(f"Target values up to {float(rows.abs().max()):.3g} overflow float16 (max 65504); store them as "
-                         "bfloat16 or float32 (--dtype), or reduce them (--components).")
+    if dtype == "float16":
+        from .store import refuse_float16_overflow
+
+        refuse_float16_overflow(rows.detach().float().cpu().numpy())
     return rows.to(DTYPES[dtype]).contiguous()
 
 

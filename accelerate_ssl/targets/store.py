@@ -50,21 +50,27 @@ DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np
 FLOAT16_MAX = 65504.0
 
 
+def refuse_float16_overflow(rows: np.ndarray, first_row: int = 0) -> None:
+    """Refuse float32 rows that float16 cannot hold (|x| > 65504 would become inf), naming the rows and the fix (one
+    check for every store kind: TargetStore rows and sidecar rows)."""
+    too_big = np.abs(rows).max(axis=-1) > FLOAT16_MAX if rows.size else np.zeros(len(rows), bool)
+    if too_big.any():
+        bad = (first_row + np.flatnonzero(too_big)).tolist()
+        raise ValueError(
+            f"{len(bad)} target row(s) hold values beyond float16's range (|x| up to {float(np.abs(rows).max()):.4g} > "
+            f"{FLOAT16_MAX:g}), e.g. rows {bad[:10]}: they would be stored as inf. Use dtype='bfloat16' (--dtype "
+            "bfloat16: float32's range in the same 2 bytes) or float32; with components=k the reduced rows are "
+            "z-scored and fit in float16.")
+
+
 def encode_rows(rows, dtype: str, first_row: int = 0) -> np.ndarray:
     """float32 rows -> the stored dtype (bfloat16: round-to-nearest-even, as torch, kept as uint16 bit patterns).
-    Refuses values float16 cannot hold (|x| > 65504 become inf), naming the rows and the fix."""
+    Refuses values float16 cannot hold (:func:`refuse_float16_overflow`)."""
     rows = np.ascontiguousarray(rows, dtype=np.float32)
     if dtype == "float32":
         return rows
     if dtype == "float16":
-        too_big = np.abs(rows).max(axis=-1) > FLOAT16_MAX if rows.size else np.zeros(len(rows), bool)
-        if too_big.any():
-            bad = (first_row + np.flatnonzero(too_big)).tolist()
-            raise ValueError(
-                f"{len(bad)} target row(s) hold values beyond float16's range (|x| up to {float(np.abs(rows).max()):.4g} > "
-                f"{FLOAT16_MAX:g}), e.g. rows {bad[:10]}: they would be stored as inf. Use dtype='bfloat16' (--dtype "
-                "bfloat16: float32's range in the same 2 bytes) or float32; with components=k the reduced rows are "
-                "z-scored and fit in float16.")
+        refuse_float16_overflow(rows, first_row)
         return rows.astype(np.float16)
     if dtype == "bfloat16":
         bits = torch.tensor(rows).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)  # (a copy)
