@@ -56,7 +56,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         store = precompute_targets(create_prior("shipped:fashion-mnist-byol"), images, tmp, progress=False)
         backbone = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 8))
-        rela = ReLA(store, backbone, feature_dim=8, schedule="constant:1", n_components=4)
+        rela = ReLA(store, backbone, dataset=images, feature_dim=8, schedule="constant:1", n_components=4)
         backbone(torch.stack(images).float())
         rela.wrap(torch.zeros(()), index=torch.arange(16)).backward()
         rela.close()
