@@ -64,14 +64,13 @@ NUMERIC_SETTINGS = ("budget", "plain_multiple", "probes", "prior", "weights", "s
                     "components", "head_init", "train_size", "test_size", "batch_size", "lr", "widths",
                     "probe_epochs", "threads")
 
-#: the measured range of the default settings: ``accelerate-ssl demo --seeds S`` for S = 0, 1, 2 and a rerun of seed 0
-#: (``benchmarks/results/demo_seed*.json``; the mean curves' speed-up from ``benchmarks/results/speedup.json``). A run
-#: prints where it falls. In steps the range is the seeds' (a rerun on the same machine is bit-identical); in CPU time
-#: it also holds the machine's load (the runs shared 2 cores with other jobs: the identical seed-0 computation
-#: measured 3.76x and 4.12x). Wall-clock ratios under that load were not reliable and are not a reference.
+#: the measured range of the default settings: ``accelerate-ssl demo --seeds S`` for S = 0, 1, 2 from a fresh clone on
+#: near-idle cores (``benchmarks/results/demo_seed*.json``; the mean curves' speed-up from the three runs' mean curves).
+#: A run prints where it falls. A rerun on the same machine is bit-identical in accuracy; another CPU is another random
+#: draw of the same distribution, like another seed.
 REFERENCE: dict | None = {
-    "speedup_cpu": [2.77, 4.12], "mean_cpu": 3.09, "speedup_steps": [2.00, 2.50],
-    "machine": "a 2-core AMD EPYC VM (AVX512), torch 2.15.0, shared with other jobs"}
+    "speedup_cpu": [2.20, 3.44], "mean_cpu": 3.05, "speedup_steps": [1.45, 2.37],
+    "machine": "a 2-core AMD EPYC VM (AVX512), torch 2.15.0, near-idle"}
 
 
 # ---------------------------------------------------------------------------------------------- arguments
