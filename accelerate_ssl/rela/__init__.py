@@ -475,25 +475,23 @@ class ReLA:
         if sum(x is not None for x in (index, targets, keys)) > 1:
             raise ValueError("ReLA.wrap: pass one of index= (rows by position), keys= (rows by sample key) or targets= "
                              "(rows carried by the batch), not both.")
-        if targets is not None:
-            self._index_fresh = False  # the batch carries its rows: a tracked index is used up too
-        elif keys is not None:
-            if not hasattr(self.store, "key_rows"):
-                raise ValueError("ReLA.wrap(keys=) needs a TargetStore with recorded keys (precompute_targets(..., "
-                                 "keys=...)); these targets are an in-memory tensor: pass index= instead.")
-            index = self.store.key_rows(keys)
-            self._index_fresh = False  # the loop said which samples it holds: a tracked index is used up too
-        elif index is not None:
-            index = as_index(index)
-            self.targets.check_not_placeholder(index)
-            if not self._checked_datasets and not self._warned_unchecked and hasattr(self.store, "check_dataset"):
-                self._warned_unchecked = True
-                warnings.warn("ReLA.wrap(index=): no data set was checked against this target store, so nothing proves "
-                              "row i belongs to your item i. Pass ReLA(..., dataset=clean_train_set) (or call "
-                              "rela.check_dataset(train_set)).", UserWarning, stacklevel=2)
-            self._index_fresh = False  # the loop said which batch it holds: a tracked one is used up too
-        else:
+        if index is None and keys is None and targets is None:
             index = self._take_published_index()
+        else:
+            self._index_fresh = False  # the loop said which samples it holds: a tracked batch is used up too
+            if keys is not None:
+                if not hasattr(self.store, "key_rows"):
+                    raise ValueError("ReLA.wrap(keys=) needs a TargetStore with recorded keys (precompute_targets(..., "
+                                     "keys=...)); these targets are an in-memory tensor: pass index= instead.")
+                index = self.store.key_rows(keys)
+            elif index is not None:
+                index = as_index(index)
+                self.targets.check_not_placeholder(index)
+                if not self._checked_datasets and not self._warned_unchecked and hasattr(self.store, "check_dataset"):
+                    self._warned_unchecked = True
+                    warnings.warn("ReLA.wrap(index=): no data set was checked against this target store, so nothing "
+                                  "proves row i belongs to your item i. Pass ReLA(..., dataset=clean_train_set) (or call "
+                                  "rela.check_dataset(train_set)).", UserWarning, stacklevel=2)
         l_rela = self._rela_term(feats, index, rows=targets)
 
         if lam >= 1.0:
