@@ -17,7 +17,7 @@ from accelerate_ssl.data import ArrayImageDataset, Digits, dataset_fingerprint
 from accelerate_ssl.data.fingerprint import RowIdentity
 from accelerate_ssl.targets.precompute import precompute_targets
 from accelerate_ssl.targets.priors import create_prior
-from accelerate_ssl.targets.store import TargetStore, TargetStoreMismatchError
+from accelerate_ssl.targets.store import TargetStoreMismatchError
 
 
 def _digits():

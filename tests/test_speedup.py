@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"

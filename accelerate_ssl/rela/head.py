@@ -137,15 +137,11 @@ class TransportHead:
                         st[k] = v.to(device)
 
     def loss(self, feats: torch.Tensor, target: torch.Tensor, observe=None) -> torch.Tensor:
-        """``mean(1 - cos(W feats + b, target))``, fitting the head to this batch first when it waits for that.
-        ``observe(prediction, target)`` sees the predictions of every batch the head was not just fitted on."""
-        fitted = self.needs_fit
-        if self.needs_fit:
-            fit_transport_head(self.linear, feats, target, distributed=is_distributed())
-            self.needs_fit = False
-        with full_precision(feats.device):  # the head and the loss in float32
+        """``mean(1 - cos(W feats + b, target))``, the head and the loss in float32 (the least-squares start is
+        :meth:`fit_held_out`, done by the caller first). ``observe(prediction, target)`` sees the predictions."""
+        with full_precision(feats.device):
             pred = self.linear(feats.float())
-        if observe is not None and not fitted:
+        if observe is not None:
             observe(pred.detach(), target)
         return rela_loss(pred, target)
 
