@@ -14,6 +14,13 @@ every 10 ms in a thread) for N and N/4, to show RSS does not grow with N. Runs a
 (a) per N so that the load of a shared machine hits both alike.
 
     .venv/bin/python benchmarks/precompute.py [--limit 4000] [--batch-size 256] [--threads 2]
+
+``--sweep`` measures instead what sets the CPU default batch size (``DEFAULT_BATCH_SIZE``): ``precompute_targets``
+images/s at each ``--batch-sizes`` value for a small ConvNet at 28 px (``shipped:digits-byol``, ``--limit`` images)
+and a ResNet-18 at 224 px (``random:resnet18``, size 224, 256 images), batch sizes interleaved per round, best of the
+rounds (results/precompute_batch.json + .png):
+
+    .venv/bin/python benchmarks/precompute.py --sweep --limit 20000 --threads 1
 """
 
 from __future__ import annotations
@@ -65,6 +72,49 @@ def full_precompute(prior, dataset, batch_size: int, num_workers: int, workdir: 
     return len(dataset) / seconds, len(dataset) / cpu_seconds, rss.peak, rss.base
 
 
+def batch_sweep(args) -> None:
+    """precompute_targets throughput per batch size, two priors (module docstring), written as JSON + PNG."""
+    cases = [("shipped:digits-byol", {}, args.limit), ("random:resnet18", {"size": 224}, 256)]
+    report = {"command": "python benchmarks/precompute.py " + " ".join(sys.argv[1:]),
+              "machine": {"cpu_count": os.cpu_count(), "torch_threads": args.threads, "torch": torch.__version__,
+                          "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                          "load_average_start": os.getloadavg()},
+              "rounds": args.rounds, "results": []}
+    with tempfile.TemporaryDirectory(dir=ROOT / "benchmarks") as tmp:
+        for spec, options, n in cases:
+            prior, dataset = create_prior(spec, **options), FashionMNIST("train", limit=n)
+            best = {b: (0.0, 0.0) for b in args.batch_sizes}
+            for _ in range(args.rounds):
+                for b in args.batch_sizes:
+                    wall, cpu, _, _ = full_precompute(prior, dataset, b, args.num_workers, Path(tmp))
+                    best[b] = (max(best[b][0], wall), max(best[b][1], cpu))
+            for b, (wall, cpu) in best.items():
+                row = {"prior": spec, "options": options, "n": n, "batch_size": b, "img_s": round(wall, 1),
+                       "img_per_cpu_s": round(cpu, 1), "vs_fastest": round(wall / max(w for w, _ in best.values()), 3)}
+                print(json.dumps(row), flush=True)
+                report["results"].append(row)
+    report["machine"]["load_average_end"] = os.getloadavg()
+    out = Path(args.out).with_name("precompute_batch.json")
+    write_results(out, report, ROOT, indent=1)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(cases), figsize=(4.5 * len(cases), 3.5))
+    for ax, (spec, options, n) in zip(axes, cases):
+        rows = [r for r in report["results"] if r["prior"] == spec]
+        ax.bar([str(r["batch_size"]) for r in rows], [r["img_s"] for r in rows])
+        ax.set_title(f"{spec} {options.get('size', 28)} px, {n} images", fontsize=8)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("images / s (wall)")
+    fig.suptitle(f"precompute_targets on CPU, {args.threads} thread(s): {report['command']}", fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, out.with_suffix(".png"), dpi=110)
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--limit", type=int, default=4000, help="N (first N training images; 60000 = all)")
@@ -73,9 +123,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternating repetitions per N (best is kept)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "precompute.json"))
+    parser.add_argument("--sweep", action="store_true", help="measure precompute speed per batch size instead")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 32, 64, 256], help="with --sweep")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
+    if args.sweep:
+        return batch_sweep(args)
     prior = create_prior("random:resnet18")
     sizes = [max(1, args.limit // 4), args.limit]
     results = []

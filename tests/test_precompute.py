@@ -91,8 +91,8 @@ def test_interrupted_run_resumes_from_its_chunks(tmp_path, reference, monkeypatc
     assert written == ["chunk-00000.npy", "chunk-00001.npy"] and not (path / "metadata.json").exists()
     mtimes = {f: (path / "chunks" / f).stat().st_mtime_ns for f in written}
     (path / "chunks" / "chunk-00003.npy.4242.tmp").write_bytes(b"half-written")  # a crash mid-write leaves this
-    with pytest.raises(ValueError, match="unfinished precompute with other settings.*batch_size"):
-        _run(path, batch_size=4)
+    with pytest.raises(ValueError, match="unfinished precompute with other settings.*precision"):
+        _run(path, precision="bf16")
 
     rewritten = []
 
@@ -104,13 +104,30 @@ def test_interrupted_run_resumes_from_its_chunks(tmp_path, reference, monkeypatc
         real_write(file, rows)
 
     monkeypatch.setattr(pc, "_write_chunk", recording_write)
-    store, rows = _run(path)
+    store, rows = _run(path, batch_size=4)  # the batch size is free (here bitwise the same rows)
     assert rows == N - 2 * CHUNK  # only the missing chunks were computed
     assert rewritten == [f"chunk-{k:05d}.npy" for k in range(2, N // CHUNK)]
     assert np.array_equal(np.array(store.array), reference)
     assert not (path / "chunks").exists() and not (path / "manifest.json").exists()
     again, rows = _run(path)  # finished: nothing to do
     assert rows == 0 and len(again) == N
+
+
+def test_the_default_batch_size_is_the_devices(tmp_path, monkeypatch):
+    sizes = []
+    real = pc._ChunkBatches.__init__
+
+    def record(self, chunks, batch_size):
+        sizes.append(batch_size)
+        real(self, chunks, batch_size)
+
+    monkeypatch.setattr(pc._ChunkBatches, "__init__", record)
+    store, rows = _run(tmp_path / "default", batch_size=None)
+    assert rows == N and sizes == [pc.DEFAULT_BATCH_SIZE["cpu"]] and store.metadata["batch_size"] == sizes[0]
+    assert pc.default_batch_size(torch.device("cuda", 0)) == pc.DEFAULT_BATCH_SIZE["cuda"]
+    assert pc.default_batch_size("cpu") < pc.DEFAULT_BATCH_SIZE["cuda"]
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+        _run(tmp_path / "zero", batch_size=0)
 
 
 def test_killed_process_resumes(tmp_path, reference):

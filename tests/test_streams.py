@@ -213,7 +213,7 @@ def test_a_killed_precompute_resumes_shard_by_shard_to_identical_sidecars(stream
         precompute_sidecars(prior, source, tmp_path / "s", batch_size=4, dtype="float16", progress=False)
     from accelerate_ssl import precompute_targets
 
-    again = precompute_targets(prior, spec, tmp_path / "s", batch_size=4, progress=False)  # the same call, by spec
+    again = precompute_targets(prior, spec, tmp_path / "s", batch_size=3, progress=False)  # by spec; any batch size
     assert isinstance(again, ShardedTargets) and again.identity() == full.identity()
 
 

@@ -55,6 +55,16 @@ from .store import (AT_WRITE_PCA, CHUNKS, DTYPES, FORMAT, FORMAT_VERSION, IDENTI
 _PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 DEFAULT_CHUNK_SIZE = 8192
 
+#: images per prior forward when ``batch_size`` is not given. A GPU wants large batches; on CPU small ones are faster,
+#: their activations staying in cache (``python benchmarks/precompute.py --sweep``, 1 thread: at 32, 0.97x the fastest
+#: batch size's images/s for a 32/64/128 ConvNet at 28 px and 0.91x for a ResNet-18 at 224 px; at 256, 0.68x and 0.63x).
+DEFAULT_BATCH_SIZE = {"cuda": 256, "cpu": 32}
+
+
+def default_batch_size(device: torch.device) -> int:
+    """:data:`DEFAULT_BATCH_SIZE` for ``device`` (CPU's for any device without an entry)."""
+    return DEFAULT_BATCH_SIZE.get(torch.device(device).type, DEFAULT_BATCH_SIZE["cpu"])
+
 
 def chunk_path(path: Path, k: int) -> Path:
     return Path(path) / CHUNKS / f"chunk-{k:05d}.npy"
@@ -200,7 +210,7 @@ def _python_command(prior, dataset, path) -> str:
             f"{str(path)!r})")
 
 
-def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers: int = 0, precision: str = "fp32",
+def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, num_workers: int = 0, precision: str = "fp32",
                        chunk_size: int = DEFAULT_CHUNK_SIZE, progress: bool = True,
                        command: Optional[str] = None, dtype: str = "float32", components: Optional[int] = None,
                        keys=None) -> "TargetStore":
@@ -214,7 +224,10 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
             one sidecar per data shard is written and a :class:`~accelerate_ssl.targets.sidecar.ShardedTargets` returned
             (:func:`~accelerate_ssl.targets.sidecar.precompute_sidecars` has the sidecar options).
         path: the store folder (created; resumed if it holds an unfinished run with the same settings).
-        batch_size, num_workers: the DataLoader's.
+        batch_size: images per forward of the prior; ``None`` (default): 256 on a GPU, 32 on CPU
+            (:data:`DEFAULT_BATCH_SIZE`). It changes the rows by float rounding at most, so a run resumes with any
+            batch size.
+        num_workers: the DataLoader's.
         precision: ``"fp32"``, ``"fp16"`` or ``"bf16"`` (autocast of the prior's forward).
         dtype: how rows are stored: ``"float32"`` (default), ``"float16"`` or ``"bfloat16"`` (half the bytes; read
             back as float32).
@@ -240,7 +253,7 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} (how the rows are stored), got {dtype!r}.")
     for name, value, low in (("batch_size", batch_size, 1), ("chunk_size", chunk_size, 1), ("num_workers", num_workers, 0)):
-        if not isinstance(value, int) or value < low:
+        if (value is not None or name != "batch_size") and (not isinstance(value, int) or value < low):
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
     from ..data.streams import StreamSource, is_stream_spec
 
@@ -268,6 +281,7 @@ def precompute_targets(prior, dataset, path, batch_size: int = 256, num_workers:
     path = Path(path)
     state = _process_state()
     device = state.device
+    batch_size = batch_size or default_batch_size(device)
     pre = _resolve_preprocess(prior, dataset)
     prior_info = {**prior.describe(), "preprocess": pre.config}
     fingerprint = dataset_fingerprint(dataset)
@@ -457,7 +471,9 @@ def _consolidate(path: Path, ranges, dim: int, metadata: dict, dtype: str = "flo
 
 def _identity(settings: dict) -> dict:
     """The settings that decide a store's content: the dataset fingerprint counts by its identity (length, kind,
-    sha256), not by the descriptive fields added to it for error messages (stores written before them stay valid)."""
+    sha256), not by the descriptive fields added to it for error messages (stores written before them stay valid);
+    the batch size changes rows by float rounding at most, not which sample they describe."""
+    settings = {k: v for k, v in settings.items() if k != "batch_size"}
     fp = (settings.get("dataset") or {}).get("fingerprint")
     if not isinstance(fp, dict):
         return settings
@@ -520,7 +536,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-root", default=None, help="folder with the Fashion-MNIST idx files (default: system package)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N images (fashion-mnist)")
     parser.add_argument("--out", required=True, help="store folder to write (resumed if interrupted)")
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="images per forward of the prior (default 256 on a GPU, 32 on CPU, the faster sizes "
+                             "there); it changes the rows by float rounding at most, so a run resumes with any batch size")
     parser.add_argument("--precision", choices=sorted(_PRECISIONS), default="fp32",
                         help="autocast precision of the prior's forward (default fp32)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
@@ -557,8 +575,9 @@ def _command_line(args: argparse.Namespace) -> str:
         parts += ["--limit", str(args.limit)]
     if args.fraction is not None:
         parts += ["--fraction", str(args.fraction)]
-    parts += ["--out", args.out, "--batch-size", str(args.batch_size), "--precision", args.precision,
-              "--chunk-size", str(args.chunk_size)]
+    parts += ["--out", args.out, "--precision", args.precision, "--chunk-size", str(args.chunk_size)]
+    if args.batch_size is not None:
+        parts += ["--batch-size", str(args.batch_size)]
     if args.dtype != "float32":
         parts += ["--dtype", args.dtype]
     if args.components is not None:
@@ -628,8 +647,8 @@ def _run_stream(args: argparse.Namespace) -> int:
         prior = create_prior(args.prior, weights=args.weights, offline=True if args.offline else None, **overrides)
         views = StoredViews(k=args.views, seed=args.view_seed) if args.views else None
         parts = ["accelerate-ssl", "precompute", "--prior", args.prior, "--data", args.data, "--out", args.out,
-                 "--batch-size", str(args.batch_size), "--precision", args.precision, "--dtype", args.dtype]
-        for flag, value in (("--weights", args.weights), ("--image-field", args.image_field), ("--key-field", args.key_field),
+                 "--precision", args.precision, "--dtype", args.dtype]
+        for flag, value in (("--batch-size", args.batch_size), ("--weights", args.weights), ("--image-field", args.image_field), ("--key-field", args.key_field),
                             ("--components", args.components), ("--views", args.views)):
             if value is not None:
                 parts += [flag, str(value)]

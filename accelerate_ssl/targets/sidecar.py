@@ -145,17 +145,18 @@ def _write_sidecar(file: Path, shard: str, keys: list[str], rows: torch.Tensor, 
 
 
 # ------------------------------------------------------------------------------------------------ precompute
-def precompute_sidecars(prior, source, path, *, batch_size: int = 256, precision: str = "fp32",
+def precompute_sidecars(prior, source, path, *, batch_size: Optional[int] = None, precision: str = "fp32",
                         dtype: str = "float32", components: Optional[int] = None, views: Optional[StoredViews] = None,
                         progress: bool = True, command: Optional[str] = None) -> "ShardedTargets":
     """Run ``prior`` over every sample of a stream (``wds:`` / ``hf:`` spec or a :class:`StreamSource`) and write one
     sidecar per data shard into ``path`` (module docstring). Resumes an interrupted run with the same settings;
-    refuses other settings. Returns the opened :class:`ShardedTargets` (on every process)."""
+    refuses other settings (the batch size is free: ``None`` picks the device's default, as for a store). Returns the
+    opened :class:`ShardedTargets` (on every process)."""
     from tqdm.auto import tqdm
 
     from .. import __version__
     from ..data.streams import StreamSource, open_stream
-    from .precompute import _PRECISIONS, _process_state, _settings_diff
+    from .precompute import _PRECISIONS, _process_state, _settings_diff, default_batch_size
 
     source = source if isinstance(source, StreamSource) else open_stream(source)
     if precision not in _PRECISIONS:
@@ -163,16 +164,17 @@ def precompute_sidecars(prior, source, path, *, batch_size: int = 256, precision
     cast_rows(torch.zeros(1), dtype)  # the dtype name is checked now
     if components is not None and (not isinstance(components, int) or not 1 <= components <= prior.output_dim):
         raise ValueError(f"components must be an int in [1, {prior.output_dim}] (the prior's width), got {components!r}.")
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}.")
     path = Path(path)
     state = _process_state()
+    batch_size = batch_size or default_batch_size(state.device)
     pre = prior.preprocess
     settings = json.loads(json.dumps({
         "prior": {**prior.describe(), "preprocess": pre.config},
         "data": {k: v for k, v in source.describe().items() if k != "spec"}, "shards": source.shards,
         "dim": int(prior.output_dim), "dtype": dtype, "components": components,
-        "views": views.to_dict() if views is not None else None, "precision": precision, "batch_size": batch_size,
+        "views": views.to_dict() if views is not None else None, "precision": precision,
     }))
     settings_sha = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
     command = command or f"precompute_sidecars(create_prior({prior.spec!r}), {source.spec!r}, {str(path)!r})"
@@ -180,6 +182,7 @@ def precompute_sidecars(prior, source, path, *, batch_size: int = 256, precision
     for marker in (path / SIDECARS, path / MANIFEST):
         if marker.is_file():
             old = json.loads(marker.read_text()).get("settings", {})
+            old.pop("batch_size", None)  # recorded by earlier versions; it does not change the rows
             if old != settings:
                 raise ValueError(_settings_diff(path, old, settings, finished=marker.name == SIDECARS))
     if (path / SIDECARS).is_file():
