@@ -5,7 +5,7 @@ What it does, end to end:
 1. **Targets**: embeds the training images once with a prior (default ``shipped:digits-byol``: a BYOL ConvNet
    trained on scikit-learn's *digits*, other data, no label: the situation of a user who takes a public model
    trained elsewhere) and writes a :class:`~accelerate_ssl.TargetStore` into the output folder (re-used by later
-   runs; the precompute's time is recorded with it and counted in every run's cost).
+   runs; the time of loading the prior and the precompute is recorded with it and counted in every run's cost).
 2. **Two BYOL runs** with the same seed, data order and initialisation (lightly's heads and
    ``NegativeCosineSimilarity``, a small GroupNorm ConvNet): plain BYOL, and BYOL with
    ``loss = rela.wrap(byol_loss)`` for ``--budget`` steps. Plain BYOL runs ``--plain-multiple`` times longer,
@@ -64,12 +64,12 @@ NUMERIC_SETTINGS = ("budget", "plain_multiple", "probes", "prior", "weights", "s
                     "components", "head_init", "train_size", "test_size", "batch_size", "lr", "widths",
                     "probe_epochs", "threads")
 
-#: the measured range of the default settings: ``accelerate-ssl demo --seeds S`` for S = 0, 1, 2 from a fresh clone on
-#: near-idle cores (``benchmarks/results/demo_seed*.json``; the mean curves' speed-up from the three runs' mean curves).
-#: A run prints where it falls. A rerun on the same machine is bit-identical in accuracy; another CPU is another random
-#: draw of the same distribution, like another seed.
+#: the measured range of the default settings: ``accelerate-ssl demo --seeds 0 1 2`` on near-idle cores
+#: (``benchmarks/results/demo.json``; per-seed speed-ups, and the mean curves'). A run prints where it falls. A rerun
+#: on the same machine is bit-identical in accuracy; another CPU is another random draw of the same distribution, like
+#: another seed.
 REFERENCE: dict | None = {
-    "speedup_cpu": [2.20, 3.44], "mean_cpu": 3.05, "speedup_steps": [1.45, 2.37],
+    "speedup_cpu": [2.52, 3.99], "mean_cpu": 3.56, "speedup_steps": [1.45, 2.37],
     "machine": "a 2-core AMD EPYC VM (AVX512), torch 2.15.0, near-idle"}
 
 
@@ -319,7 +319,9 @@ def run(args) -> int:
 
     # 1. targets from the prior (clean images, the prior's own preprocessing), cached in --out
     spec = args.prior
+    load_t, load_c = time.perf_counter(), time.process_time()
     prior = create_prior(spec, weights=args.weights)
+    load_t, load_c = time.perf_counter() - load_t, time.process_time() - load_c  # ReLA's cost too: counted below
     info = prior.describe()  # the store's folder names the weights, so other weights never re-use it
     sha = str(info.get("checkpoint_sha256") or info.get("weights_sha256") or "")[:10]
     store_dir = out / "targets" / "-".join(x for x in (_safe_name(args.prior), sha, str(args.train_size)) if x)
@@ -330,7 +332,7 @@ def run(args) -> int:
         print(f"targets: re-using {store_dir} ({len(store)} x {store.dim}; its precompute took "
               f"{precompute['seconds']:.1f} s, counted in ReLA's cost)")
     else:
-        t, c = time.perf_counter(), time.process_time()
+        t, c = time.perf_counter() - load_t, time.process_time() - load_c  # loading the prior + the precompute
         store = precompute_targets(prior, train, store_dir, progress=True,
                                    command=" ".join(shlex.quote(a) for a in ["accelerate-ssl", *sys.argv[1:]]))
         precompute = {"seconds": time.perf_counter() - t, "cpu_seconds": time.process_time() - c,

@@ -202,3 +202,20 @@ def test_a_run_is_placed_in_the_reference_range_only_for_its_settings(monkeypatc
     assert "these differ" in demo._reference_line(parser.parse_args(["--prior", "random:convnet"]), result)
     # seeds, output folder and --json do not change the numbers of a seed
     assert "inside" in demo._reference_line(parser.parse_args(["--seeds", "0", "1", "--json", "--out", "x"]), result)
+
+
+def test_the_shipped_reference_range_is_the_committed_measurement():
+    """REFERENCE is what benchmarks/results/demo.json measured with the default settings, not a number typed apart."""
+    import argparse
+
+    result = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "demo.json").read_text())
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    assert {k: result["settings"][k] for k in demo.NUMERIC_SETTINGS} == {k: defaults[k] for k in demo.NUMERIC_SETTINGS}
+    assert len(result["per_seed"]) >= 3
+    cpu = [r["speedup_cpu"]["speedup"] for r in result["per_seed"]]
+    steps = [r["speedup"]["speedup"] for r in result["per_seed"]]
+    assert demo.REFERENCE["speedup_cpu"] == [round(min(cpu), 2), round(max(cpu), 2)]
+    assert demo.REFERENCE["speedup_steps"] == [round(min(steps), 2), round(max(steps), 2)]
+    assert demo.REFERENCE["mean_cpu"] == round(result["speedup_cpu"]["speedup"], 2)

@@ -191,7 +191,7 @@ def test_lightly_dataset_folder_lookup_by_index_and_by_filename(tmp_path):
         # the file names of the batch map to exactly the indices the tracked loader recorded
         assert torch.equal(rela.filename_index.rows(fnames), rela._current_index)
         f0 = backbone(x0)
-        rela.wrap(torch.zeros(()), features=f0)  # the first wrap fits the head (its loss scored on half the batch)
+        rela.wrap(torch.zeros(()), features=f0)  # the first wrap fits the head
         by_index = rela.wrap(torch.zeros(()), features=f0, index=rela._current_index)  # the tracked indices
         by_name = rela.wrap(torch.zeros(()), features=f0, filenames=fnames)
         assert torch.allclose(by_index, by_name)

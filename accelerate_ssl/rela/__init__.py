@@ -411,8 +411,8 @@ class ReLA:
             self.to(feats.device)
         target = self.targets(index, feats.device) if rows is None else self.targets.reduce_rows(rows, feats.device)
         target = target.repeat(feats.shape[0] // n, 1)  # views are stacked blocks of n, all share a target
-        if self.transport.needs_fit:  # fitted on half the samples, this first loss on the other half (not observed)
-            feats, target = self.transport.fit_held_out(feats, target, n)
+        if self.transport.needs_fit:  # fitted on this batch: its loss is not observed by the guard (fitted rows align)
+            self.transport.fit(feats, target)
             return self.transport.loss(feats, target)
         return self.transport.loss(feats, target, observe=lambda p, t: self.guard.observe(p, t, n))
 

@@ -1,8 +1,8 @@
 """The transport head (ReLA v1 Eq. 9 / ReLA v2 Eq. 9) and who trains it.
 
 ``W phi(x) + b``: a linear map from the student's features to the (reduced) target space, trained with
-the student. It starts either from the ridge-regression fit on half of the first batch's samples, that step's
-loss being scored on the other half (:func:`fit_transport_head`, :meth:`TransportHead.fit_held_out`, our default) or from PyTorch's random initialisation (the papers). It is trained by the user's optimiser
+the student. It starts either from the ridge-regression fit on the first batch (:func:`fit_transport_head`,
+:meth:`TransportHead.fit`, our default) or from PyTorch's random initialisation (the papers). It is trained by the user's optimiser
 when that holds ``rela.parameters()``, otherwise by ReLA's own AdamW (``head_lr=1e-3``,
 ``head_weight_decay=0.01``, the papers' settings) stepped right after each step of the user's optimiser.
 The choice is made at the user's first optimiser step (``"auto"``) or forced (``"user"`` / ``"own"``);
@@ -107,23 +107,16 @@ class TransportHead:
         self.linear.to(device)
         return self.linear
 
-    def fit_held_out(self, feats: torch.Tensor, target: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The least-squares start (:func:`fit_transport_head`) on the first half of the batch's samples (all their
-        views); returns the rows of the other half, on which the first step's loss is computed.
+    def fit(self, feats: torch.Tensor, target: torch.Tensor) -> None:
+        """The least-squares start (:func:`fit_transport_head`) on every row of the first batch (all its views).
 
-        Scored on the rows it was fitted on, the head would leave almost no residual (none at all when the batch
-        has fewer samples than feature dims), so the first step would get no ReLA gradient. ``feats`` and
-        ``target`` are ``V`` stacked blocks of the batch's ``n`` samples. A one-sample batch is fitted and scored
-        on itself."""
+        The first step's loss is then scored on the rows the head was just fitted to, so that step's ReLA gradient is
+        small (none when the batch has fewer rows than feature dims). Fitting on half the batch and scoring the other
+        half keeps that one gradient but halves the fit's rows, and measured worse: 3 seeds at 100 steps of the demo's
+        recipe, 0.2-1.0 points lower top-1 for each of three priors (``benchmarks/README.md``, "The transport head's
+        start")."""
         self.needs_fit = False
-        if n < 2:
-            fit_transport_head(self.linear, feats, target, distributed=is_distributed())
-            return feats, target
-        h, v = n // 2, feats.shape[0] // n
-        f, t = feats.reshape(v, n, -1), target.reshape(v, n, -1)
-        fit_transport_head(self.linear, f[:, :h].reshape(v * h, -1), t[:, :h].reshape(v * h, -1),
-                           distributed=is_distributed())
-        return f[:, h:].reshape(v * (n - h), -1), t[:, h:].reshape(v * (n - h), -1)
+        fit_transport_head(self.linear, feats, target, distributed=is_distributed())
 
     def to(self, device) -> None:
         """Move the head and its own optimiser's state to ``device``."""
@@ -138,7 +131,7 @@ class TransportHead:
 
     def loss(self, feats: torch.Tensor, target: torch.Tensor, observe=None) -> torch.Tensor:
         """``mean(1 - cos(W feats + b, target))``, the head and the loss in float32 (the least-squares start is
-        :meth:`fit_held_out`, done by the caller first). ``observe(prediction, target)`` sees the predictions."""
+        :meth:`fit`, done by the caller first). ``observe(prediction, target)`` sees the predictions."""
         with full_precision(feats.device):
             pred = self.linear(feats.float())
         if observe is not None:
