@@ -3,10 +3,10 @@
 The demo's recipe (``accelerate_ssl/demo.py``: 20k Fashion-MNIST training images, GroupNorm ConvNet 16/32/64,
 BYOL with lightly's heads, batch 128, AdamW 1e-3, ``switch`` planned for each run, weak views, 16 target
 components, least-squares head; linear probe on the 10k test images). Units, each cached as one JSON in
-``--runs`` when it ends (rerun the same command to resume; ``--jobs 2`` runs two at a time):
+``--runs`` when it ends, one at a time (rerun the same command to resume):
 
 * ``plain``: plain BYOL for ``--full-steps``, probed at ``--plain-probes``;
-* ``rela``: BYOL + ReLA with one prior for one budget (``--budgets``), probed at its end, with the recipe's step
+* ``rela``: BYOL + ReLA with one prior for one budget (a ``--cells`` entry), probed at its end, with the recipe's step
   while lambda == 1 (``--rela-steps``: ``one-view``, the default, or ``two-view``, the former one);
 * ``timing``: one process, the steps of plain BYOL, ReLA (one and two views) and an online teacher (the prior
   run on the student's view every step, as online distillation does it) interleaved one by one: median step
@@ -14,7 +14,8 @@ components, least-squares head; linear probe on the 10k test images). Units, eac
 
 Speed-ups (per seed, and on the mean curves): wall-clock = plain's training seconds to reach ReLA's accuracy /
 (ReLA's training seconds + the precompute of the prior's targets); CPU = the same in process CPU seconds; steps =
-plain's steps to that accuracy / the budget. Every unit records the load average at its start and end.
+plain's steps to that accuracy / the budget. Every unit records the load average at its start and end. The plain
+runs and the demo's own ReLA cell are imported from ``accelerate-ssl demo``'s JSON where its settings match.
 
     python benchmarks/speedup.py                                # the study (resumable)
     python benchmarks/speedup.py --tables benchmarks/results/speedup.json   # the README tables from its JSON
@@ -56,6 +57,12 @@ PRIORS = {
 }
 
 
+#: the published study: the demo's prior at three lengths, each other prior where it crosses plain BYOL's curve
+CELLS = ["digits:100", "digits:250", "digits:450", "byol-20k:100", "byol-20k:250", "supervised:100", "supervised:150",
+         "supervised:250", "supervised:400", "supervised-small:100", "supervised-small:150", "supervised-small:200",
+         "supervised-small:250", "random:250"]
+
+
 def prior_spec(prior: str) -> str:
     """The prior's spec, a ``checkpoint:`` path taken relative to the repository (whatever the working folder)."""
     spec = PRIORS[prior][0]
@@ -64,12 +71,9 @@ def prior_spec(prior: str) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--priors", nargs="+", default=list(PRIORS), choices=list(PRIORS))
-    p.add_argument("--budgets", type=int, nargs="+", default=[100, 250], help="ReLA run lengths in steps")
-    p.add_argument("--cells", nargs="*", default=None, metavar="PRIOR:BUDGET",
-                   help="run these prior/budget cells instead of every --priors x --budgets")
-    p.add_argument("--skip-plain", action="store_true",
-                   help="run only the ReLA and timing units (the plain runs come later, e.g. from --demo-json); no analysis")
+    p.add_argument("--cells", nargs="+", default=CELLS, metavar="PRIOR:BUDGET",
+                   help=f"the ReLA runs, a prior ({', '.join(PRIORS)}) and a length in steps each (default: the "
+                        "published study)")
     p.add_argument("--rela-steps", nargs="+", default=["one-view"], choices=["one-view", "two-view"])
     p.add_argument("--compare", nargs="*", default=["digits:250"],
                    help="PRIOR:BUDGET cells also run with the other --rela-step (the step comparison)")
@@ -84,18 +88,23 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--threads", type=int, default=1, help="torch threads per unit (default 1, as the demo)")
-    p.add_argument("--jobs", type=int, default=1, help="units at a time (default 1)")
-    p.add_argument("--demo-json", nargs="*", default=[],
-                   help="demo.json files whose plain and ReLA runs are units of this study when their settings match")
+    p.add_argument("--demo-json", nargs="*", default=[str(ROOT / "benchmarks/results/demo.json")],
+                   help="demo.json files whose plain and ReLA runs are units of this study when their settings match "
+                        "(default: the committed demo's)")
     p.add_argument("--cache", default=str(ROOT / "benchmarks/cache/speedup"), help="target stores")
     p.add_argument("--runs", default=str(ROOT / "benchmarks/runs/speedup"), help="one JSON per finished unit")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/speedup.json"))
     p.add_argument("--tables", metavar="JSON", help="print the README tables from a results JSON and exit")
     args = p.parse_args(argv)
     args.plain_probes = sorted({s for s in args.plain_probes if 0 <= s <= args.full_steps} | {0, args.full_steps})
-    pairs = lambda specs: [(c.split(":")[0], int(c.split(":")[1])) for c in specs]  # noqa: E731
+    def pairs(specs):
+        out = [(c.split(":")[0], int(c.split(":")[1])) for c in specs if c.count(":") == 1 and c.split(":")[1].isdigit()]
+        if len(out) != len(specs) or any(prior not in PRIORS for prior, _ in out):
+            p.error(f"cells are PRIOR:STEPS with PRIOR one of {', '.join(PRIORS)}; got {' '.join(specs)}")
+        return out
+
     args.compare = pairs(args.compare)
-    args.cells = pairs(args.cells) if args.cells is not None else [(p_, b_) for p_ in args.priors for b_ in args.budgets]
+    args.cells = pairs(args.cells)
     args.priors = list(dict.fromkeys([c[0] for c in args.cells]))
     return args
 
@@ -286,7 +295,8 @@ def analyse(args, units: dict, precompute: dict) -> dict:
     mean_plain = mean_run(list(plain.values()))
     full = next(c for c in mean_plain["curve"] if c["step"] == args.full_steps)
     cells = {}
-    for prior, budget, step in sorted({u[1:4] for u in units if u[0] == "rela"}):
+    order = list(PRIORS)
+    for prior, budget, step in sorted({u[1:4] for u in units if u[0] == "rela"}, key=lambda c: (order.index(c[0]), *c[1:])):
         runs = {s: units.get(("rela", prior, budget, step, s)) for s in args.seeds}
         if any(r is None for r in runs.values()):
             continue
@@ -326,16 +336,15 @@ def _x(e: dict) -> str:
 
 def tables(result: dict) -> str:
     """The README / benchmarks README tables, from a results JSON."""
-    lines = ["| prior | its training | ReLA steps | step | ReLA top-1 % | plain at equal steps % | speed-up in CPU time "
-             "(precompute incl.) | steps | wall-clock as measured | step time ReLA / plain (wall, CPU) |", "|" + "---|" * 10]
+    lines = ["| prior | its training | ReLA steps | step | ReLA top-1 % | plain at equal steps % | speed-up in wall-clock "
+             "(precompute incl.) | CPU time | steps | step time ReLA / plain |", "|" + "---|" * 10]
     for c in result["cells"].values():
         plain = next((p["top1"] for p in result["plain"]["mean_curve"] if p["step"] == c["budget"]), None)
         what = PRIORS[c["prior"]]
         lines.append(f"| `{what[0]}` ({what[1]}) | {what[2] or 'none'} | {c['budget']} | {c['rela_step']} | "
                      f"{c['top1']:.2f} ± {c['top1_std']:.2f} | {'' if plain is None else f'{plain:.2f}'} | "
-                     f"**{_x(c['cpu'])}** (seeds {', '.join(_x(p['cpu']) for p in c['per_seed'])}) | {_x(c['steps'])} | "
-                     f"{_x(c['wall'])} (seeds {', '.join(_x(p['wall']) for p in c['per_seed'])}) | "
-                     f"{c['step_time_ratio']:.2f}, {c['step_cpu_ratio']:.2f} |")
+                     f"**{_x(c['wall'])}** (seeds {', '.join(_x(p['wall']) for p in c['per_seed'])}) | {_x(c['cpu'])} | "
+                     f"{_x(c['steps'])} | {c['step_time_ratio']:.2f} |")
     p = result["plain"]
     lines.append(f"\nPlain BYOL, {result['settings']['full_steps']} steps: {p['full_top1']:.2f} % "
                  f"({p['full_seconds']:.0f} s of training, mean of seeds {result['settings']['seeds']}).")
@@ -359,12 +368,6 @@ def tables(result: dict) -> str:
 # ---------------------------------------------------------------------------------------------- main
 def _unit_file(args, unit) -> Path:
     return Path(args.runs) / ("-".join(map(str, unit)) + ".json")
-
-
-def _run_and_save(args, unit):
-    r = run_unit(args, unit)
-    atomic_write_json(_unit_file(args, unit), r, indent=1)
-    return r
 
 
 def main(argv=None) -> int:
@@ -392,27 +395,16 @@ def main(argv=None) -> int:
             done[u] = json.loads(f.read_text())
         elif u not in done:
             todo.append(u)
-    if args.skip_plain:
-        todo = [u for u in todo if u[0] != "plain"]
-    print(f"{len(units) - len(todo)} of {len(units)} units done; {len(todo)} to run, {args.jobs} at a time")
-    if args.jobs == 1:
-        for u in todo:
-            done[u] = _run_and_save(args, u)
-    else:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=mp.get_context("spawn")) as pool:
-            for u, r in zip(todo, pool.map(_run_and_save, [args] * len(todo), todo)):
-                done[u] = r
-    if args.skip_plain:
-        print("--skip-plain: ReLA and timing units done; rerun without it (and the plain runs) for the analysis")
-        return 0
+    print(f"{len(units) - len(todo)} of {len(units)} units done; {len(todo)} to run")
+    for u in todo:
+        r = run_unit(args, u)
+        atomic_write_json(_unit_file(args, u), r, indent=1)
+        done[u] = r
     result = {"command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/speedup.py", *sys.argv[1:]]),
               "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "platform": platform.platform(),
                           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "load_average_start": load,
                           "load_average_end": os.getloadavg()},
-              "settings": {**numeric_settings(args), "seeds": args.seeds, "priors": args.priors, "budgets": args.budgets,
+              "settings": {**numeric_settings(args), "seeds": args.seeds, "cells": [f"{c}:{b}" for c, b in args.cells],
                            "plain_probes": args.plain_probes},
               **analyse(args, done, precompute),
               "timing": next((r for u, r in done.items() if u[0] == "timing"), None),

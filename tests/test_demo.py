@@ -182,29 +182,54 @@ def test_demo_defaults(tmp_path, capsys, fashion_mnist_available):
     assert result["rela_top1"] > result["plain_top1_at_budget"]
 
 
-def test_a_run_is_placed_in_the_reference_range_only_for_its_settings(monkeypatch):
+def test_the_prediction_interval_is_students_on_the_logs():
+    """exp(m +- t(0.975, n-1) * s * sqrt(1 + 1/n)) over log speed-ups, the quantiles Student's (checked against scipy)."""
+    import math
+    import statistics
+
+    from scipy import stats
+
+    for df, t in demo.T_975.items():
+        assert t == pytest.approx(stats.t.ppf(0.975, df), abs=6e-4), df
+    values = [4.03, 3.54, 3.62, 3.1, 4.4, 1.5]
+    logs = [math.log(v) for v in values]
+    half = stats.t.ppf(0.975, 5) * statistics.stdev(logs) * (7 / 6) ** 0.5
+    expected = (math.exp(statistics.fmean(logs) - half), math.exp(statistics.fmean(logs) + half))
+    assert demo.prediction_interval(values) == pytest.approx(expected, rel=1e-3)
+    lo, hi = demo.prediction_interval([2.0, 8.0])  # symmetric around the geometric mean, 4
+    assert lo * hi == pytest.approx(16.0) and lo > 0
+    for bad in ([3.0], [3.0, 0.0]):
+        with pytest.raises(ValueError, match="2 to 20 positive"):
+            demo.prediction_interval(bad)
+
+
+def test_a_run_is_placed_in_the_reference_interval_only_for_its_settings(monkeypatch):
     import argparse
 
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
     defaults = parser.parse_args([])
     result = {"speedup_cpu": {"speedup": 3.0}}
-    assert set(demo.REFERENCE) >= {"speedup_cpu", "mean_cpu", "speedup_steps", "machine"}  # the measured range ships
+    assert set(demo.REFERENCE) >= {"seeds", "speedup_cpu", "mean_cpu", "speedup_steps", "machine"}  # it ships
     monkeypatch.setattr(demo, "REFERENCE", None)
     assert "not measured" in demo._reference_line(defaults, result)
-    monkeypatch.setattr(demo, "REFERENCE", {"speedup_cpu": [2.5, 3.5], "mean_cpu": 3.03,
-                                            "speedup_steps": [3.0, 4.0], "machine": "the 2-core VM"})
-    assert "inside the CPU-time range" in demo._reference_line(defaults, result)
-    assert "below the CPU-time range" in demo._reference_line(defaults, {"speedup_cpu": {"speedup": 2.0}})
-    line = demo._reference_line(defaults, {"speedup_cpu": {"speedup": 3.0}, "speedup": {"speedup": 4.5}})
-    assert "inside the CPU-time range" in line and "4.50x, above the steps range" in line
+    monkeypatch.setattr(demo, "REFERENCE", {"seeds": [0, 1, 2], "speedup_cpu": [2.5, 3.5, 3.0], "mean_cpu": 3.03,
+                                            "speedup_steps": [3.0, 4.0, 3.5], "machine": "the 2-core VM"})
+    lo, hi = demo.prediction_interval([2.5, 3.5, 3.0])
+    line = demo._reference_line(defaults, result)
+    assert (f"3.00x, inside the 95 % interval {lo:.2f}-{hi:.2f}x (above 1 of the 3 seeds, which gave 2.50-3.50x)"
+            in line)
+    assert "below the 95 % interval" in demo._reference_line(defaults, {"speedup_cpu": {"speedup": lo * 0.99}})
+    assert "above the 95 % interval" in demo._reference_line(defaults, {"speedup_cpu": {"speedup": hi * 1.01}})
+    line = demo._reference_line(defaults, {"speedup_cpu": {"speedup": 3.0}, "speedup": {"speedup": 8.0}})
+    assert "in steps: 8.00x, above the 95 % interval" in line and "above 3 of the 3 seeds" in line
     assert "these differ" in demo._reference_line(parser.parse_args(["--threads", "2"]), result)
     assert "these differ" in demo._reference_line(parser.parse_args(["--prior", "random:convnet"]), result)
     # seeds, output folder and --json do not change the numbers of a seed
     assert "inside" in demo._reference_line(parser.parse_args(["--seeds", "0", "1", "--json", "--out", "x"]), result)
 
 
-def test_the_shipped_reference_range_is_the_committed_measurement():
+def test_the_shipped_reference_is_the_committed_measurement():
     """REFERENCE is what benchmarks/results/demo.json measured with the default settings, not a number typed apart."""
     import argparse
 
@@ -214,8 +239,7 @@ def test_the_shipped_reference_range_is_the_committed_measurement():
     defaults = vars(parser.parse_args([]))
     assert {k: result["settings"][k] for k in demo.NUMERIC_SETTINGS} == {k: defaults[k] for k in demo.NUMERIC_SETTINGS}
     assert len(result["per_seed"]) >= 3
-    cpu = [r["speedup_cpu"]["speedup"] for r in result["per_seed"]]
-    steps = [r["speedup"]["speedup"] for r in result["per_seed"]]
-    assert demo.REFERENCE["speedup_cpu"] == [round(min(cpu), 2), round(max(cpu), 2)]
-    assert demo.REFERENCE["speedup_steps"] == [round(min(steps), 2), round(max(steps), 2)]
+    assert demo.REFERENCE["seeds"] == [r["seed"] for r in result["per_seed"]]
+    assert demo.REFERENCE["speedup_cpu"] == [round(r["speedup_cpu"]["speedup"], 2) for r in result["per_seed"]]
+    assert demo.REFERENCE["speedup_steps"] == [round(r["speedup"]["speedup"], 2) for r in result["per_seed"]]
     assert demo.REFERENCE["mean_cpu"] == round(result["speedup_cpu"]["speedup"], 2)
