@@ -257,8 +257,9 @@ def _reference_line(args, result: dict) -> str:
         seeds = REFERENCE[name]
         lo, hi = prediction_interval(seeds)
         where = "inside" if lo <= mine <= hi else ("below" if mine < lo else "above")
-        return (f"{mine:.2f}x, {where} the 95 % interval {lo:.2f}-{hi:.2f}x (above {sum(mine > v for v in seeds)} of "
-                f"the {len(seeds)} seeds, which gave {min(seeds):.2f}-{max(seeds):.2f}x)")
+        beaten = sum(round(mine, 2) > v for v in seeds)  # at the precision printed and stored
+        return (f"{mine:.2f}x, {where} the 95 % interval {lo:.2f}-{hi:.2f}x (above {beaten} of the {len(seeds)} seeds, "
+                f"which gave {min(seeds):.2f}-{max(seeds):.2f}x)")
 
     text = (f"reference: seeds {', '.join(map(str, REFERENCE['seeds']))} on {REFERENCE['machine']} (mean curves "
             f"{REFERENCE['mean_cpu']:.2f}x in CPU time); this run in CPU time: "

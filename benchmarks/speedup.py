@@ -267,8 +267,9 @@ def timing(args, train, prior: str) -> dict:
     return {"steps_each": args.timing_steps, "kinds": out}
 
 
-def import_demo(args, path: str) -> dict:
-    """``{unit: record}`` from a demo.json whose settings match this study's (its plain and ReLA runs)."""
+def import_demo(args, path: str) -> tuple[dict, dict]:
+    """``({unit: record}, {prior: precompute})`` from a demo.json whose settings match this study's: its plain and
+    ReLA runs, and the precompute its ReLA runs paid (so the demo's cell costs here what it cost there)."""
     d = json.loads(Path(path).read_text())
     s = d["settings"]
     prior = next((n for n, p in PRIORS.items() if p[0] == s["prior_spec"]), None)
@@ -276,7 +277,7 @@ def import_demo(args, path: str) -> dict:
     plain_steps = round(s["plain_multiple"] * s["budget"])
     if prior is None or not same or plain_steps != args.full_steps or s["weights"] is not None:
         print(f"{path}: settings differ from this study's, not imported")
-        return {}
+        return {}, {}
     out = {}
     for r in d["per_seed"] or [{"seed": s["seeds"][0], "plain": d["plain"], "rela": d["rela"]}]:
         extra = {"settings": numeric_settings(args), "imported_from": path,
@@ -286,7 +287,7 @@ def import_demo(args, path: str) -> dict:
         rela = {k: v for k, v in r["rela"].items() if k != "lambda_per_step"}
         unit = ("rela", prior, s["budget"], s["rela_step"], r["seed"])
         out[unit] = {"unit": list(unit), **rela, "lambda_end": r["rela"]["lambda_per_step"][-1], **extra}
-    return out
+    return out, {prior: {**d["targets"]["precompute"], "imported_from": path}}
 
 
 # ---------------------------------------------------------------------------------------------- analysis
@@ -377,10 +378,13 @@ def main(argv=None) -> int:
         return 0
     t_start, load = time.perf_counter(), os.getloadavg()
     Path(args.runs).mkdir(parents=True, exist_ok=True)
-    done = {}
+    done, paid = {}, {}
     for path in args.demo_json:
-        done.update(import_demo(args, path))
-    precompute = {p: prepare_targets(args, p) for p in args.priors}
+        units, costs = import_demo(args, path)
+        done.update(units)
+        paid.update(costs)
+    precompute = {p: prepare_targets(args, p) for p in args.priors}  # the stores every ReLA unit reads
+    precompute.update({p: cost for p, cost in paid.items() if p in precompute})  # the demo's prior: what the demo paid
     units = [("plain", s) for s in args.seeds]
     units += [("rela", p, b, st, s) for p, b in args.cells for st in args.rela_steps for s in args.seeds]
     other = {"one-view": "two-view", "two-view": "one-view"}

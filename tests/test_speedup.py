@@ -12,7 +12,7 @@ spec = importlib.util.spec_from_file_location("speedup", BENCH / "speedup.py")
 study = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(study)
 
-TINY = ["--seeds", "0", "--full-steps", "4", "--plain-probes", "0", "2", "4", "--budgets", "2", "--train-size", "256",
+TINY = ["--seeds", "0", "--full-steps", "4", "--plain-probes", "0", "2", "4", "--train-size", "256",
         "--test-size", "128", "--probe-epochs", "2", "--batch-size", "32", "--widths", "8", "16", "--timing-steps", "2"]
 
 
@@ -26,7 +26,7 @@ def test_tiny_study_resumes_imports_the_demo_and_regenerates_its_tables(tmp_path
                      "--prior", "shipped:digits-byol", "--out", str(tmp_path / "demo"), "--json"]) == 0
     demo = json.loads((tmp_path / "demo" / "demo.json").read_text())
     paths = ["--cache", str(tmp_path / "cache"), "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "s.json")]
-    argv = [*TINY, "--priors", "random", "digits", "--compare", "digits:2", *paths,
+    argv = [*TINY, "--cells", "random:2", "digits:2", "--compare", "digits:2", *paths,
             "--demo-json", str(tmp_path / "demo" / "demo.json")]
     assert study.main(argv) == 0
     result = json.loads((tmp_path / "s.json").read_text())
@@ -36,6 +36,9 @@ def test_tiny_study_resumes_imports_the_demo_and_regenerates_its_tables(tmp_path
     cells = result["cells"]
     assert set(cells) == {"digits|2|one-view", "digits|2|two-view", "random|2|one-view"}
     assert cells["digits|2|one-view"]["top1"] == demo["rela_top1"]
+    # the demo's prior costs here the precompute the demo paid; another prior, the study's own
+    assert cells["digits|2|two-view"]["precompute"]["seconds"] == demo["targets"]["precompute"]["seconds"]
+    assert "imported_from" not in cells["random|2|one-view"]["precompute"]
     for c in cells.values():  # wall-clock speed-up = plain's seconds to ReLA's accuracy / (ReLA's seconds + precompute)
         p = c["per_seed"][0]
         assert c["precompute"]["seconds"] > 0
@@ -54,3 +57,12 @@ def test_tiny_study_resumes_imports_the_demo_and_regenerates_its_tables(tmp_path
     assert study.main(["--tables", str(tmp_path / "s.json")]) == 0
     assert capsys.readouterr().out.strip() == result["table"].strip()
     assert "| `shipped:digits-byol`" in result["table"] and "online" in result["table"]
+
+
+def test_a_cell_that_is_not_prior_colon_steps_is_refused(capsys):
+    import pytest
+
+    for bad in (["--cells", "digits"], ["--cells", "nope:100"], ["--cells", "digits:many"], ["--compare", "digits:1:2"]):
+        with pytest.raises(SystemExit):
+            study.parse_args(bad)
+        assert "cells are PRIOR:STEPS" in capsys.readouterr().err
