@@ -84,7 +84,7 @@ def prediction_interval(values: list[float]) -> tuple[float, float]:
 
     Speed-ups are ratios of noisy costs, so their noise is multiplicative: the interval is Student's on the logs,
     ``exp(m +- t(0.975, n-1) * s * sqrt(1 + 1/n))`` with ``m``, ``s`` the mean and sample standard deviation of
-    ``log(values)`` (always positive, wider above than below, as the seeds are)."""
+    ``log(values)``: always positive, and wider above the geometric mean than below it."""
     import math
     import statistics
 

@@ -51,7 +51,7 @@ PRIORS = {
                  "20,000 steps, 90 min, 1 thread"),
     "supervised": ("shipped:fashion-mnist-supervised", "trained WITH these images' labels (upper bound)",
                    "7000 steps, 33 min, 1 thread"),
-    # the same recipe at the student's width (16/32/64): a quarter of the precompute, for the one-tenth goal
+    # the same recipe at the student's width (16/32/64): a quarter of the FLOPs, half the measured precompute
     "supervised-small": ("checkpoint:benchmarks/prior_runs/supervised_small/prior.safetensors",
                          "ConvNet 16/32/64 trained WITH these images' labels (upper bound)", "7000 steps, 6 min, 1 thread"),
 }
