@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from accelerate_ssl import ReLA
-from accelerate_ssl.rela import MisalignmentWarning
+from accelerate_ssl.rela import INDEX_CHECK_STEPS, MisalignmentWarning
 from accelerate_ssl.rela.guard import AlignmentGuard
 from accelerate_ssl.schedules import Constant
 
@@ -173,7 +173,8 @@ def test_cuda_check_never_synchronises():
     rela = ReLA(y, net, feature_dim=D_F, schedule=Constant(1.0), targets_on_device=True)
     opt = torch.optim.AdamW([*net.parameters(), *rela.parameters()], lr=3e-3)
     batches = [(xb.cuda(), idx.cuda()) for xb, idx in index_batches(x, 61)]
-    for xb, idx in batches[:3]:  # warm-up: the head fit and the index checks read on the host once
+    warm = INDEX_CHECK_STEPS + 1  # warm-up: the head fit and the placeholder-index checks read on the host
+    for xb, idx in batches[:warm]:
         net(xb)
         rela.wrap(torch.zeros((), device="cuda"), index=idx).backward()
         opt.step()
@@ -181,7 +182,7 @@ def test_cuda_check_never_synchronises():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for xb, idx in batches[3:]:
+        for xb, idx in batches[warm:]:
             net(xb)
             rela.wrap(torch.zeros((), device="cuda"), index=idx).backward()
             opt.step()

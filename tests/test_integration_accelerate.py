@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from accelerate_ssl.data.datasets import fashion_mnist_dir
+from processes import cpu_process_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "accelerate_byol.py"
@@ -41,7 +42,7 @@ def _argv(command: str) -> list[str]:
 
 
 def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+    return cpu_process_env(PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
 
 
 def _run(command: str, cwd: Path, timeout: int = 170) -> subprocess.CompletedProcess:

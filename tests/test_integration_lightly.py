@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from accelerate_ssl.data.datasets import fashion_mnist_dir
+from processes import cpu_process_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "lightly_byol.py"
@@ -112,7 +113,7 @@ def test_strip_rela_is_not_vacuous():
 
 # ---------------------------------------------------------------------------------------------- runs
 def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+    return cpu_process_env(PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
 
 
 def _command(readme: str, script: Path, extra=()) -> list[str]:

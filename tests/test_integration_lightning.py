@@ -20,13 +20,14 @@ from accelerate_ssl.integrations.lightning import ReLACallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _lightning_ddp_worker import IndexImages, make_module, target_rows  # noqa: E402
+from processes import cpu_process_env  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_lightning_ddp_worker.py"
 
 
 def _env():
     root = str(Path(__file__).resolve().parents[1])
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    return cpu_process_env(PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
 
 
 def _assert_every_row_is_the_samples_own(steps_seen):

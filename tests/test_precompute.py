@@ -15,6 +15,7 @@ from _precompute_worker import tiny_dataset
 from accelerate_ssl.cli import main
 from accelerate_ssl.targets.priors import create_prior
 from accelerate_ssl.targets.store import TargetStore
+from processes import cpu_process_env  # noqa: E402
 
 WORKER = str(Path(__file__).with_name("_precompute_worker.py"))
 N, CHUNK, BATCH = 96, 16, 8  # the worker's defaults
@@ -38,6 +39,14 @@ class RowCounter(torch.nn.Module):
         return self.model(x)
 
 
+@pytest.fixture(autouse=True)
+def _on_the_cpu(monkeypatch):
+    """Precompute in this file runs on the CPU, also on a GPU machine: its rows are compared bit for bit with those of
+    child processes, which run on the CPU (``tests/processes.py``); precompute on CUDA is covered by test_gpu_ready.py,
+    test_store.py and benchmarks/gpu.py."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 def _counting_prior():
     prior = create_prior("random:convnet")
     prior.model = RowCounter(prior.model)
@@ -59,7 +68,7 @@ def reference(tmp_path, one_thread):
 
 
 def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return cpu_process_env(PYTHONUNBUFFERED="1")
 
 
 def test_two_processes_write_the_same_store(tmp_path, reference):

@@ -44,7 +44,8 @@ def test_rows_are_the_priors_features(store_dir):
     pre = prior.preprocess.with_stats(ds.mean, ds.std, "dataset")
     with torch.inference_mode():
         expected = prior(torch.stack([pre(ds[i][0]) for i in (5, 17)]))
-    assert torch.allclose(store[[5, 17]], expected, atol=1e-5)
+    # on a GPU the store was computed there, where cuDNN runs float32 convolutions in TF32 (10-bit mantissa)
+    assert torch.allclose(store[[5, 17]], expected, atol=1e-5 if not torch.cuda.is_available() else 3e-3)
 
 
 def test_mismatched_dataset_is_refused(store_dir):

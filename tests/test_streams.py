@@ -25,6 +25,7 @@ from accelerate_ssl import ReLA, ShardedTargets, create_prior, decode_images, pr
 from accelerate_ssl.data.streams import open_stream  # noqa: E402
 from accelerate_ssl.data.views import apply_view  # noqa: E402
 from accelerate_ssl.targets.sidecar import SidecarError, key_index  # noqa: E402
+from processes import cpu_process_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = 8
@@ -167,7 +168,7 @@ def test_a_datasets_loop_trains_with_a_target_column(tmp_path, prior):
 # ------------------------------------------------------------------------------------------------ sharding, resuming
 def test_two_processes_write_every_shard_once_identical_to_one(stream, tmp_path):
     root, urls, spec, one = stream
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = cpu_process_env(PYTHONPATH=str(ROOT))
     cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "accelerate_ssl.cli",
            "precompute", "--prior", "random:convnet", "--data", spec, "--out", str(tmp_path / "two"),
