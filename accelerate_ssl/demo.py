@@ -137,6 +137,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1, fixed on every machine: the thread count changes float "
                              "rounding; one thread also keeps a shared or busy machine from being oversubscribed)")
+    parser.add_argument("--device", default="cpu",
+                        help="where the student trains and the targets are computed: 'cpu' (default; the reference "
+                             "numbers are CPU numbers) or 'cuda' / 'cuda:<i>' (the probe's classifier stays on the CPU)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (speed-up, accuracies, seeds, paths) after the table instead of the sentences")
 
@@ -164,6 +167,21 @@ def _check_args(args) -> None:
     if args.batch_size > args.train_size:
         raise ValueError(f"--batch-size {args.batch_size} exceeds --train-size {args.train_size}; lower the batch size.")
     parse_schedule(args.schedule, args.budget)
+    check_device(args.device)
+
+
+def check_device(spec: str) -> torch.device:
+    """``--device`` as a torch device, or an error naming what is missing (a CUDA device on a machine without one)."""
+    try:
+        device = torch.device(spec)
+    except RuntimeError as err:
+        raise ValueError(f"--device {spec!r} is not a device torch knows ({err}); use 'cpu' or 'cuda'.") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {spec!r}: the demo runs on 'cpu' or 'cuda', not {device.type!r}.")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {spec!r}: torch sees no CUDA device here (torch.cuda.is_available() is False); "
+                         "run with --device cpu, or on a machine with a GPU and a CUDA build of torch.")
+    return device
 
 
 # ---------------------------------------------------------------------------------------------- measuring
@@ -193,8 +211,9 @@ def train_byol(args, train, probe, steps: int, checkpoints: list[int], store=Non
     from .recipes import BYOL, images_to_tensor, loader_batches, train_ssl
 
     torch.manual_seed(seed)
+    device = torch.device(args.device)
     backbone = ConvNet(widths=tuple(args.widths))
-    model = BYOL(backbone, backbone.feature_dim)
+    model = BYOL(backbone, backbone.feature_dim).to(device)  # initialised on the CPU: the same weights on any device
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True,
                         generator=torch.Generator().manual_seed(seed))
     params = [p for p in model.parameters() if p.requires_grad]
@@ -208,7 +227,7 @@ def train_byol(args, train, probe, steps: int, checkpoints: list[int], store=Non
         params += list(rela.parameters())  # the transport head trains with the model (same AdamW)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
     try:
-        log = train_ssl(model, loader_batches(loader, lambda images: images_to_tensor(images.squeeze(1))), steps,
+        log = train_ssl(model, loader_batches(loader, lambda images: images_to_tensor(images.squeeze(1)).to(device)), steps,
                         optimizer=opt, view_generator=torch.Generator().manual_seed(seed + 1), rela=rela,
                         rela_views=args.rela_views, rela_step=getattr(args, "rela_step", "one-view"),
                         checkpoints=checkpoints, probe=probe, progress=desc)
@@ -252,6 +271,8 @@ def _reference_line(args, result: dict) -> str:
         return "reference: not measured yet for these settings"
     if any(getattr(args, k) != d[k] for k in NUMERIC_SETTINGS):
         return "reference: measured for the default settings only (these differ)"
+    if args.device != "cpu":
+        return f"reference: measured on the CPU only (this run is on {args.device})"
 
     def place(name: str, mine: float) -> str:
         seeds = REFERENCE[name]
@@ -390,7 +411,9 @@ def run(args) -> int:
         "command": " ".join(shlex.quote(a) for a in ["accelerate-ssl", *sys.argv[1:]]),
         "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                     "cpu_capability": torch.backends.cpu.get_cpu_capability(), "processor": _cpu_model(),
-                    "platform": platform.platform(), "python": platform.python_version(),
+                    "platform": platform.platform(), "python": platform.python_version(), "device": args.device,
+                    "gpu": torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else None,
+                    "cuda": torch.version.cuda if args.device.startswith("cuda") else None,
                     "load_average_start": load_start},
         "settings": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "command"},
         "prior": prior.describe(),

@@ -35,12 +35,20 @@ def test_parse_schedule_scales_to_budget(spec, cls, value):
     (["--batch-size", "64", "--train-size", "32"], ["--batch-size", "lower"]),
     (["--components", "-1"], ["--components", ">= 0"]),
     (["--seeds", "1", "1"], ["--seeds", "distinct"]),
+    (["--device", "gpu0"], ["--device 'gpu0'", "'cpu' or 'cuda'"]),
+    (["--device", "meta"], ["--device 'meta'", "'cpu' or 'cuda'"]),
 ])
 def test_bad_arguments_name_the_problem_and_the_fix(tmp_path, flags, words):
     with pytest.raises(ValueError) as err:
         cli_main(["demo", "--out", str(tmp_path), *flags])
     for w in words:
         assert w in str(err.value)
+
+
+def test_device_cuda_on_a_machine_without_one_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"--device 'cuda': torch sees no CUDA device here .* --device cpu"):
+        cli_main(["demo", "--out", str(tmp_path), "--device", "cuda"])
 
 
 # ---------------------------------------------------------------------------------------------- end to end
@@ -89,6 +97,7 @@ def test_demo_tiny_end_to_end(tmp_path, capsys, fashion_mnist_available):
     result = _check_outputs(out, capsys.readouterr().out, budget=4, plain_steps=8)
     assert result["targets"]["rows"] == 256
     assert result["settings"]["prior_spec"] == "random:convnet"
+    assert result["machine"]["device"] == "cpu" and result["machine"]["gpu"] is None
     # a second run re-uses the cached targets and, seeded, measures exactly the same numbers; --json ends the output
     # with one JSON object holding the speed-up it wrote to demo.json
     assert cli_main([*flags, "--json"]) == 0
@@ -225,6 +234,7 @@ def test_a_run_is_placed_in_the_reference_interval_only_for_its_settings(monkeyp
     assert "in steps: 8.00x, above the 95 % interval" in line and "above 3 of the 3 seeds" in line
     assert "these differ" in demo._reference_line(parser.parse_args(["--threads", "2"]), result)
     assert "these differ" in demo._reference_line(parser.parse_args(["--prior", "random:convnet"]), result)
+    assert "on the CPU only (this run is on cuda)" in demo._reference_line(parser.parse_args(["--device", "cuda"]), result)
     # seeds, output folder and --json do not change the numbers of a seed
     assert "inside" in demo._reference_line(parser.parse_args(["--seeds", "0", "1", "--json", "--out", "x"]), result)
 
