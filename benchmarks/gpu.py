@@ -238,11 +238,9 @@ def input_pipeline_rate(prior, data, size: Size, device: torch.device) -> float:
     """Images/s of precompute's own input pipeline alone (the same DataLoader: each sample's identity digest and the
     prior's preprocessing in the workers, pinned batches copied to the device), with no forward: the ceiling the
     data side puts on precompute."""
-    from accelerate_ssl.targets import precompute as pc
+    from accelerate_ssl.targets.precompute import input_batches
 
-    loader = torch.utils.data.DataLoader(pc._Images(data), batch_sampler=pc._ChunkBatches([(0, len(data))], size.batch),
-                                         num_workers=size.workers, collate_fn=pc._Collate(prior.preprocess),
-                                         pin_memory=device.type == "cuda")
+    loader = input_batches(data, prior.preprocess, size.batch, size.workers, pin_memory=device.type == "cuda")
     t = time.perf_counter()
     n = 0
     for x, _ in loader:

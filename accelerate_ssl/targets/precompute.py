@@ -367,13 +367,20 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
     return TargetStore.open(path)
 
 
+def input_batches(dataset, preprocess, batch_size: int, num_workers: int = 0, pin_memory: bool = False,
+                  ranges: Optional[list[tuple[int, int]]] = None) -> torch.utils.data.DataLoader:
+    """The loader precompute reads: ``(images preprocessed for the prior, each row's identity digest)`` batches over
+    the rows ``[a, b)`` of each of ``ranges`` (default: every row), a batch never crossing a range; the images are
+    stacked and preprocessed in the loader workers. (``benchmarks/gpu.py`` times it alone.)"""
+    return torch.utils.data.DataLoader(
+        _Images(dataset), batch_sampler=_ChunkBatches(ranges or [(0, len(dataset))], batch_size),
+        num_workers=num_workers, collate_fn=_Collate(preprocess), pin_memory=pin_memory, persistent_workers=False,
+    )
+
+
 def _compute_chunks(prior, dataset, pre, path, todo, ranges, dim, batch_size, num_workers, precision, device, show, tqdm):
     prior = prior.to(device).eval()
-    loader = torch.utils.data.DataLoader(
-        _Images(dataset), batch_sampler=_ChunkBatches([ranges[k] for k in todo], batch_size),
-        num_workers=num_workers, collate_fn=_Collate(pre), pin_memory=device.type == "cuda",
-        persistent_workers=False,
-    )
+    loader = input_batches(dataset, pre, batch_size, num_workers, device.type == "cuda", [ranges[k] for k in todo])
     dtype = _PRECISIONS[precision]
     bar = tqdm(total=sum(ranges[k][1] - ranges[k][0] for k in todo), desc=f"precompute {prior.spec}", unit="img",
                disable=not show, dynamic_ncols=True)
