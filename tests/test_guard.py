@@ -69,7 +69,7 @@ def test_warns_once_on_a_shuffled_store(seed):
     rela, warned = train(shuffled, index_batches(x, 31, seed))
     assert len(warned) == 1 and "accelerate-ssl store verify" in str(warned[0].message)
     assert warned[0].filename == __file__  # points at the wrap call
-    assert rela.guard.alarm["batch"] == 20  # the first tested window: warm-up 10 + window 10
+    assert rela.guard.alarm["batch"] == 12  # the first tested window: warm-up 2 + window 10
     assert abs(rela.guard.alarm["gap"]) < 0.05
 
 
@@ -87,7 +87,7 @@ def test_warns_when_index_is_one_batch_late():
     x, y = data()
     rela, warned = train(y, previous_batch_indices(x, 31))
     assert len(warned) == 1 and "accelerate-ssl store verify" in str(warned[0].message)
-    assert rela.guard.alarm["batch"] == 20
+    assert rela.guard.alarm["batch"] == 12
 
 
 def test_switched_off_it_observes_nothing():
@@ -101,16 +101,16 @@ def test_state_round_trips_mid_window():
     g = torch.Generator().manual_seed(0)
     feed = [(torch.randn(2 * B, D_T, generator=g), torch.randn(B, D_T, generator=g)) for _ in range(45)]
     feed = [(p + (3.0 * t.repeat(2, 1) if i < 25 else 0.0), t.repeat(2, 1)) for i, (p, t) in enumerate(feed)]
-    whole = AlignmentGuard()
+    whole = AlignmentGuard(warmup=10)
     with pytest.warns(MisalignmentWarning):
         for p, t in feed:
             whole.observe(p, t, B)
-    first = AlignmentGuard()
+    first = AlignmentGuard(warmup=10)
     for p, t in feed[:25]:
         first.observe(p, t, B)
     state = first.state_dict()
     assert state["count"] == 5 and state["observed"] == 25  # in the middle of the third window
-    resumed = AlignmentGuard()
+    resumed = AlignmentGuard(warmup=10)
     resumed.load_state_dict(state)
     with pytest.warns(MisalignmentWarning):
         for p, t in feed[25:]:
@@ -123,7 +123,7 @@ def test_rela_checkpoints_the_check_and_loads_checkpoints_without_it():
     x, y = data()
     rela, _ = train(y, index_batches(x, 26))
     state = rela.state_dict()
-    assert state["alignment_check"]["observed"] == 25 and state["alignment_check"]["count"] == 5
+    assert state["alignment_check"]["observed"] == 25 and state["alignment_check"]["count"] == 3  # warm-up 2
     fresh = ReLA(y, student(), feature_dim=D_F, schedule=Constant(1.0))
     fresh.load_state_dict(state)
     assert fresh.guard.observed == 25 and fresh.guard.last == pytest.approx(rela.guard.last)
@@ -147,7 +147,7 @@ def test_reads_the_host_once_per_window_never_per_step():
             rela.wrap(torch.zeros(()), index=idx).backward()
             opt.step()
             opt.zero_grad()
-    assert len(rela.guard.history) == 3 and reads.count == 3  # windows ending at observed batches 20, 30, 40
+    assert len(rela.guard.history) == 3 and reads.count == 3  # windows ending at observed batches 12, 22, 32
 
 
 def test_runs_on_the_meta_device_without_reading_anything():

@@ -88,9 +88,10 @@ from .distributed import average_gradients, is_distributed, mean_over_processes
 from .guard import AlignmentGuard, MisalignmentWarning
 from .head import TransportHead, fit_transport_head, full_precision, rela_loss
 from .lookup import INDEX_CHECK_STEPS, TargetLookup, as_index, check_trained_dataset, open_targets
+from .witness import MisalignmentError, Witness, WitnessWarning, create_witness
 
 __all__ = ["ReLA", "fit_transport_head", "rela_loss", "full_precision", "INDEX_CHECK_STEPS", "MAX_CAPTURED",
-           "MisalignmentWarning"]
+           "MisalignmentWarning", "MisalignmentError", "Witness", "WitnessWarning"]
 
 
 # ---------------------------------------------------------------------------------------------- store identity
@@ -164,14 +165,20 @@ class ReLA:
         targets_on_device: keep every (PCA-reduced) target on the student's device, ``rows x n_components x 4``
             bytes (1.28 M x 256: 1.3 GB), so a lookup is a device gather that never waits for the host.
             Default: rows are read from the store on the host, which needs the batch's indices on the host.
-        alignment_check: test, every 10 batches after the first 10, that the head's predictions are closer to each
-            sample's own target than to another sample's of the batch, and warn once
-            (:class:`~accelerate_ssl.rela.guard.MisalignmentWarning`) when they are not: the rows are then most
-            likely other samples' (:mod:`accelerate_ssl.rela.guard`). Two ``[B, n]`` products per batch, no host
-            synchronisation.
+        alignment_check: test, every 10 batches (after the first 2 with the fitted head, 10 with a random one), that
+            the head's predictions are closer to each sample's own target than to another sample's of the batch, and
+            warn once (:class:`~accelerate_ssl.rela.guard.MisalignmentWarning`) when they are confidently not: the rows
+            are then most likely other samples' (:mod:`accelerate_ssl.rela.guard`). Three ``[B, n]`` reductions per
+            batch, no host synchronisation.
         prefetch: read the rows of each batch a tracked loader draws on a background thread, while the loop still
             runs the steps before it (the loader knows a batch's indices before it yields it), so a store larger
             than the page cache does not stall ``wrap`` on the disk. Rows are identical to a direct read.
+        witness: the prior that made the targets re-embeds a few of the batch's own training inputs on the first 4
+            steps and every 50 after, and training stops (:class:`~accelerate_ssl.rela.witness.MisalignmentError`)
+            when their rows are confidently not theirs: independent of indexes, keys, sidecars and the head
+            (:mod:`accelerate_ssl.rela.witness`). ``True`` (default), ``False`` (off), or a
+            :class:`~accelerate_ssl.rela.witness.Witness` with other settings (``on_misalignment="warn"``, a prior
+            given explicitly, ``input=`` the module that takes the images when ``capture="input"``).
     """
 
     def __init__(
@@ -195,6 +202,7 @@ class ReLA:
         capture: str = "output",
         alignment_check: bool = True,
         prefetch: bool = False,
+        witness: Union[Witness, bool] = True,
     ):
         if not isinstance(backbone, nn.Module):
             raise TypeError(f"backbone must be an nn.Module (the student's feature extractor), got {type(backbone).__name__}.")
@@ -223,7 +231,7 @@ class ReLA:
         else:
             self.schedule = create_schedule(self._schedule_name, total_steps=total_steps)
         self.head_in_ddp = bool(head_in_ddp)
-        self.guard = AlignmentGuard(enabled=alignment_check)
+        self.guard = AlignmentGuard(enabled=alignment_check, warmup=2 if head_init == "fit" else 10)
         #: whether a by-name schedule knows the run length (warned about at the first wrap otherwise)
         self._planned = self._schedule_name is None or total_steps is not None or not takes_run_length(self._schedule_name)
         if not isinstance(sync_every, int) or sync_every < 1:
@@ -264,8 +272,13 @@ class ReLA:
             if r is not None:
                 r._after_optimizer_step(opt)
 
+        self.witness = create_witness(witness)
+        if self.witness is not None:
+            self.witness.attach(self.store, backbone, capture)
         handles = [self.capture.handle, register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
-        self._finalizer = weakref.finalize(self, lambda hs: [h.remove() for h in hs], handles)
+        witness_ref = self.witness
+        self._finalizer = weakref.finalize(
+            self, lambda hs, w: ([h.remove() for h in hs], w is not None and w.close()), handles, witness_ref)
         refuse_timm_mixup(self)  # timm's in-loop Mixup raises while ReLA trains (a mixed image has no stored target)
         if dataloader is not None and self.track(dataloader) is not dataloader:
             raise ValueError(
@@ -388,7 +401,8 @@ class ReLA:
         return self
 
     # ------------------------------------------------------------------ the loss
-    def _rela_term(self, features: Sequence[torch.Tensor], index, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _rela_term(self, features: Sequence[torch.Tensor], index, rows: Optional[torch.Tensor] = None,
+                   path: Optional[str] = None) -> torch.Tensor:
         n = len(rows) if rows is not None else len(torch.as_tensor(index).reshape(-1))
         if n == 0:
             raise ValueError("ReLA.wrap got an empty batch (no sample indices / target rows).")
@@ -410,11 +424,13 @@ class ReLA:
         if self.head.weight.device != feats.device:
             self.to(feats.device)
         target = self.targets(index, feats.device) if rows is None else self.targets.reduce_rows(rows, feats.device)
+        if self.witness is not None:  # the prior re-embeds some of this batch's inputs (on its witnessed steps)
+            self.witness.observe(target, n, lambda e: self.targets.reduce_rows(e, feats.device), path)
         target = target.repeat(feats.shape[0] // n, 1)  # views are stacked blocks of n, all share a target
         if self.transport.needs_fit:  # fitted on this batch: its loss is not observed by the guard (fitted rows align)
             self.transport.fit(feats, target)
             return self.transport.loss(feats, target)
-        return self.transport.loss(feats, target, observe=lambda p, t: self.guard.observe(p, t, n))
+        return self.transport.loss(feats, target, observe=lambda p, t: self.guard.observe(p, t, n, path))
 
     def wrap(
         self,
@@ -475,6 +491,8 @@ class ReLA:
         if sum(x is not None for x in (index, targets, keys)) > 1:
             raise ValueError("ReLA.wrap: pass one of index= (rows by position), keys= (rows by sample key) or targets= "
                              "(rows carried by the batch), not both.")
+        path = "targets=" if targets is not None else "keys=" if keys is not None else "index=" if index is not None \
+            else "tracked loader"
         if index is None and keys is None and targets is None:
             index = self._take_published_index()
         else:
@@ -492,7 +510,7 @@ class ReLA:
                     warnings.warn("ReLA.wrap(index=): no data set was checked against this target store, so nothing "
                                   "proves row i belongs to your item i. Pass ReLA(..., dataset=clean_train_set) (or call "
                                   "rela.check_dataset(train_set)).", UserWarning, stacklevel=2)
-        l_rela = self._rela_term(feats, index, rows=targets)
+        l_rela = self._rela_term(feats, index, rows=targets, path=path)
 
         if lam >= 1.0:
             l_ssl = None if callable(loss) else loss
@@ -598,8 +616,12 @@ class ReLA:
         self.steps += 1
         self._window_sum, self._window_count = None, 0
         self.targets.end_step()
+        if self.witness is not None:
+            self.witness.after_step()
         if self.schedule.finished:
             self.capture.clear()
+            if self.witness is not None:
+                self.witness.close()  # nothing left to check: the input hook goes
 
     def _feed_schedule(self) -> None:
         """Read the pending per-step losses on the host (one synchronisation; one all-reduce across processes)
@@ -641,6 +663,7 @@ class ReLA:
             "store_rows": len(self.store),
             "store": store_identity(self.store),
             "alignment_check": self.guard.state_dict(),
+            "witness": None if self.witness is None else self.witness.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -672,6 +695,8 @@ class ReLA:
         self.schedule.load_state_dict(sched)
         self.steps = int(state["steps"])
         self.guard.load_state_dict(state.get("alignment_check"))
+        if self.witness is not None:
+            self.witness.load_state_dict(state.get("witness"))
         self._window_sum, self._window_count = None, 0
         self.capture.clear()
         self.targets.reset_checks()

@@ -271,6 +271,46 @@ def create_prior(spec: str, weights: Optional[str] = None, offline: Optional[boo
     return _FAMILIES[family](arch, weights, offline=offline, **overrides)
 
 
+#: the fields of a recorded prior that name its weights' bytes: a rebuilt prior must match each one recorded
+WEIGHT_DIGESTS = ("weights_sha256", "checkpoint_sha256")
+
+
+def rebuild_prior(recorded: dict, offline: Optional[bool] = None) -> Prior:
+    """The prior a store recorded (``prior.describe()`` in its metadata), built again to embed more images the way the
+    rows were made: the same spec, weights file, seed and input channels, the recorded preprocessing (with the data
+    set's statistics), and the same weights, byte for byte (each recorded sha256 compared).
+
+    Raises ValueError naming what differs or what is missing (a weights file moved, another version in the cache)."""
+    spec = recorded.get("spec")
+    if not spec:
+        raise ValueError("the store records no prior spec (targets made outside precompute_targets)")
+    family = recorded.get("family")
+    options: dict = {}
+    if family == "random":
+        from .. import backbones
+
+        options["seed"] = int(recorded.get("seed") or 0)
+        if recorded.get("arch") in backbones.BACKBONES:
+            options["in_channels"] = int((recorded.get("preprocess") or {}).get("channels", 1))
+    if recorded.get("checkpoint"):
+        spec = f"checkpoint:{recorded['checkpoint']}"  # the absolute path recorded (the spec's may be relative)
+    weights = recorded.get("weights")
+    if weights and not Path(weights).is_file():
+        raise ValueError(f"its weights file {weights!r} is not there any more")
+    prior = create_prior(spec, weights=weights or None, offline=offline, **options)
+    built = prior.describe()
+    for key in WEIGHT_DIGESTS:
+        if recorded.get(key) and built.get(key) != recorded[key]:
+            raise ValueError(f"the weights of {recorded['spec']!r} found now have {key} {str(built.get(key))[:12]}..., "
+                             f"the store recorded {recorded[key][:12]}... (other weights than the rows were made with)")
+    if int(built["output_dim"]) != int(recorded.get("output_dim", built["output_dim"])):
+        raise ValueError(f"{recorded['spec']!r} now outputs {built['output_dim']} values, the store recorded "
+                         f"{recorded['output_dim']}")
+    if recorded.get("preprocess"):
+        prior.preprocess = Preprocess.from_config(recorded["preprocess"])
+    return prior
+
+
 # ----------------------------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------------------------
