@@ -640,7 +640,8 @@ class ShardedTargets:
     def join(self, field: str = "target", image_field: Optional[str] = None, view: Any = "random", seed: int = 0,
              check_bytes: bool = True) -> "SidecarJoin":
         """A ``webdataset`` pipeline stage adding each sample's target row as ``sample[field]`` (float32 tensor
-        ``[dim]``): ``wds.WebDataset(urls, shardshuffle=...).compose(targets.join())``, before any sample shuffle."""
+        ``[dim + 1]``: the row, then the folder's :attr:`tag`, which ``rela.wrap(targets=)`` checks and drops):
+        ``wds.WebDataset(urls, shardshuffle=...).compose(targets.join())``, before any sample shuffle."""
         return SidecarJoin(self, field, image_field, view, seed, check_bytes)
 
     def column(self, dataset, key_column: Optional[str] = None, name: str = "target", progress: bool = False):
