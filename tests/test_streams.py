@@ -9,6 +9,7 @@ import io
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import tarfile
@@ -622,8 +623,8 @@ def test_wrap_refuses_rows_of_another_priors_sidecars_reduced_to_the_same_width(
     x, t, _ = next(iter(batches(other, num_workers=1)))
     backbone(x.float() / 255)
     with pytest.raises(SidecarError, match=r"ReLA.wrap\(targets=\): 5 of 5 rows of this batch come from the sidecar "
-                                           rf"targets '{tmp_path / 'other'}' \(prior random:convnet\), but ReLA was opened on "
-                                           rf"'{tmp_path / 'mine'}' \(prior random:convnet\) \(tag \d+\)"):
+                                           rf"targets '{re.escape(str(tmp_path / 'other'))}' \(prior random:convnet\), but ReLA was opened on "
+                                           rf"'{re.escape(str(tmp_path / 'mine'))}' \(prior random:convnet\) \(tag \d+\)"):
         rela.wrap(torch.zeros(()), targets=t)
     assert mine.tag != other.tag
     x, t, _ = next(iter(batches(mine)))
@@ -650,5 +651,5 @@ def test_wrap_refuses_a_datasets_column_of_another_folder(imagefolder, prior, tm
             assert torch.isfinite(rela.wrap(torch.zeros(()), targets=batch["target"]))
         else:
             with pytest.raises(SidecarError, match=rf"6 of 6 rows of this batch come from the sidecar targets "
-                                                   rf"'{tmp_path / 'other'}'"):
+                                                   rf"'{re.escape(str(tmp_path / 'other'))}'"):
                 rela.wrap(torch.zeros(()), targets=batch["target"])
