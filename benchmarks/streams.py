@@ -171,7 +171,7 @@ def train_round(urls, targets, prior, steps: int, batch: int, seed: int, rows=No
         if rela is not None:  # untimed: each row is the prior's output for the very image in the batch
             with torch.inference_mode():
                 own = prior(prior.preprocess.batch((x * 255).round().to(torch.uint8)))
-            assert torch.allclose(own, t[0], atol=1e-4), f"step {step}: a target row is not its sample's own"
+            assert torch.allclose(own, t[0][:, :-1], atol=1e-4), f"step {step}: a target row is not its sample's own"
     return times[3:]  # the loader worker's start-up is not a step
 
 
@@ -240,7 +240,7 @@ def main() -> None:
     # 4. training step time, with vs without sidecar targets (alternating rounds)
     targets = ShardedTargets.open(full)
     targets.pca(128)  # (the student's width) fitted once over every row (cached in the folder), not inside a timed step
-    rows = targets[np.arange(len(targets))]
+    rows = targets.carried(targets[np.arange(len(targets))])  # as the join hands them: with the folder's tag
     plain, joined, memory = [], [], []
     runs = [(plain, (None,), {}), (joined, (targets,), {}), (memory, (targets,), {"rows": rows})]
     for r in range(args.rounds):

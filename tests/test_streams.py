@@ -9,6 +9,7 @@ import io
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import tarfile
@@ -114,7 +115,8 @@ def test_a_webdataset_loop_trains_with_sidecar_targets_each_row_its_samples_own(
     seen = []
     for epoch in range(2):
         for x, t in loader:
-            assert torch.allclose(t, own(prior, x), atol=1e-5)  # every row is the prior's output for that image
+            assert torch.allclose(t[:, :-1], own(prior, x), atol=1e-5)  # every row is the prior's output for that image
+            assert (t[:, -1] == targets.tag).all()  # and carries its folder's tag
             seen += number_of(x).tolist()
             loss = rela.wrap(backbone(x.float() / 255).pow(2).mean(), targets=t)
             opt.zero_grad()
@@ -151,7 +153,8 @@ def test_a_datasets_loop_trains_with_a_target_column(tmp_path, prior):
     seen = []
     for batch in loader:
         x = batch["image"].reshape(-1, 1, SIZE, SIZE)
-        assert torch.allclose(batch["target"], own(prior, x), atol=1e-5)
+        assert torch.allclose(batch["target"][:, :-1], own(prior, x), atol=1e-5)
+        assert (batch["target"][:, -1] == targets.tag).all()
         assert [f"img{n:03d}" for n in number_of(x).tolist()] == list(batch["id"])
         seen += number_of(x).tolist()
         loss = rela.wrap(backbone(x.float() / 255).pow(2).mean(), targets=batch["target"])
@@ -159,10 +162,11 @@ def test_a_datasets_loop_trains_with_a_target_column(tmp_path, prior):
         loss.backward()
         opt.step()
     assert sorted(seen) == list(range(23)) and rela.steps == 6
-    swapped = ds.select([1, 0, *range(2, 23)])  # another row order: refused by key, not joined by position
-    with pytest.raises(SidecarError, match=r"shard 'rows-000000000-000000010': sample 0 has key 'img001' but the "
-                                           r"sidecar's row 0 is for key 'img000'"):
-        targets.column(swapped, key_column="id")
+    swapped = ds.select([1, 0, *range(2, 23)])  # another row order: followed by key, each row its own
+    column = targets.column(swapped, key_column="id").with_format("torch")[:]
+    x = column["image"].reshape(-1, 1, SIZE, SIZE)
+    assert number_of(x[:3]).tolist() == [1, 0, 2]
+    assert torch.allclose(column["target"][:, :-1], own(prior, x), atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ sharding, resuming
@@ -227,7 +231,7 @@ def _drain(urls, targets):
             got.append(s)
     full = targets[np.arange(len(targets))]
     for s in got:
-        assert torch.equal(s["target"], full[int(s["__key__"][1:])])  # key k<n> is global row n
+        assert torch.equal(s["target"], targets.carried(full[int(s["__key__"][1:])]))  # key k<n> is global row n
     return str(err.value), got
 
 
@@ -334,7 +338,7 @@ def test_float16_and_pca_at_write_sidecars(stream, prior, tmp_path):
     rela = ReLA(str(tmp_path / "p"), backbone, feature_dim=8, total_steps=1)  # a sidecar folder by path
     assert isinstance(rela.store, ShardedTargets) and rela.store.identity() == red.identity()
     x = torch.from_numpy(np.stack([image_of(n) for n in range(4)])).float().reshape(4, -1) / 255
-    assert torch.isfinite(rela.wrap(backbone(x).sum() * 0, targets=red[np.arange(4)]))
+    assert torch.isfinite(rela.wrap(backbone(x).sum() * 0, targets=red.carried(red[np.arange(4)])))
     with pytest.raises(ValueError, match="dim 256 but the targets ReLA was opened on have dim 4"):
         backbone(x)
         rela.wrap(torch.zeros(()), targets=raw[:4])
@@ -355,8 +359,8 @@ def test_stored_views_are_replayed_with_their_own_rows(tmp_path, prior):
         picked.add(v)
         expect = apply_view(Image.fromarray(image_of(n)), views.params(key_index(s["__key__"]), v, SIZE, SIZE))
         assert np.array_equal(np.array(s["png"]), np.array(expect))
-        assert torch.allclose(s["target"], own(prior, as_tensor(expect)[None])[0], atol=1e-5)
-        assert torch.equal(s["target"], targets[np.array([n * 3 + v])][0])
+        assert torch.allclose(s["target"][:-1], own(prior, as_tensor(expect)[None])[0], atol=1e-5)
+        assert torch.equal(s["target"], targets.carried(targets[np.array([n * 3 + v])][0]))
     assert picked == {0, 1, 2}
 
 
@@ -385,3 +389,267 @@ def test_a_checkpoint_names_its_sidecars_and_refuses_others(stream, prior, tmp_p
     ReLA(ShardedTargets.open(root / "sidecars"), torch.nn.Linear(4, 8), feature_dim=8, total_steps=1).load_state_dict(state)
     with pytest.raises(ValueError, match="trained on another target store"):
         ReLA(half, torch.nn.Linear(4, 8), feature_dim=8, total_steps=1).load_state_dict(state)
+
+
+# ------------------------------------------------------------------------------------------------ datasets by content
+def image_folder_dataset(root: Path, numbers) -> "datasets.Dataset":
+    """What ``load_dataset("imagefolder")`` gives for a folder of class sub-folders: images stored as paths, a label
+    column, no id column."""
+    from PIL import Image
+
+    for n in numbers:
+        folder = root / "imgs" / ("even" if n % 2 == 0 else "odd")
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image_of(n)).save(folder / f"{n:03d}.png")
+    return datasets.load_dataset("imagefolder", data_dir=str(root / "imgs"), split="train", cache_dir=str(root / "cache"))
+
+
+@pytest.fixture(scope="module")
+def imagefolder(tmp_path_factory, prior):
+    root = tmp_path_factory.mktemp("imagefolder")
+    ds = image_folder_dataset(root, range(24))
+    targets = precompute_sidecars(prior, open_stream(ds, shard_rows=10), root / "side", batch_size=4, progress=False)
+    return root, ds, targets
+
+
+def own_rows(targets, dataset, prior) -> list[int]:
+    """Every row of a data set with a target column holds the prior's output for that row's image, and the folder's
+    tag; returns the image numbers in row order."""
+    rows = dataset.with_format("torch")[:]
+    x = rows["image"].reshape(-1, 1, SIZE, SIZE)
+    assert torch.allclose(rows["target"][:, : targets.dim], own(prior, x), atol=1e-5)
+    assert rows["target"].shape[1] == targets.dim + 1 and (rows["target"][:, -1] == targets.tag).all()
+    return number_of(x).tolist()
+
+
+@pytest.mark.parametrize("how", ["as it is", "shuffled", "sorted", "selected in reverse", "filtered", "shuffled, saved"])
+def test_a_datasets_column_follows_any_row_order_by_each_rows_image(imagefolder, prior, tmp_path, how):
+    root, ds, targets = imagefolder
+    changed = {"as it is": lambda d: d,
+               "shuffled": lambda d: d.shuffle(seed=0),
+               "sorted": lambda d: d.sort("label", reverse=True),
+               "selected in reverse": lambda d: d.select(range(len(d) - 1, -1, -1)),
+               "filtered": lambda d: d.filter(lambda r, i: i % 3 != 0, with_indices=True),
+               "shuffled, saved": lambda d: (d.shuffle(seed=1).save_to_disk(str(tmp_path / "s")),
+                                             datasets.load_from_disk(str(tmp_path / "s")))[1]}[how](ds)
+    expected = number_of(torch.from_numpy(np.stack([np.array(im) for im in changed["image"]]))[:, None]).tolist()
+    assert how in ("as it is", "filtered") or expected != sorted(expected)  # the order really changed
+    assert own_rows(targets, targets.column(changed), prior) == expected
+
+
+def test_a_datasets_column_refuses_another_data_set_swapped_or_changed_images(imagefolder, prior, tmp_path):
+    from PIL import Image
+
+    root, ds, targets = imagefolder
+    other = image_folder_dataset(tmp_path / "other", range(100, 124))  # same length, other images
+    with pytest.raises(SidecarError, match=r"row 0 of the data set: its image is not one the sidecars at .* were "
+                                           r"computed from \(24 of 24 rows are not\): another data set"):
+        targets.column(other)
+    with pytest.raises(SidecarError, match=r"keyed by row number \(no --key-field\) at precompute; pass key_column=None"):
+        targets.column(ds, key_column="label")
+    # an id column: rows found by id, and each one's image checked
+    images = [Image.fromarray(image_of(n)) for n in range(12)]
+    ids = [f"img{n:03d}" for n in range(12)]
+    features = datasets.Features({"image": datasets.Image(), "id": datasets.Value("string")})
+    keyed = datasets.Dataset.from_dict({"image": images, "id": ids}, features=features)
+    by_id = precompute_sidecars(prior, open_stream(keyed, key_field="id", shard_rows=5), tmp_path / "id", progress=False)
+    shuffled = keyed.shuffle(seed=0)
+    numbers = own_rows(by_id, by_id.column(shuffled), prior)
+    assert [f"img{n:03d}" for n in numbers] == list(shuffled["id"][:]) and numbers != sorted(numbers)
+    swapped = datasets.Dataset.from_dict({"image": [images[i] for i in (0, 1, 2, 5, 4, 3, *range(6, 12))], "id": ids},
+                                         features=features)
+    with pytest.raises(SidecarError, match=r"row 3 of the data set \(id 'img003'\): its image is not the one its target "
+                                           r"was computed from; it is the image of id 'img005' \(images and ids swapped\); "
+                                           r"2 row\(s\) differ"):
+        by_id.column(swapped)
+    changed = datasets.Dataset.from_dict({"image": [*images[:7], Image.fromarray(image_of(500)), *images[8:]], "id": ids},
+                                         features=features)
+    with pytest.raises(SidecarError, match=r"row 7 of the data set \(id 'img007'\): its image is not the one its target "
+                                           r"was computed from \(the image changed since the precompute\)"):
+        by_id.column(changed)
+    with pytest.raises(SidecarError, match=r"row 0 of the data set has id 'new', which no row of the sidecars"):
+        by_id.column(datasets.Dataset.from_dict({"image": images[:1], "id": ["new"]}, features=features))
+
+
+def test_folders_written_before_datasets_rows_had_digests_are_refused_with_the_rebuild_command(imagefolder, tmp_path,
+                                                                                               stream):
+    import shutil
+
+    from accelerate_ssl.cli import main
+
+    root, ds, targets = imagefolder
+    shutil.copytree(root / "side", tmp_path / "old")
+    meta = json.loads((tmp_path / "old" / "sidecars.json").read_text())
+    meta["format_version"] = 1  # what an older accelerate-ssl wrote (its datasets rows recorded digest 0)
+    (tmp_path / "old" / "sidecars.json").write_text(json.dumps(meta))
+    old = ShardedTargets.open(tmp_path / "old")
+    with pytest.raises(SidecarError, match=r"recorded no image digest for datasets rows, so column\(\) cannot check .* "
+                                           r"Rebuild them into a new folder: `precompute_sidecars\("):
+        old.column(ds)
+    with pytest.raises(SidecarError, match=r"so store verify --data cannot check"):
+        old.verify_stream(ds)
+    wds_root, urls, spec, wds_targets = stream
+    with pytest.raises(SidecarError, match=r"computed on wds: shards; column\(\) attaches .*compose\(targets.join\(\)"):
+        wds_targets.column(ds)
+
+
+# ------------------------------------------------------------------------------------------------ sidecars read whole
+def _rewrite_sidecar(file: Path, targets: torch.Tensor) -> None:
+    """Rewrite one sidecar with other rows of the same shape, its keys, digests and metadata unchanged."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(file), framework="pt") as f:
+        meta, digests = f.metadata(), f.get_tensor("digests")
+    size = file.stat().st_size
+    save_file({"targets": targets.contiguous(), "digests": digests}, str(file), metadata=meta)
+    assert file.stat().st_size == size
+
+
+def test_a_sidecar_changed_in_place_with_its_size_kept_is_refused_when_read(tmp_path, prior):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    urls = write_shards(tmp_path / "d", (6, 6, 5))
+    spec = f"wds:{tmp_path}/d/*.tar"
+    precompute_sidecars(prior, spec, tmp_path / "s", batch_size=4, progress=False)
+    # two shards' rows swapped inside their files, keys and digests intact
+    shutil.copytree(tmp_path / "s", tmp_path / "swapped")
+    a, b = (tmp_path / "swapped" / f"shard-00000{i}.tar.safetensors" for i in (0, 1))
+    rows_a, rows_b = load_file(str(a))["targets"], load_file(str(b))["targets"]
+    _rewrite_sidecar(a, rows_b)
+    _rewrite_sidecar(b, rows_a)
+    swapped = ShardedTargets.open(tmp_path / "swapped")  # every file there with its recorded size
+    with pytest.raises(SidecarError, match=r"the sidecar of shard 'shard-000000.tar' changed on disk since it was "
+                                           r"written \(shard-000000.tar.safetensors: its sha256 is [0-9a-f]{16}\.\.\., "
+                                           r"sidecars.json recorded [0-9a-f]{16}\.\.\.: bytes overwritten, or rows of "
+                                           r"another shard copied in\)"):
+        next(iter(joined(urls, swapped)))
+    with pytest.raises(SidecarError, match="changed on disk"):
+        swapped[np.arange(3)]
+    with pytest.raises(SidecarError, match="changed on disk"):
+        ReLA(str(tmp_path / "swapped"), torch.nn.Linear(SIZE * SIZE, 8), feature_dim=8, total_steps=1)  # its PCA fit
+    # bytes overwritten in the middle of the rows
+    shutil.copytree(tmp_path / "s", tmp_path / "flipped")
+    c = tmp_path / "flipped" / "shard-000002.tar.safetensors"
+    data = bytearray(c.read_bytes())
+    data[len(data) - 100] ^= 0x40
+    c.write_bytes(bytes(data))
+    flipped = ShardedTargets.open(tmp_path / "flipped")
+    got = []
+    with pytest.raises(SidecarError, match=r"the sidecar of shard 'shard-000002.tar' changed on disk"):
+        for s in joined(urls, flipped):
+            got.append(s)
+    assert [s["__key__"] for s in got] == [f"k{i:05d}" for i in range(12)]  # the intact shards' samples only
+    intact = ShardedTargets.open(tmp_path / "s")
+    for s in got:
+        assert torch.equal(s["target"], intact.carried(intact[np.array([int(s["__key__"][1:])])][0]))
+
+
+def test_store_verify_data_checks_a_sidecar_folder_against_its_stream(stream, imagefolder, tmp_path, capsys):
+    from PIL import Image
+
+    from accelerate_ssl.cli import main
+
+    root, urls, spec, targets = stream
+
+    def verify(*args):
+        code = main(["store", "verify", *map(str, args), "--json", "--no-progress"])
+        return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    bad = [
+        ([(f"k{i:05d}", i if i != 12 else 500) for i in range(10, 17)],
+         "shard 'shard-000001.tar': the image of key 'k00012' is not the one its target was computed from"),
+        ([(f"k{i:05d}", i) for i in (10, 11, 13, 12, 14, 15, 16)],
+         "shard 'shard-000001.tar': sample 2 has key 'k00013' but the sidecar's row 2 is for key 'k00012'"),
+        ([(f"k{i:05d}", i) for i in range(10, 15)],
+         "data shard 'shard-000001.tar' ended after 5 samples but its sidecar holds 7"),
+    ]
+    for n, (entries, message) in enumerate(bad):
+        data = tmp_path / f"bad{n}"
+        for u in (urls[0], urls[2]):
+            (data / Path(u).name).parent.mkdir(parents=True, exist_ok=True)
+            (data / Path(u).name).write_bytes(Path(u).read_bytes())
+        write_shard(data / "shard-000001.tar", entries)
+        code, out = verify(root / "sidecars", "--data", f"wds:{data}/shard-{{000000..000002}}.tar")
+        assert code == 1 and message in out["error"], out
+    code, out = verify(root / "sidecars", "--data", spec)
+    assert code == 0 and out["samples_checked"] == 26 and out["ok"]
+    code, out = verify(root / "sidecars", "--data", f"wds:{root}/data/shard-{{000000..000001}}.tar")
+    assert code == 1 and "the stream lacks shard 'shard-000002.tar'" in out["error"]
+    code, out = verify(root / "sidecars", "--data", "digits")
+    assert code == 1 and "--data digits is not a stream" in out["error"]
+    code, out = verify(root / "sidecars", "--data", spec, "--limit", "3")
+    assert code == 1 and "--limit select items of a map-style data set" in out["error"]
+    # datasets: the folder saved to disk, then the same rows with two images swapped
+    hf_root, ds, hf_targets = imagefolder
+    ds.save_to_disk(str(tmp_path / "hf"))
+    side = tmp_path / "hf-side"
+    precompute_sidecars(create_prior("random:convnet", in_channels=1), f"hf:{tmp_path / 'hf'}", side, progress=False)
+    code, out = verify(side, "--data", f"hf:{tmp_path / 'hf'}")
+    assert code == 0
+    images = [Image.open(io.BytesIO(open(c["path"], "rb").read())) for c in ds.cast_column("image", datasets.Image(decode=False))["image"]]
+    images[3], images[4] = images[4], images[3]
+    datasets.Dataset.from_dict({"image": images, "label": ds["label"][:]},
+                               features=ds.features).save_to_disk(str(tmp_path / "hf2"))
+    code, out = verify(side, "--data", f"hf:{tmp_path / 'hf2'}")
+    assert code == 1 and "shard 'rows-000000000-000000024': the image of key '3' is not the one its target" in out["error"]
+    code, out = verify(side, "--data", f"hf:{tmp_path / 'hf'}")
+    assert code == 0 and out["samples_checked"] == 24
+    code, out = verify(side, "--data", spec)
+    assert code == 1 and "computed on hf: data" in out["error"]
+
+
+# ------------------------------------------------------------------------------------------------ rows carry their folder
+def test_wrap_refuses_rows_of_another_priors_sidecars_reduced_to_the_same_width(stream, prior, tmp_path):
+    root, urls, spec, _ = stream
+    mine = precompute_sidecars(prior, spec, tmp_path / "mine", batch_size=4, components=4, progress=False)
+    other_prior = create_prior("random:convnet", in_channels=1, seed=7).eval()
+    other = precompute_sidecars(other_prior, spec, tmp_path / "other", batch_size=4, components=4, progress=False)
+    assert mine.dim == other.dim == 4
+
+    def batches(targets, **loader):  # the README's pipeline, through DataLoader workers and the default collate
+        data = (wds.WebDataset(urls, shardshuffle=False, empty_check=False).compose(targets.join())
+                .map(decode_images()).map_dict(png=as_tensor).to_tuple("png", "target", "__key__"))
+        return torch.utils.data.DataLoader(data, batch_size=5, **loader)
+
+    backbone = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(SIZE * SIZE, 16))
+    rela = ReLA(mine, backbone, feature_dim=16, n_components=4, total_steps=20)
+    for x, t, keys in batches(mine, num_workers=1):
+        rows = torch.tensor([int(k[1:]) for k in keys])  # key k<n> is global row n
+        assert torch.equal(rela.targets.reduce_rows(t, "cpu"), rela.targets(rows, "cpu"))  # the tag dropped, nothing else
+        assert torch.isfinite(rela.wrap(backbone(x.float() / 255).pow(2).mean(), targets=t))
+    x, t, _ = next(iter(batches(other, num_workers=1)))
+    backbone(x.float() / 255)
+    with pytest.raises(SidecarError, match=r"ReLA.wrap\(targets=\): 5 of 5 rows of this batch come from the sidecar "
+                                           rf"targets '{re.escape(str(tmp_path / 'other'))}' \(prior random:convnet\), but ReLA was opened on "
+                                           rf"'{re.escape(str(tmp_path / 'mine'))}' \(prior random:convnet\) \(tag \d+\)"):
+        rela.wrap(torch.zeros(()), targets=t)
+    assert mine.tag != other.tag
+    x, t, _ = next(iter(batches(mine)))
+    for bad, message in [(t[:, :-1], r"the rows have 4 columns, .* without the tag column that targets.join\(\) and "
+                                     r"targets.column\(\) add"),
+                         (t.half(), r"the rows are torch.float16, which cannot hold the tag column"),
+                         (torch.cat([t[:3], next(iter(batches(other)))[1][:2]]), r"2 of 5 rows of this batch come from")]:
+        backbone(x.float() / 255)
+        with pytest.raises(SidecarError, match=message):
+            rela.wrap(torch.zeros(()), targets=bad)
+
+
+def test_wrap_refuses_a_datasets_column_of_another_folder(imagefolder, prior, tmp_path):
+    root, ds, targets = imagefolder
+    other = precompute_sidecars(create_prior("random:convnet", in_channels=1, seed=3), open_stream(ds, shard_rows=10),
+                                tmp_path / "other", batch_size=4, progress=False)
+    backbone = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(SIZE * SIZE, 16))
+    rela = ReLA(targets, backbone, feature_dim=16, total_steps=10)
+    for column, ok in ((targets.column(ds), True), (other.column(ds), False)):
+        loader = torch.utils.data.DataLoader(column.with_format("torch"), batch_size=6, shuffle=True, num_workers=1)
+        batch = next(iter(loader))
+        backbone(batch["image"].reshape(-1, 1, SIZE, SIZE).float() / 255)
+        if ok:
+            assert torch.isfinite(rela.wrap(torch.zeros(()), targets=batch["target"]))
+        else:
+            with pytest.raises(SidecarError, match=rf"6 of 6 rows of this batch come from the sidecar targets "
+                                                   rf"'{re.escape(str(tmp_path / 'other'))}'"):
+                rela.wrap(torch.zeros(()), targets=batch["target"])

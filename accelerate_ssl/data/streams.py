@@ -1,7 +1,8 @@
 """Streamed data sets as shards of keyed samples: WebDataset tar shards (``wds:<pattern>``) and Hugging Face
 ``datasets`` (``hf:<path or name>``), for precompute (:mod:`accelerate_ssl.targets.sidecar`).
 
-A :class:`StreamSource` is an ordered list of shards, each an ordered list of ``(key, image, raw)`` samples:
+A :class:`StreamSource` is an ordered list of shards, each an ordered list of ``(key, image, raw)`` samples, where
+``raw`` is the bytes that identify the sample's image (its per-row content digest is taken of them):
 
 - ``wds:<pattern>``: the tar files the pattern names (braces ``{000000..000063}`` and globs ``*`` expand, in
   sorted order); a sample's key is its WebDataset ``__key__`` (the file name up to the first dot, grouped the
@@ -9,7 +10,12 @@ A :class:`StreamSource` is an ordered list of shards, each an ordered list of ``
   ``png jpg jpeg webp ppm bmp tif tiff`` the sample has). ``raw`` is that field's bytes.
 - ``hf:<path or name>``: a folder written by ``Dataset.save_to_disk``, a ``.parquet`` file or folder of them, or a
   data set name ``load_dataset`` resolves (``split``); the image is column ``image_field`` (default ``image``), the
-  key column ``key_field`` (default: the row number); shards are ``shard_size`` consecutive rows.
+  key column ``key_field`` (default: the row number); shards are ``shard_rows`` consecutive rows. ``raw`` is
+  :func:`hf_content` of the row's image cell: an ``Image`` cell's encoded file bytes (read from its ``path`` when
+  only the path is stored, as ``load_dataset("imagefolder")`` stores it), or an array's dtype, shape and values.
+
+:meth:`StreamSource.contents` yields ``(key, raw)`` without decoding any image (what ``store verify --data`` and
+``ShardedTargets.column`` check against the digests recorded at precompute).
 
 **Nothing is unpickled.** Only the image field is read, with PIL (wds) or Arrow (hf); every other field of a
 tar sample stays bytes and is dropped. WebDataset's default decoders unpickle ``.pyd`` / ``.pickle`` fields
@@ -25,9 +31,11 @@ import os
 from pathlib import Path
 from typing import Iterator, Optional
 
+import numpy as np
+
 from ..optional import require
 
-__all__ = ["StreamSource", "open_stream", "decode_images", "IMAGE_FIELDS", "is_stream_spec"]
+__all__ = ["StreamSource", "open_stream", "decode_images", "hf_content", "IMAGE_FIELDS", "is_stream_spec"]
 
 IMAGE_FIELDS = ("png", "jpg", "jpeg", "webp", "ppm", "bmp", "tif", "tiff")
 STREAM_KINDS = ("wds", "hf")
@@ -58,6 +66,32 @@ def decode_images(fields=IMAGE_FIELDS):
     return decode
 
 
+def hf_content(cell) -> bytes:
+    """The bytes identifying one image cell of a Hugging Face data set, as Arrow holds it (``with_format("arrow")``):
+    an ``Image`` cell's encoded bytes, or the file at its ``path`` when it holds no bytes; any other cell (an image
+    stored as an array or nested lists) its dtype, shape and values. A cell naming neither bytes nor a readable file
+    is refused, naming the fix."""
+    if isinstance(cell, dict) and ("bytes" in cell or "path" in cell):
+        if cell.get("bytes") is not None:
+            return bytes(cell["bytes"])
+        path = cell.get("path")
+        if not path:
+            raise ValueError("an image cell of the data set holds neither bytes nor a path; fix the data set's image "
+                             "column.")
+        try:
+            return Path(path).read_bytes()
+        except OSError as err:
+            raise FileNotFoundError(f"the data set's image file {path!r} cannot be read ({err}): the data set stores "
+                                    "its images as paths, so the files must stay where they were; restore the file "
+                                    "(or save the data set with its images embedded: Dataset.save_to_disk after "
+                                    "cast_column(image_field, datasets.Image()) with the bytes).") from err
+    array = np.asarray(cell)
+    if array.dtype == object:
+        raise TypeError(f"an image cell of the data set is a {type(cell).__name__} of uneven parts, not an image or an "
+                        "array; name the image column with image_field= (--image-field).")
+    return f"{array.dtype.str}{array.shape}".encode() + np.ascontiguousarray(array).tobytes()
+
+
 def _expand(pattern: str) -> list[str]:
     braceexpand = require("braceexpand", "wds:<shard pattern> data").braceexpand
     out: list[str] = []
@@ -84,15 +118,24 @@ class StreamSource:
         return {"spec": self.spec, "kind": self.kind, "image_field": self.image_field, "key_field": self.key_field,
                 "shards": len(self.shards), **({"shard_rows": self.shard_rows} if self.kind == "hf" else {})}
 
-    def samples(self, shard: str) -> Iterator[tuple[str, object, Optional[bytes]]]:
-        """``(key, PIL image, raw image bytes or None)`` of every sample of ``shard``, in order."""
+    def samples(self, shard: str) -> Iterator[tuple[str, object, bytes]]:
+        """``(key, image, raw)`` of every sample of ``shard``, in order (``raw``: module docstring)."""
         if self.kind == "wds":
-            yield from self._wds_samples(shard)
+            for key, raw in self._wds_contents(shard):
+                yield key, decode_image(raw), raw
         else:
-            yield from self._hf_samples(shard)
+            yield from self._hf_rows(shard, decode=True)
+
+    def contents(self, shard: str) -> Iterator[tuple[str, bytes]]:
+        """``(key, raw)`` of every sample of ``shard``, in order, without decoding an image."""
+        if self.kind == "wds":
+            yield from self._wds_contents(shard)
+        else:
+            for key, _, raw in self._hf_rows(shard, decode=False):
+                yield key, raw
 
     # ---------------------------------------------------------------- WebDataset
-    def _wds_samples(self, shard: str):
+    def _wds_contents(self, shard: str):
         tariterators = require("webdataset.tariterators", "wds:<shard pattern> data")
         path = self._paths[shard]
         with open(path, "rb") as stream:
@@ -105,27 +148,24 @@ class StreamSource:
                     raise ValueError(f"wds shard {shard!r}: sample {key!r} has no image field "
                                      f"{field or ' / '.join(IMAGE_FIELDS)!r} (it has {fields}); name the image field "
                                      "with --image-field (image_field=).")
-                raw = sample[field]
-                yield key, decode_image(raw), raw
+                yield key, sample[field]
 
     # ---------------------------------------------------------------- Hugging Face datasets
-    def _hf_samples(self, shard: str):
+    def _hf_rows(self, shard: str, decode: bool):
+        """``(key, image or None, raw)`` of the rows of ``shard`` (rows ``a:b`` of the data set as it is now: its
+        indices mapping, if any, followed)."""
         a, b = (int(x) for x in shard.split("-")[1:3])
         ds = self._hf
-        keys = ds[a:b][self.key_field] if self.key_field else [str(i) for i in range(a, b)]
+        cells = ds.with_format("arrow")
+        keys = cells[a:b].column(self.key_field).to_pylist() if self.key_field else [str(i) for i in range(a, b)]
         for off in range(0, b - a, 256):
-            images = ds[a + off : min(a + off + 256, b)][self.image_field]
-            for j, image in enumerate(images):
-                if isinstance(image, dict) and "bytes" in image:  # Image(decode=False)
-                    raw = image["bytes"]
+            lo, hi = a + off, min(a + off + 256, b)
+            raws = [hf_content(c) for c in cells[lo:hi].column(self.image_field).to_pylist()]
+            images = ds[lo:hi][self.image_field] if decode else [None] * len(raws)
+            for j, (image, raw) in enumerate(zip(images, raws)):
+                if decode and isinstance(image, dict):  # Image(decode=False): the cell's bytes (or file)
                     image = decode_image(raw)
-                yield str(keys[off + j]), image, None
-
-    def hf_keys(self) -> list[str]:
-        """Every key of an ``hf:`` source, in row order (the key column, or the row numbers)."""
-        if self.key_field:
-            return [str(k) for k in self._hf[self.key_field]]
-        return [str(i) for i in range(len(self._hf))]
+                yield str(keys[off + j]), image, raw
 
 
 def load_hf(path_or_name: str, split: str = "train"):

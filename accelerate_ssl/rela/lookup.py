@@ -293,6 +293,8 @@ class TargetLookup:
         if not isinstance(rows, torch.Tensor) or rows.ndim != 2 or not rows.is_floating_point():
             raise ValueError(f"ReLA.wrap(targets=) needs a float tensor [B, {self.store.dim}] of raw prior targets, got "
                              f"{type(rows).__name__} {tuple(getattr(rows, 'shape', ()))}.")
+        if hasattr(self.store, "strip_tag"):  # sidecar rows carry their folder's tag: checked, then dropped
+            rows = self.store.strip_tag(rows)
         written = self.store.written_pca() if getattr(self.store, "components", None) is not None else None
         if written is not None and rows.shape[1] == written.dim:  # raw rows for a store reduced at write
             rows = written.transform(rows.detach().to(device=device, dtype=torch.float32, non_blocking=True))

@@ -11,16 +11,33 @@ A sidecar folder::
     sidecars.json                  written last (its atomic rename marks the run finished): the settings, and per
                                    shard its file, rows, sha256 of the file and of its key list
     <shard>.safetensors            tensors ``targets`` [n, d] (or [n, k, d] with k stored views) in --dtype, and
-                                   ``digests`` int64 [n] (first 8 bytes of blake2b of each sample's image bytes,
-                                   wds); metadata: the shard name, its keys (JSON) and their sha256, the settings' sha256
+                                   ``digests`` int64 [n] (first 8 bytes of blake2b of each sample's content: a wds
+                                   sample's image bytes, a ``datasets`` row's image, :func:`~accelerate_ssl.data.
+                                   streams.hf_content`); metadata: the shard name, its keys (JSON) and their sha256,
+                                   the settings' sha256
     pca/                           the PCA fitted over every row (``ShardedTargets.pca``), or used at write (--components)
 
 Sidecars are plain arrays (safetensors), never pickles, and nothing here unpickles a shard field.
 
-**Identity.** A sidecar is fingerprinted by its shard's key list, in order. The join walks each data shard in
-lockstep with its sidecar: sample j of a shard must carry the key of row j, and (wds) the bytes digest of row j;
-a missing sidecar, a key missing, reordered or duplicated, a sidecar shorter or longer than its shard, or a key of
-another shard stops the pipeline with an error naming the shard and the key.
+**Identity.** What is checked, and when:
+
+- *Every read of a sidecar* (the join, :meth:`ShardedTargets.column`, the PCA fit, ``store[rows]``): the file's bytes
+  against the sha256 ``sidecars.json`` recorded (read whole once, hashed, then parsed from the same bytes), its key
+  list against the recorded one, rows as many as keys, every row finite. Opening the folder checks that every file
+  is there with its recorded size.
+- *The join* walks each data shard in lockstep with its sidecar: sample j of a shard must carry the key of row j and
+  the image-bytes digest of row j; a missing sidecar, a key missing, reordered or duplicated, a sidecar shorter or
+  longer than its shard, or a key of another shard stops the pipeline with an error naming the shard and the key.
+- *The column* (:meth:`ShardedTargets.column`) finds every row of the ``datasets.Dataset`` it is given by its key
+  (an id column) or, without one, by its image's digest, whatever the row order (a shuffle, sort, select or filter
+  is followed), and checks the row's image digest against the sidecar's: an image of another data set, or swapped
+  between two ids, is refused naming the row.
+- *Rows carry their folder*: the join and the column hand each row with one more float32 column, the folder's
+  :attr:`ShardedTargets.tag` (an integer in [2^23, 2^24), exact in float32, derived from the folder's identity);
+  ``rela.wrap(targets=)`` on ReLA over this folder checks it and drops it (:meth:`ShardedTargets.strip_tag`), so
+  rows of another folder (another prior, other data) are refused naming both folders.
+- ``accelerate-ssl store verify <folder> --data <the stream>`` (:meth:`ShardedTargets.verify_stream`) checks every
+  shard, key and content digest against the stream, without training.
 
 **Sharding and resuming.** Under ``accelerate launch`` process r computes data shards r, r + P, r + 2P, ...
 (every shard exactly once, for any shard count); a sidecar is written atomically once its shard is done, so a
@@ -39,6 +56,7 @@ sidecars are rewritten reduced). A reduced folder's ``pca(n)`` is the first n of
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import random
@@ -60,7 +78,8 @@ SIDECARS = "sidecars.json"
 MANIFEST = "sidecars-manifest.json"
 PCA_DIR = "pca"
 FORMAT = "accelerate-ssl-sidecars"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: datasets rows carry a content digest (1: wds digests only; hf rows recorded 0)
+TAG_LOW = 1 << 23  # store tags are integers in [2^23, 2^24): exact in float32, far from any target value
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -98,14 +117,31 @@ def sidecar_name(shard: str) -> str:
     return f"{shard}.safetensors"
 
 
-def _read_sidecar(file: Path) -> tuple[dict, dict]:
-    """``(metadata, tensors)`` of one sidecar file (raises SidecarError when unreadable)."""
-    from safetensors import safe_open
+def _read_sidecar(file: Path, sha256: Optional[str] = None, shard: Optional[str] = None,
+                  command: Optional[str] = None) -> tuple[dict, dict]:
+    """``(metadata, tensors)`` of one sidecar file, read whole once; with ``sha256`` (the one ``sidecars.json``
+    recorded) the bytes are hashed and compared before they are parsed, so the rows returned are the bytes checked.
+    Raises SidecarError when the file is unreadable or its bytes changed."""
+    from safetensors.torch import load
 
     try:
-        with safe_open(str(file), framework="pt") as f:
-            meta = _header(f)
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        data = file.read_bytes()
+    except OSError as err:
+        raise SidecarError(f"sidecar {str(file)!r} cannot be read ({err}); copy it back, or delete it and rerun the "
+                           "precompute to recompute that shard.") from err
+    if sha256 is not None:
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != sha256:
+            raise SidecarError(
+                f"the sidecar of shard {shard!r} changed on disk since it was written ({file.name}: its sha256 is "
+                f"{actual[:16]}..., {SIDECARS} recorded {sha256[:16]}...: bytes overwritten, or rows of another "
+                "shard copied in), so its rows cannot be trusted. Recompute the folder"
+                + (f": `{command}` into a new folder." if command else "."))
+    try:
+        size = int.from_bytes(data[:8], "little")  # the safetensors header: its length, then JSON
+        header = json.loads(data[8 : 8 + size])
+        meta = json.loads((header.get("__metadata__") or {}).get(FORMAT, "{}"))
+        tensors = load(data)
     except Exception as err:  # safetensors raises its own error types
         raise SidecarError(f"sidecar {str(file)!r} is unreadable ({err}); delete it and rerun the precompute to "
                            "recompute that shard.") from err
@@ -130,7 +166,8 @@ def _sidecar_done(file: Path, settings_sha: str, stage: str) -> bool:
             meta = _header(f)
     except Exception:
         return False
-    return meta.get("settings_sha256") == settings_sha and meta.get("stage") == stage
+    return (meta.get("settings_sha256") == settings_sha and meta.get("stage") == stage
+            and meta.get("version") == FORMAT_VERSION)
 
 
 def _write_sidecar(file: Path, shard: str, keys: list[str], rows: torch.Tensor, digests: np.ndarray,
@@ -348,10 +385,14 @@ class _AllRows:
         return self.targets[np.arange(*s.indices(self.shape[0]))]
 
 
+#: the folders opened in this process, by tag: how an error names the folder rows of another folder came from
+_OPENED: dict[float, str] = {}
+
+
 class ShardedTargets:
     """A sidecar folder opened for ReLA and for joining (module docstring): ``len`` (rows: samples x views),
-    ``dim``, ``store[rows]`` (global rows, shards in order), ``pca(n)``, ``identity()``, :meth:`join`,
-    :meth:`column`, :meth:`verify`."""
+    ``dim``, ``store[rows]`` (global rows, shards in order), ``pca(n)``, ``identity()``, :attr:`tag`, :meth:`join`,
+    :meth:`column`, :meth:`strip_tag`, :meth:`verify`, :meth:`verify_stream`."""
 
     def __init__(self, path, metadata: dict, check: bool = True):
         self.path, self.metadata = Path(path), metadata
@@ -362,6 +403,7 @@ class ShardedTargets:
         self._pca: dict = {}
         if check:
             self._offsets = np.cumsum([0] + [s["rows"] for s in self._shards])
+            _OPENED[self.tag] = f"{str(self.path)!r} (prior {self.metadata.get('settings', {}).get('prior', {}).get('spec')})"
         else:  # (the raw pass of a --components run: read the files for the counts)
             self._offsets = np.cumsum([0] + [int(_read_sidecar(self.path / s["file"])[0]["rows"]) for s in self._shards])
 
@@ -411,8 +453,67 @@ class ShardedTargets:
                 "prior_weights_sha256": prior.get("weights_sha256") or prior.get("checkpoint_sha256"),
                 "dataset_sha256": hashlib.sha256("".join(s["keys_sha256"] for s in self._shards).encode()).hexdigest()}
 
+    @functools.cached_property
+    def tag(self) -> float:
+        """This folder's store tag: an integer in [2^23, 2^24) (exact in float32) drawn from the sha256 of
+        :meth:`identity`; the join and the column hand every row with it as one last column. Two folders share a
+        tag only if their identities do (or with odds of 1 in 2^23)."""
+        digest = hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).digest()
+        return float(TAG_LOW + int.from_bytes(digest[:8], "big") % TAG_LOW)
+
+    def carried(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (``[..., dim]``) as the join and the column hand them: with this folder's :attr:`tag` as one more
+        column, which ``rela.wrap(targets=)`` checks and drops."""
+        return torch.cat([rows, rows.new_full((*rows.shape[:-1], 1), self.tag)], dim=-1)
+
+    def strip_tag(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows a batch carried (``rela.wrap(targets=)``) without their tag column, after checking that every
+        row carries this folder's :attr:`tag`: rows of another sidecar folder (another prior, other data), rows that
+        never went through :meth:`join` / :meth:`column` (no tag column), and rows cast to a dtype that cannot hold
+        the tag are refused, naming the folders and the fix. Rows on the CPU are checked on the host (the error
+        names the other folder); rows on an accelerator are checked there, without waiting for it."""
+        width = rows.shape[1]
+        fix = ("Open ReLA on the sidecar folder the pipeline joins (ShardedTargets.open(path) for both), and pass the "
+               "rows the join / column hand, as they are.")
+        if width == self.dim:
+            raise SidecarError(
+                f"ReLA.wrap(targets=): the rows have {width} columns, the width of the sidecars at {str(self.path)!r} "
+                "without the tag column that targets.join() and targets.column() add to every row: nothing proves they "
+                "are this folder's rows (rows read some other way, or the last column was cut off). " + fix)
+        if width != self.dim + 1:
+            raise SidecarError(
+                f"ReLA.wrap(targets=) rows have dim {width} but the targets ReLA was opened on have dim {self.dim} (the "
+                f"join hands {self.dim} + 1, the tag column): they come from another prior (or were PCA-reduced "
+                "already). " + fix)
+        if rows.dtype not in (torch.float32, torch.float64):
+            raise SidecarError(
+                f"ReLA.wrap(targets=): the rows are {rows.dtype}, which cannot hold the tag column the join adds (an "
+                "integer near 2^23): pass them as float32, as the join hands them (autocast and .half() on the batch's "
+                "images are fine; leave its target rows alone).")
+        tag = rows[:, -1]
+        if tag.device.type == "cpu":
+            wrong = tag != self.tag
+            if bool(wrong.any()):
+                others = sorted({float(t) for t in tag[wrong].tolist()})
+                named = [_OPENED.get(t, f"a folder not opened in this process (tag {t:.0f})") if TAG_LOW <= t < 2 * TAG_LOW
+                         and t == int(t) else f"no sidecar folder (its last column holds {t:g}, not a tag)"
+                         for t in others[:3]]
+                raise SidecarError(
+                    f"ReLA.wrap(targets=): {int(wrong.sum())} of {len(tag)} rows of this batch come from the sidecar "
+                    f"targets {'; '.join(named)}, but ReLA was opened on {_OPENED.get(self.tag, repr(str(self.path)))} "
+                    f"(tag {self.tag:.0f}): another prior's or another data set's targets would train the student toward "
+                    "the wrong space. " + fix)
+        else:
+            torch._assert_async((tag == self.tag).all(),
+                                f"ReLA.wrap(targets=): rows of this batch carry another sidecar folder's tag than "
+                                f"{str(self.path)!r} (tag {self.tag:.0f}), the folder ReLA was opened on: they were "
+                                f"joined from other sidecars (another prior, other data). {fix} (Rows on the CPU get an "
+                                "error naming both folders.)")
+        return rows[:, :-1]
+
     def shard(self, name: str) -> tuple[list[str], torch.Tensor, np.ndarray]:
-        """``(keys, float32 rows, digests)`` of one data shard's sidecar, checked against the folder's record."""
+        """``(keys, float32 rows, digests)`` of one data shard's sidecar, checked against the folder's record: the
+        file's sha256, its key list, rows as many as keys, every row finite (module docstring)."""
         if name in self._cache:
             return self._cache[name]
         record = self._by_name.get(name)
@@ -423,7 +524,7 @@ class ShardedTargets:
         file = self.path / record["file"]
         if not file.is_file():
             raise SidecarError(f"the sidecar of shard {name!r} ({file.name}) is missing from {str(self.path)!r}.")
-        meta, tensors = _read_sidecar(file)
+        meta, tensors = _read_sidecar(file, record.get("sha256"), name, self.metadata.get("command"))
         keys = meta["keys"]
         rows = tensors["targets"].float()
         if "keys_sha256" in record and (meta["keys_sha256"] != record["keys_sha256"] or _keys_sha256(keys) != record["keys_sha256"]):
@@ -479,25 +580,80 @@ class ShardedTargets:
         self._pca[(n, standardize)] = fitted
         return fitted
 
-    def verify(self) -> dict:
-        """Every sidecar file's sha256 against the one recorded when the folder was finished."""
-        for s in self._shards:
-            if file_sha256(self.path / s["file"]) != s["sha256"]:
-                raise SidecarError(f"the sidecar of shard {s['shard']!r} changed on disk since it was written (sha256 "
-                                   "differs); recompute it.")
+    def verify(self, progress: bool = False) -> dict:
+        """Read every sidecar once with the checks of every read (its sha256 against the one recorded when the
+        folder was finished, its key list, its row count, every row finite); raises SidecarError naming the shard."""
+        from tqdm.auto import tqdm
+
+        for s in tqdm(self._shards, desc="verify sidecars", unit="shard", disable=not progress):
+            self._cache.pop(s["shard"], None)
+            self.shard(s["shard"])
         return {"shards": len(self._shards), "rows": len(self), "dim": self.dim}
+
+    def verify_stream(self, source, split: str = "train", progress: bool = False) -> dict:
+        """Check the folder against the stream it was computed on (``wds:`` / ``hf:`` spec, a ``datasets.Dataset`` or a
+        :class:`~accelerate_ssl.data.streams.StreamSource`), sample by sample, without decoding an image: the same
+        shards, in each the same keys in the same order, and every sample's content digest equal to its row's (and
+        every sidecar's checks on read). Raises SidecarError naming the shard and the key."""
+        from tqdm.auto import tqdm
+
+        from ..data.streams import StreamSource, open_stream
+
+        data = self.metadata["settings"]["data"]
+        if not isinstance(source, StreamSource):
+            if isinstance(source, str) and source.partition(":")[0] != data.get("kind"):
+                raise SidecarError(f"the sidecars at {str(self.path)!r} were computed on {data.get('kind')}: data, so "
+                                   f"{source!r} cannot be theirs; pass the stream of `{self.metadata.get('command')}`.")
+            source = open_stream(source, split, image_field=data.get("image_field"), key_field=data.get("key_field"),
+                                 shard_rows=data.get("shard_rows") or 1)
+        self._require_digests("store verify --data")
+        if source.shards != self.shards:
+            extra = [s for s in source.shards if s not in self._by_name]
+            missing = [s for s in self.shards if s not in set(source.shards)]
+            what = (f"shard {extra[0]!r} of the stream has no sidecar" if extra else
+                    f"the stream lacks shard {missing[0]!r}" if missing else "the stream lists the shards in another order")
+            raise SidecarError(f"{what}: the stream has {len(source.shards)} shard(s), the sidecars at "
+                               f"{str(self.path)!r} are for {len(self.shards)} (computed by "
+                               f"`{self.metadata.get('command')}`); pass that stream, or precompute sidecars for this one.")
+        samples = 0
+        for shard in tqdm(source.shards, desc="verify against the stream", unit="shard", disable=not progress):
+            keys, _, digests = self.shard(shard)
+            pos, seen = 0, {}
+            for key, raw in source.contents(shard):
+                _check_sample(shard, pos, key, keys, seen, digests[pos] if pos < len(keys) else 0, raw)
+                pos += 1
+            if pos < len(keys):
+                _mismatch(shard, pos, None, keys)
+            samples += pos
+        return {"shards": len(self._shards), "rows": len(self), "dim": self.dim, "samples_checked": samples}
+
+    def _require_digests(self, what: str) -> None:
+        """Refuse a ``datasets`` folder written before rows recorded their image digests, with the rebuild command."""
+        data = self.metadata["settings"]["data"]
+        if data.get("kind") == "hf" and int(self.metadata.get("format_version", 1)) < 2:
+            raise SidecarError(
+                f"the sidecars at {str(self.path)!r} were written by an older accelerate-ssl that recorded no image "
+                f"digest for datasets rows, so {what} cannot check that each row's image is the one its target was "
+                f"computed from. Rebuild them into a new folder: `{self.metadata.get('command')}`.")
 
     # ---------------------------------------------------------------- joining
     def join(self, field: str = "target", image_field: Optional[str] = None, view: Any = "random", seed: int = 0,
              check_bytes: bool = True) -> "SidecarJoin":
         """A ``webdataset`` pipeline stage adding each sample's target row as ``sample[field]`` (float32 tensor
-        ``[dim]``): ``wds.WebDataset(urls, shardshuffle=...).compose(targets.join())``, before any sample shuffle."""
+        ``[dim + 1]``: the row, then the folder's :attr:`tag`, which ``rela.wrap(targets=)`` checks and drops):
+        ``wds.WebDataset(urls, shardshuffle=...).compose(targets.join())``, before any sample shuffle."""
         return SidecarJoin(self, field, image_field, view, seed, check_bytes)
 
-    def column(self, dataset, key_column: Optional[str] = None, name: str = "target"):
-        """``dataset`` (the ``datasets.Dataset`` the sidecars were computed on) with a column ``name`` holding each
-        row's target (float32 list of ``dim``); keys (``key_column``, default the row numbers) are checked first."""
+    def column(self, dataset, key_column: Optional[str] = None, name: str = "target", progress: bool = False):
+        """``dataset`` (a ``datasets.Dataset`` holding the rows these sidecars were computed on, in any order: shuffled,
+        sorted, selected or filtered) with a column ``name`` holding each row's target: a float32 list of ``dim + 1``
+        (the last value is the folder's :attr:`tag`). Every row is found by its key (``key_column``, default the id
+        column given at precompute) or, when the sidecars were keyed by row number, by its image's digest; then its
+        image digest is checked against the sidecar's. Reads every row's image bytes once (no decoding). Refuses a
+        row of another data set, an image swapped between two ids, and folders written before rows recorded their
+        image digest (with the rebuild command)."""
         import pyarrow as pa
+        from tqdm.auto import tqdm
 
         from ..data.streams import open_stream
         from ..optional import require
@@ -505,37 +661,91 @@ class ShardedTargets:
         datasets = require("datasets", "ShardedTargets.column")
         if self.views:
             raise SidecarError("column() attaches one target per row; these sidecars hold stored views: use join().")
-        source = open_stream(dataset, image_field=self.metadata["settings"]["data"].get("image_field"),
-                             key_field=key_column, shard_rows=self.metadata["settings"]["data"].get("shard_rows") or 1)
-        keys = source.hf_keys()
-        if source.shards != self.shards:
-            raise SidecarError(f"the data set has {len(keys)} rows in {len(source.shards)} shard(s), the sidecars are for "
-                               f"{int(self._offsets[-1])} rows in {len(self._shards)}: computed on another data set.")
-        parts = []
-        for i, s in enumerate(self._shards):
-            stored, rows, _ = self.shard(s["shard"])
-            mine = keys[int(self._offsets[i]) : int(self._offsets[i + 1])]
-            _check_keys(s["shard"], mine, stored)
+        data = self.metadata["settings"]["data"]
+        if data.get("kind") != "hf":
+            raise SidecarError(f"the sidecars at {str(self.path)!r} were computed on {data.get('kind')}: shards; column() "
+                               "attaches targets to a datasets.Dataset. Join them in the webdataset pipeline instead: "
+                               "wds.WebDataset(urls, ...).compose(targets.join()).")
+        recorded = data.get("key_field")
+        if key_column is None:
+            key_column = recorded
+        elif key_column != recorded:
+            raise SidecarError(f"column(key_column={key_column!r}), but the sidecars at {str(self.path)!r} were keyed by "
+                               + (f"column {recorded!r}" if recorded else "row number (no --key-field)")
+                               + f" at precompute; pass key_column={recorded!r}.")
+        self._require_digests("column()")
+        source = open_stream(dataset, image_field=data.get("image_field"), key_field=key_column,
+                             shard_rows=data.get("shard_rows") or 1)
+        keys, digests, parts = [], [], []
+        for s in self._shards:
+            k, rows, d = self.shard(s["shard"])
+            keys += k
+            digests.append(d)
             parts.append(rows.numpy())
-        flat = np.concatenate(parts).astype(np.float32, copy=False)
-        table = pa.table({name: pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), self.dim)})
+        stored = np.concatenate(digests)
+        if not len(stored):
+            raise SidecarError(f"the sidecars at {str(self.path)!r} hold no rows; precompute them over a data set with "
+                               "images.")
+        have = np.empty(len(dataset), dtype=np.int64)
+        have_keys: list[str] = []
+        bar = tqdm(total=len(dataset), desc="check rows", unit="row", disable=not progress)
+        i = 0
+        for shard in source.shards:
+            for key, raw in source.contents(shard):
+                have[i] = bytes_digest(raw)
+                have_keys.append(key)
+                i += 1
+            bar.update(i - bar.n)
+        bar.close()
+        fix = f"attach targets computed on this data set (`{self.metadata.get('command')}` with its --data)."
+        if key_column:
+            where = {k: g for g, k in enumerate(keys)}
+            found = np.array([where.get(k, -1) for k in have_keys], dtype=np.int64)
+            if (found < 0).any():
+                i = int(np.flatnonzero(found < 0)[0])
+                raise SidecarError(f"row {i} of the data set has {key_column} {have_keys[i]!r}, which no row of the "
+                                   f"sidecars at {str(self.path)!r} holds: another data set, or rows added since the "
+                                   "precompute; " + fix)
+            bad = np.flatnonzero(stored[found] != have)
+            if bad.size:
+                i = int(bad[0])
+                other = np.flatnonzero(stored == have[i])
+                raise SidecarError(
+                    f"row {i} of the data set ({key_column} {have_keys[i]!r}): its image is not the one its target was "
+                    "computed from" + (f"; it is the image of {key_column} {keys[int(other[0])]!r} (images and ids "
+                                       "swapped)" if other.size else " (the image changed since the precompute)")
+                    + f"; {len(bad)} row(s) differ. Fix the data set, or " + fix)
+        else:
+            order = np.argsort(stored, kind="stable")
+            found = order[np.minimum(np.searchsorted(stored[order], have), len(order) - 1)]
+            missing = np.flatnonzero(stored[found] != have)
+            if missing.size:
+                i = int(missing[0])
+                raise SidecarError(
+                    f"row {i} of the data set: its image is not one the sidecars at {str(self.path)!r} were computed "
+                    f"from ({len(missing)} of {len(have)} rows are not): another data set, or images changed since the "
+                    "precompute; " + fix)
+        flat = self.carried(torch.from_numpy(np.concatenate(parts).astype(np.float32, copy=False))[found]).numpy()
+        table = pa.table({name: pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), self.dim + 1)})
         return datasets.concatenate_datasets([dataset, datasets.Dataset(table)], axis=1)
 
     def __repr__(self) -> str:
         return f"ShardedTargets({str(self.path)!r}, shards={len(self._shards)}, rows={len(self)}, dim={self.dim})"
 
 
-def _check_keys(shard: str, actual: list[str], stored: list[str]) -> None:
-    """The keys a shard holds now against its sidecar's, in order: the first difference, named."""
-    if actual == stored:
-        return
-    seen: dict[str, int] = {}
-    for j, key in enumerate(actual):
-        if key in seen:
-            raise SidecarError(f"shard {shard!r}: key {key!r} appears twice (samples {seen[key]} and {j}).")
-        seen[key] = j
-    j = next((j for j, (a, b) in enumerate(zip(actual, stored)) if a != b), min(len(actual), len(stored)))
-    _mismatch(shard, j, actual[j] if j < len(actual) else None, stored)
+def _check_sample(shard: str, pos: int, key: str, keys: list[str], seen: dict, digest: int, raw) -> None:
+    """Sample ``pos`` of ``shard`` (``key``, content ``raw``) against row ``pos`` of its sidecar (``keys``, the row's
+    ``digest``; 0: none recorded): a key seen before in this shard, a key out of place and content other than the
+    row's are refused, naming shard and key. ``seen`` (key -> position) is updated."""
+    if key in seen:
+        raise SidecarError(f"shard {shard!r}: key {key!r} appears twice (samples {seen[key]} and {pos}); the "
+                           "shard has a duplicated key: fix it and recompute its sidecar.")
+    if pos >= len(keys) or keys[pos] != key:
+        _mismatch(shard, pos, key, keys)
+    if digest != 0 and raw is not None and bytes_digest(raw) != digest:
+        raise SidecarError(f"shard {shard!r}: the image of key {key!r} is not the one its target was computed from "
+                           "(its bytes changed); recompute the sidecar of this shard.")
+    seen[key] = pos
 
 
 def _mismatch(shard: str, j: int, key: Optional[str], stored: list[str]) -> None:
@@ -583,18 +793,11 @@ class SidecarJoin:
                     _mismatch(current, pos, None, keys)
                 current, pos, seen = shard, 0, {}
                 keys, rows, digests = self.targets.shard(shard)
+                rows = self.targets.carried(rows)  # every row handed with the folder's tag (wrap checks it)
                 self.passes += 1
-            if key in seen:
-                raise SidecarError(f"shard {shard!r}: key {key!r} appears twice (samples {seen[key]} and {pos}); the "
-                                   "shard has a duplicated key: fix it and recompute its sidecar.")
-            if pos >= len(keys) or keys[pos] != key:
-                _mismatch(shard, pos, key, keys)
             field = self.image_field or next((f for f in IMAGE_FIELDS if f in sample), None)
-            if self.check_bytes and digests[pos] != 0 and field in sample and isinstance(sample[field], bytes):
-                if bytes_digest(sample[field]) != digests[pos]:
-                    raise SidecarError(f"shard {shard!r}: the image of key {key!r} is not the one its target was "
-                                       "computed from (its bytes changed); recompute the sidecar of this shard.")
-            seen[key] = pos
+            raw = sample.get(field) if self.check_bytes and isinstance(sample.get(field), bytes) else None
+            _check_sample(shard, pos, key, keys, seen, int(digests[pos]) if pos < len(keys) else 0, raw)
             row = rows[pos]
             if self.targets.views is not None:
                 v = self._pick(key)
