@@ -4,6 +4,7 @@ aligned rows, says when it cannot judge, checks the prior's weights, and survive
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
@@ -188,3 +189,52 @@ def test_a_checkpoint_keeps_the_calibration_and_witnesses_again_after_a_resume(f
     fresh.witness.load_state_dict(state)
     assert fresh.witness.steps == 12 and fresh.witness._views == state["views"]
     assert fresh.witness.armed and fresh.witness._burst_left == fresh.witness.burst  # step 12 is not a multiple of 50
+
+
+def test_rows_carried_by_the_batch_are_witnessed_too(tmp_path):
+    """A WebDataset loop whose rows ride in the batch (sidecars joined by key and content): every bookkeeping check
+    passes, then the loop's own code mixes the rows up within the batch; the witness, rebuilt from the sidecars'
+    recorded prior, stops it and names the sidecar path."""
+    import test_streams as ts
+    from accelerate_ssl import ShardedTargets, decode_images, precompute_sidecars
+
+    urls = ts.write_shards(tmp_path / "data", sizes=(40, 40))
+    targets = precompute_sidecars(ts.create_prior("random:convnet", in_channels=1), f"wds:{tmp_path}/data/shard-{{000000..000001}}.tar",
+                                  tmp_path / "sidecars", batch_size=16, progress=False)
+    targets = ShardedTargets.open(tmp_path / "sidecars")
+
+    def loop(mix_up: bool, steps: int = 6):
+        data = (ts.wds.WebDataset(urls, shardshuffle=False, empty_check=False).compose(targets.join())
+                .map(decode_images()).map_dict(png=ts.as_tensor).to_tuple("png", "target"))
+        torch.manual_seed(0)
+        backbone = nn.Sequential(nn.Flatten(), nn.Linear(ts.SIZE * ts.SIZE, 16))
+        rela = ReLA(targets, backbone, feature_dim=16, schedule="constant:0.5", witness=Witness(samples=16))
+        opt = torch.optim.SGD([*backbone.parameters(), *rela.parameters()], lr=0.1)
+        for step, (x, t) in enumerate(torch.utils.data.DataLoader(data, batch_size=16)):
+            if step == steps:
+                break
+            x = x.float() / 255
+            loss = backbone(x).pow(2).mean() + backbone(x.flip(3)).pow(2).mean()  # two views of each sample
+            if mix_up:
+                t = t.roll(1, dims=0)  # the loop's own bug: every sample gets its neighbour's row
+            loss = rela.wrap(loss, targets=t)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return rela
+
+    rela = loop(mix_up=False)
+    assert rela.witness.status == "aligned" and rela.witness.prior.describe()["spec"] == "random:convnet"
+    with pytest.raises(MisalignmentError, match=r"rows ride in the batch from sidecars"):
+        loop(mix_up=True)
+
+
+def test_a_witness_that_cannot_embed_turns_itself_off_and_says_so(fmnist):
+    """A prior whose embeddings do not fit the store (the wrong prior given by hand, no weights recorded to compare)
+    cannot break training: the witness goes off, once, naming why."""
+    train, store = fmnist
+    rela, seen = _run(train, _rows(store), 2, witness=Witness(prior=_flat_prior(784)))
+    said = [str(w.message) for w in seen if issubclass(w.category, WitnessWarning)]
+    assert len(said) == 1 and re.search(r"witness is off: re-embedding the training inputs failed \(ValueError: .*have "
+                                        r"dim 784 but the targets ReLA was opened on have dim 128", said[0])
+    assert rela.witness.status.startswith("off:") and rela.steps == 2 and rela.witness._handle is None

@@ -425,7 +425,7 @@ class ReLA:
             self.to(feats.device)
         target = self.targets(index, feats.device) if rows is None else self.targets.reduce_rows(rows, feats.device)
         if self.witness is not None:  # the prior re-embeds some of this batch's inputs (on its witnessed steps)
-            self.witness.observe(target, n, lambda e: self.targets.reduce_rows(e, feats.device), path)
+            self.witness.observe(target, n, lambda e: self.targets.reduce_raw(e, feats.device), path)
         target = target.repeat(feats.shape[0] // n, 1)  # views are stacked blocks of n, all share a target
         if self.transport.needs_fit:  # fitted on this batch: its loss is not observed by the guard (fitted rows align)
             self.transport.fit(feats, target)

@@ -295,6 +295,11 @@ class TargetLookup:
                              f"{type(rows).__name__} {tuple(getattr(rows, 'shape', ()))}.")
         if hasattr(self.store, "strip_tag"):  # sidecar rows carry their folder's tag: checked, then dropped
             rows = self.store.strip_tag(rows)
+        return self.reduce_raw(rows, device)
+
+    def reduce_raw(self, rows: torch.Tensor, device) -> torch.Tensor:
+        """The prior's raw outputs ``[B, dim]`` (as precompute wrote them, before any tag) -> the rows the loss uses:
+        the store's width, finite (checked on the device), then its reduction (the witness's embeddings too)."""
         written = self.store.written_pca() if getattr(self.store, "components", None) is not None else None
         if written is not None and rows.shape[1] == written.dim:  # raw rows for a store reduced at write
             rows = written.transform(rows.detach().to(device=device, dtype=torch.float32, non_blocking=True))

@@ -204,6 +204,17 @@ class Witness:
         views = [x for x in inputs if x.shape[0] == n][:2]  # the calls on this batch's samples (views), at most two
         if not views:
             return
+        try:
+            self._witness(views, rows, n, reduce_rows)
+        except (ValueError, RuntimeError, TypeError) as err:  # the witness must not break a run it cannot check
+            self._turn_off(f"re-embedding the training inputs failed ({type(err).__name__}: {str(err)[:300]})")
+
+    def _turn_off(self, reason: str) -> None:
+        self.close()
+        self._on, self.status = False, f"off: {reason}"
+        self._say("off", f"ReLA's witness is off: {reason}. Training goes on with the other checks.")
+
+    def _witness(self, views: list, rows: torch.Tensor, n: int, reduce_rows) -> None:
         k = min(self.samples, n)
         x = torch.cat([v[:k].detach() for v in views])
         device = rows.device

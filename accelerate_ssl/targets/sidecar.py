@@ -401,6 +401,7 @@ class ShardedTargets:
         self._cache: dict[str, tuple] = {}
         self.views = StoredViews.from_dict(metadata["views"]) if metadata.get("views") else None
         self._pca: dict = {}
+        self._written_pca: Optional[TargetPCA] = None
         if check:
             self._offsets = np.cumsum([0] + [s["rows"] for s in self._shards])
             _OPENED[self.tag] = f"{str(self.path)!r} (prior {self.metadata.get('settings', {}).get('prior', {}).get('spec')})"
@@ -443,6 +444,25 @@ class ShardedTargets:
     @property
     def shards(self) -> list[str]:
         return [s["shard"] for s in self._shards]
+
+    @property
+    def components(self) -> Optional[int]:
+        """``k`` when the rows were PCA-reduced at write (``components=k``), as for a TargetStore; else None."""
+        k = self.metadata.get("settings", {}).get("components")
+        return int(k) if k else None
+
+    def written_pca(self) -> Optional[TargetPCA]:
+        """The PCA the rows were reduced with at write (raw prior outputs -> these rows), or None."""
+        if self.components is None:
+            return None
+        if self._written_pca is None:
+            file = self.path / PCA_DIR / f"write-n{self.components}-zscore.safetensors"
+            try:
+                self._written_pca = _load_pca(file)
+            except Exception as err:
+                raise SidecarError(f"{file} (the PCA the rows were reduced with) is unreadable ({err}); recompute the "
+                                   "sidecars.") from err
+        return self._written_pca
 
     def identity(self) -> dict:
         """What a ReLA checkpoint records of these targets (compared when it is loaded)."""
