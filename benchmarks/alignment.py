@@ -1,24 +1,28 @@
-"""ReLA's alignment check (:mod:`accelerate_ssl.rela.guard`): its false-alarm and miss rates on the demo.
+"""ReLA's two in-training checks of target rows: the witness (``rela/witness.py``) and the head check (``rela/guard.py``).
 
-The demo's ReLA run (``accelerate-ssl demo``: Fashion-MNIST 20k train images, the shipped prior
-``shipped:fashion-mnist-byol-20k``, the 16/32/64 ConvNet student, BYOL + ReLA with ``switch``, weak views while
-lambda == 1, 16 PCA components, the least-squares head, AdamW 1e-3, batch 128, 250 steps), seeded, once per
-condition and seed, with the store's rows:
+Every run is BYOL + ReLA on 28-px grayscale images with the demo's student (ConvNet 16/32/64), the demo's prior
+(``shipped:digits-byol``, trained on other data), 16 target components, the least-squares head, AdamW 1e-3, batch 128,
+``--steps`` optimiser steps; the recipe is ``two-view`` (the library's default ``decay`` schedule: BYOL's two views on
+every step, lambda in (0, 1)) unless the case says ``one-view`` (the demo's: ``switch``, one weak view while
+lambda = 1). Both checks run with their defaults, the witness set to warn instead of stopping, so every run goes to its
+end and both detection steps are recorded.
 
-- ``aligned``: as computed (every alarm here is a false alarm);
-- ``shuffled-1%`` / ``-10%`` / ``-100%``: a random permutation applied to that fraction of the rows;
-- ``stale``: the right store, but every step looks up the *previous* batch's indices.
+Aligned runs (every alarm is a false alarm), over data of decreasing diversity: Fashion-MNIST (5000 images),
+scikit-learn digits (1797), one Fashion-MNIST class (trousers, 4000), near-duplicates (10 images, each 300 times with
+pixel noise and 1-px shifts), and Fashion-MNIST from WebDataset shards with the rows joined from sidecars
+(``wrap(targets=)``). Misaligned runs on Fashion-MNIST: the store's rows under a random permutation of all, 10 % or
+one pair of them; a class-shifted pairing (rows of class c given to class c + 1: wrong from step 0 and learnable by
+the head); every step looking up the previous batch's indices (``stale``); and a memorised wrong pairing (a random
+permutation on 512 images, trained 400 steps with both checks off, then continued with them on). And where the
+witness cannot separate: a random prior (``random:convnet``) and heavy augmentation (crops down to 8 % of the image,
+strong jitter), aligned and fully shuffled.
 
-The same with two variants of the recipe (``--variants``): ``decay`` (the library's default schedule, the
-ReLA term on for the whole run) and ``random head`` (the papers' random head instead of the least-squares fit).
+Cost: the two-view step with both checks on vs off, interleaved step by step over ``--cost-steps`` steps.
 
-Per run: whether the check warned and at which step, and every tested window's gap and t statistic. A run
-stops at its alarm (a misaligned run's later steps tell nothing more). The check's own cost is timed apart, per
-call, at the demo's shape and at a larger one. Each finished run is cached as JSON under ``--cache``, so a rerun
-resumes. Writes ``benchmarks/results/alignment.json`` and ``alignment.png``.
+    nice -n 5 python benchmarks/alignment.py             # the study in benchmarks/README.md (runs cached, resumable)
+    python benchmarks/alignment.py --cases fashion-mnist:aligned --seeds 0    # a quick look
 
-    nice -n 5 .venv/bin/python benchmarks/alignment.py                    # the study in benchmarks/README.md
-    .venv/bin/python benchmarks/alignment.py --seeds 0 --conditions aligned shuffled-100%   # a quick look
+Writes ``benchmarks/results/alignment.json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import platform
 import shlex
 import statistics
@@ -35,6 +38,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,214 +47,360 @@ sys.path.insert(0, str(ROOT))
 from accelerate_ssl.atomic import atomic_write_json  # noqa: E402
 from accelerate_ssl.results import save_figure, write_results  # noqa: E402
 
-VERSION = 1  # bump when a change invalidates cached runs
-CONDITIONS = ("aligned", "shuffled-1%", "shuffled-10%", "shuffled-100%", "stale")
-#: the demo's recipe, and two changes of it that change how the head learns: the library's default schedule
-#: (ReLA's term stays on all run, lambda decaying) and the papers' random head (no least-squares start)
-VARIANTS = {"demo": [], "decay": ["--schedule", "decay"], "random head": ["--head-init", "random"]}
+VERSION = 2  # bump when a change invalidates cached runs
+PRIOR = "shipped:digits-byol"
+#: case -> (data, rows, recipe, seeds); rows: how the store's rows are given to the samples
+CASES = {
+    "fashion-mnist:aligned": ("fashion-mnist", "aligned", "two-view", 8),
+    "digits:aligned": ("digits", "aligned", "two-view", 8),
+    "one-class:aligned": ("one-class", "aligned", "two-view", 6),
+    "near-duplicates:aligned": ("near-duplicates", "aligned", "two-view", 6),
+    "webdataset:aligned": ("webdataset", "aligned", "two-view", 6),
+    "fashion-mnist:aligned (one-view)": ("fashion-mnist", "aligned", "one-view", 3),
+    "fashion-mnist:shuffled-100%": ("fashion-mnist", "shuffled-100%", "two-view", 3),
+    "fashion-mnist:shuffled-10%": ("fashion-mnist", "shuffled-10%", "two-view", 3),
+    "fashion-mnist:swapped pair": ("fashion-mnist", "swapped pair", "two-view", 3),
+    "fashion-mnist:class-shifted": ("fashion-mnist", "class-shifted", "two-view", 3),
+    "fashion-mnist:stale": ("fashion-mnist", "stale", "two-view", 3),
+    "fashion-mnist:memorised": ("fashion-mnist", "memorised", "two-view", 3),
+    "fashion-mnist:shuffled-100% (one-view)": ("fashion-mnist", "shuffled-100%", "one-view", 3),
+    "random prior:aligned": ("fashion-mnist", "aligned", "random prior", 3),
+    "random prior:shuffled-100%": ("fashion-mnist", "shuffled-100%", "random prior", 3),
+    "heavy augmentation:aligned": ("fashion-mnist", "aligned", "heavy augmentation", 3),
+    "heavy augmentation:shuffled-100%": ("fashion-mnist", "shuffled-100%", "heavy augmentation", 3),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--conditions", nargs="+", choices=CONDITIONS, default=list(CONDITIONS))
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
-                   help="recipes: the demo's, and the variants (aligned, 100 %% shuffled and stale only)")
-    p.add_argument("--seeds", type=int, nargs="+", default=list(range(12)),
-                   help="seeds of the demo's aligned runs (default 0-11)")
-    p.add_argument("--misaligned-seeds", type=int, nargs="+", default=list(range(5)),
-                   help="seeds of the demo's other conditions (default 0-4)")
-    p.add_argument("--variant-seeds", type=int, nargs="+", default=list(range(4)),
-                   help="seeds of the variants' runs (default 0-3)")
-    p.add_argument("--steps", type=int, default=250, help="optimiser steps per run (the demo's budget, 250)")
-    p.add_argument("--train-size", type=int, default=20000)
+    p.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds of every case (default: each case's count)")
+    p.add_argument("--steps", type=int, default=150, help="optimiser steps per run (default 150)")
+    p.add_argument("--cost-steps", type=int, default=200, help="interleaved steps of the cost measurement (0: skip)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    p.add_argument("--cache", default=str(ROOT / "benchmarks/cache/alignment"), help="per-run JSON cache and the store")
+    p.add_argument("--cache", default=str(ROOT / "benchmarks/cache/alignment"), help="per-run JSON cache, stores, shards")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/alignment.json"))
     return p
 
 
-def demo_settings(args, variant: str = "demo") -> argparse.Namespace:
-    """The demo's own defaults (``accelerate-ssl demo``), with this study's steps and train size."""
-    from accelerate_ssl.demo import add_arguments
+# ---------------------------------------------------------------------------------------------- data and rows
+def images_of(data: str):
+    """A data set (PIL-free ``ArrayImageDataset``) of 28-px grayscale images, and its labels."""
+    from accelerate_ssl.data import FashionMNIST
+    from accelerate_ssl.data.datasets import ArrayImageDataset, Digits
 
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    return p.parse_args(["--budget", str(args.steps), "--train-size", str(args.train_size), *VARIANTS[variant]])
+    if data == "digits":
+        return Digits()
+    full = FashionMNIST("train", limit=None if data in ("one-class", "near-duplicates") else 5000)
+    images, labels = np.asarray(full.data), np.asarray(full.targets)
+    if data == "one-class":
+        keep = np.flatnonzero(labels == 1)[:4000]
+        return ArrayImageDataset(images[keep], labels[keep], name="fashion-mnist-trousers")
+    if data == "near-duplicates":
+        g = np.random.default_rng(0)
+        base = images[[int(np.flatnonzero(labels == c)[0]) for c in range(10)]].astype(np.float32)
+        out = []
+        for i in range(3000):
+            im = np.roll(base[i % 10], tuple(g.integers(-1, 2, 2)), axis=(0, 1)) + g.normal(0, 8, (28, 28))
+            out.append(np.clip(im, 0, 255).astype(np.uint8))
+        return ArrayImageDataset(np.stack(out), np.arange(3000) % 10, name="near-duplicates")
+    return ArrayImageDataset(images, labels, name="fashion-mnist-5000")
 
 
-def misaligned_rows(rows: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
-    """``rows`` with a random permutation applied to a random ``fraction`` of them."""
+def wrong_rows(rows: torch.Tensor, labels: np.ndarray, kind: str, seed: int) -> torch.Tensor:
+    """The store's rows given to other samples: a random permutation of all or 10 % of them, one swapped pair, or
+    class c's rows given to class c + 1 (each sample a random row of that class)."""
     g = torch.Generator().manual_seed(1000 + seed)
-    chosen = torch.randperm(len(rows), generator=g)[: round(fraction * len(rows))]
     out = rows.clone()
-    out[chosen] = rows[chosen[torch.randperm(len(chosen), generator=g)]]
+    if kind.startswith("shuffled") or kind == "memorised":
+        fraction = 1.0 if kind in ("memorised", "shuffled-100%") else 0.1
+        chosen = torch.randperm(len(rows), generator=g)[: round(fraction * len(rows))]
+        out[chosen] = rows[chosen[torch.randperm(len(chosen), generator=g)]]
+    elif kind == "swapped pair":
+        i, j = torch.randperm(len(rows), generator=g)[:2].tolist()
+        out[i], out[j] = rows[j], rows[i]
+    elif kind == "class-shifted":
+        labels = torch.as_tensor(labels)
+        for c in range(int(labels.max()) + 1):
+            mine, theirs = (labels == c).nonzero().flatten(), (labels == (c + 1) % 10).nonzero().flatten()
+            out[mine] = rows[theirs[torch.randint(len(theirs), (len(mine),), generator=g)]]
     return out
 
 
-class _Alarm(Exception):
-    pass
+# ---------------------------------------------------------------------------------------------- one run
+def make_rela(targets, backbone, recipe: str, steps: int, prior_spec: str, checks: bool = True):
+    from accelerate_ssl.rela import ReLA, Witness
+    from accelerate_ssl.targets.priors import create_prior
+
+    given = None if hasattr(targets, "metadata") else create_prior(prior_spec)  # in-memory rows record no prior
+    witness = Witness(prior=given, on_misalignment="warn") if checks else False
+    return ReLA(targets, backbone, schedule="switch" if recipe == "one-view" else "decay", total_steps=steps,
+                feature_dim=backbone.feature_dim, n_components=16, alignment_check=checks, witness=witness)
 
 
-def run_one(demo, condition: str, seed: int, images: torch.Tensor, rows: torch.Tensor, desc: str = "") -> dict:
+def train(model, rela, batches, steps: int, recipe: str, seed: int, on_step=None) -> dict:
+    from accelerate_ssl.recipes import BYOL_VIEWS, train_ssl
+    from accelerate_ssl.recipes.views import ViewConfig
+
+    views = ViewConfig(scale=(0.08, 1.0), jitter=0.8) if recipe == "heavy augmentation" else BYOL_VIEWS
+    opt = torch.optim.AdamW([*(p for p in model.parameters() if p.requires_grad), *rela.parameters()], lr=1e-3,
+                            weight_decay=0.01)
+    return train_ssl(model, batches, steps, optimizer=opt, view_generator=torch.Generator().manual_seed(seed + 1),
+                     views=views, rela=rela, rela_views="weak" if recipe == "one-view" else "byol",
+                     rela_step="one-view" if recipe == "one-view" else "two-view", on_step=on_step)
+
+
+def run_one(case: str, seed: int, args, stores: dict) -> dict:
     from accelerate_ssl.backbones import ConvNet
-    from accelerate_ssl.demo import parse_schedule
-    from accelerate_ssl.rela import ReLA
-    from accelerate_ssl.recipes import BYOL, shuffled_batches, tensor_batches, train_ssl
+    from accelerate_ssl.recipes import BYOL, images_to_tensor, shuffled_batches, tensor_batches
 
-    targets = rows if not condition.startswith("shuffled") else \
-        misaligned_rows(rows, float(condition.split("-")[1].rstrip("%")) / 100, seed)
+    data, kind, recipe, _ = CASES[case]
+    if data == "webdataset":
+        return run_webdataset(seed, args, stores)
+    prior_spec = "random:convnet" if recipe == "random prior" else PRIOR
+    dataset, store = stores[(data, prior_spec)]
+    images = images_to_tensor(np.asarray(dataset.data))
+    rows = torch.as_tensor(np.asarray(store.array), dtype=torch.float32)
+    targets = store if kind in ("aligned", "stale") else wrong_rows(rows, np.asarray(dataset.targets), kind, seed)
     torch.manual_seed(seed)
-    backbone = ConvNet(widths=tuple(demo.widths))
+    backbone = ConvNet(widths=(16, 32, 64))
     model = BYOL(backbone, backbone.feature_dim)
-    rela = ReLA(targets, backbone, schedule=parse_schedule(demo.schedule, demo.budget), feature_dim=backbone.feature_dim,
-                n_components=demo.components, head_init=demo.head_init)
-    opt = torch.optim.AdamW([*(p for p in model.parameters() if p.requires_grad), *rela.parameters()],
-                            lr=demo.lr, weight_decay=0.01)
-    order = shuffled_batches(len(images), demo.batch_size, seed=seed)
-    if condition == "stale":  # the images of batch t with the indices of batch t - 1
+    if kind == "memorised":  # 400 steps on 512 images with the wrong pairing and no check, then on with the checks
+        images, targets = images[:512], targets[:512]
+        rela = make_rela(targets, backbone, recipe, 400, prior_spec, checks=False)
+        train(model, rela, tensor_batches(images, shuffled_batches(512, 128, seed=seed)), 400, recipe, seed)
+        state = rela.state_dict()
+        rela.close()
+    order = shuffled_batches(len(images), 128, seed=seed)
+    batches = tensor_batches(images, order)
+    if kind == "stale":  # the images of batch t with the indices of batch t - 1
         def lagged(order=order):
             previous = next(order)
             for current in order:
                 yield images[current], previous
                 previous = current
         batches = lagged()
-    else:
-        batches = tensor_batches(images, order)
-    fired = {}
-
-    def on_step(step, loss):
-        if rela.guard.alarm is not None:
-            fired["step"] = step
-            raise _Alarm
-
+    rela = make_rela(targets, backbone, recipe, args.steps, prior_spec)
+    if kind == "memorised":
+        rela.load_state_dict({**state, "alignment_check": None, "witness": None})
     t0 = time.perf_counter()
-    log = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        try:
-            log = train_ssl(model, batches, demo.budget, optimizer=opt, view_generator=torch.Generator().manual_seed(seed + 1),
-                            rela=rela, rela_views=demo.rela_views, on_step=on_step, progress=f"{desc}{condition} seed {seed}")
-        except _Alarm:
-            pass
+        train(model, rela, batches, args.steps, recipe, seed)
+    return summary_of(rela, case, seed, time.perf_counter() - t0)
+
+
+def run_webdataset(seed: int, args, stores: dict) -> dict:
+    """The same two-view recipe on WebDataset shards, each sample's row joined from its sidecar (``targets=``)."""
+    import webdataset as wds
+
+    from accelerate_ssl import ShardedTargets, decode_images
+    from accelerate_ssl.backbones import ConvNet
+    from accelerate_ssl.recipes import BYOL, BYOL_VIEWS, images_to_tensor, random_views
+
+    urls, folder = stores["webdataset"]
+    targets = ShardedTargets.open(folder)
+    data = (wds.WebDataset(urls, shardshuffle=len(urls), seed=seed, empty_check=False).compose(targets.join())
+            .map(decode_images()).shuffle(1000, seed=seed)
+            .map_dict(png=lambda a: torch.from_numpy(np.array(a))).to_tuple("png", "target"))
+    torch.manual_seed(seed)
+    backbone = ConvNet(widths=(16, 32, 64))
+    model = BYOL(backbone, backbone.feature_dim)
+    rela = make_rela(targets, backbone, "two-view", args.steps, PRIOR)
+    opt = torch.optim.AdamW([*(p for p in model.parameters() if p.requires_grad), *rela.parameters()], lr=1e-3,
+                            weight_decay=0.01)
+    g = torch.Generator().manual_seed(seed + 1)
+    t0, step = time.perf_counter(), 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        while step < args.steps:
+            for x, t in torch.utils.data.DataLoader(data, batch_size=128):
+                if step == args.steps:
+                    break
+                views = [random_views(images_to_tensor(x), BYOL_VIEWS, g) for _ in range(2)]
+                features = [backbone(v) for v in views]
+                loss = rela.wrap(lambda: model.step_loss(features, views, None), targets=t)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                model.update_momentum(0.99)
+                step += 1
+    return summary_of(rela, "webdataset:aligned", seed, time.perf_counter() - t0)
+
+
+def summary_of(rela, case: str, seed: int, seconds: float) -> dict:
+    rela.witness._judge_ready(None, wait=True)
+    rela.guard._poll(wait=True)
     rela.close()
-    windows = [dict(w) for w in rela.guard.history]
-    return {"condition": condition, "seed": seed, "fired": "step" in fired, "fired_step": fired.get("step"),
-            "steps_run": fired.get("step", demo.budget), "alarm": rela.guard.alarm, "windows": windows,
-            "min_t": min((w["t"] for w in windows), default=None),
-            "mean_step_seconds": None if log is None else log["train_seconds"] / max(1, len(log["step_seconds"])),
-            "wall_seconds": time.perf_counter() - t0}
+    return {"case": case, "seed": seed, "seconds": seconds,
+            "guard": {"alarm": rela.guard.alarm, "windows": [dict(w) for w in rela.guard.history]},
+            "witness": {"alarm": rela.witness.alarm, "status": rela.witness.status, "last": rela.witness.last}}
 
 
-def check_cost(batch: int, views: int, dim: int, calls: int = 2000) -> dict:
-    """Seconds per :meth:`AlignmentGuard.observe` call on ``[views * batch, dim]`` predictions (CPU)."""
-    from accelerate_ssl.rela.guard import AlignmentGuard
+# ---------------------------------------------------------------------------------------------- cost
+def cost(args, stores: dict) -> dict:
+    """Step time of the two-view recipe with both checks on and off, the two runs' steps interleaved one by one."""
+    from accelerate_ssl.backbones import ConvNet
+    from accelerate_ssl.recipes import BYOL, images_to_tensor, shuffled_batches, tensor_batches
 
-    g = torch.Generator().manual_seed(0)
-    pred, target = torch.randn(views * batch, dim, generator=g), torch.randn(views * batch, dim, generator=g)
-    guard = AlignmentGuard(warmup=0, window=10**9)
-    for _ in range(50):
-        guard.observe(pred, target, batch)
-    t = time.perf_counter()
-    for _ in range(calls):
-        guard.observe(pred, target, batch)
-    return {"batch": batch, "views": views, "dim": dim, "seconds_per_call": (time.perf_counter() - t) / calls}
+    dataset, store = stores[("fashion-mnist", PRIOR)]
+    images = images_to_tensor(np.asarray(dataset.data))
+    runs = {}
+    for checks in (True, False):
+        torch.manual_seed(0)
+        backbone = ConvNet(widths=(16, 32, 64))
+        model = BYOL(backbone, backbone.feature_dim)
+        rela = make_rela(store, backbone, "two-view", args.cost_steps, PRIOR, checks=checks)
+        runs[checks] = (model, rela, tensor_batches(images, shuffled_batches(len(images), 128, seed=0)), [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(args.cost_steps):
+            for checks, (model, rela, batches, times) in runs.items():
+                times.append(train(model, rela, batches, 1, "two-view", 0)["step_seconds"][0])
+    on, off = (runs[c][3][2:] for c in (True, False))
+    return {"steps": len(on), "mean_on": statistics.fmean(on), "mean_off": statistics.fmean(off),
+            "median_on": statistics.median(on), "median_off": statistics.median(off),
+            "ratio_of_means": statistics.fmean(on) / statistics.fmean(off)}
 
 
+# ---------------------------------------------------------------------------------------------- the report
 def summarise(runs: list[dict]) -> list[dict]:
     out = []
-    for variant, cond in ((v, c) for v in VARIANTS for c in CONDITIONS):
-        rs = [r for r in runs if r["condition"] == cond and r["variant"] == variant]
+    for case in CASES:
+        rs = [r for r in runs if r["case"] == case]
         if not rs:
             continue
-        fired = [r["fired_step"] for r in rs if r["fired"]]
-        ts = [r["min_t"] for r in rs if r["min_t"] is not None]
-        out.append({"variant": variant, "condition": cond, "runs": len(rs), "alarms": len(fired), "alarm_rate": len(fired) / len(rs),
-                    "median_alarm_step": round(statistics.median(fired)) if fired else None,
-                    "min_t": min(ts) if ts else None,
-                    "first_window_gap": statistics.mean([r["windows"][0]["gap"] for r in rs if r["windows"]] or [math.nan])})
+        wit = [r["witness"]["alarm"]["step"] for r in rs if r["witness"]["alarm"]]
+        head = [r["guard"]["alarm"]["batch"] for r in rs if r["guard"]["alarm"]]
+        ranks = [(r["witness"]["last"] or {}).get("rows_rank") for r in rs]
+        views = [(r["witness"]["last"] or {}).get("view_rank") for r in rs]
+        statuses = sorted({r["witness"]["status"] for r in rs})
+        out.append({"case": case, "runs": len(rs), "witness_alarms": len(wit), "head_alarms": len(head),
+                    "witness_median_step": statistics.median(wit) if wit else None,
+                    "head_median_batch": statistics.median(head) if head else None,
+                    "rows_rank": statistics.fmean([x for x in ranks if x is not None] or [float("nan")]),
+                    "view_rank": statistics.fmean([x for x in views if x is not None] or [float("nan")]),
+                    "witness_status": ", ".join(statuses)})
     return out
 
 
-def table(summary: list[dict], cost: list[dict], step_seconds: float) -> str:
-    lines = ["| recipe | store rows | runs | alarms | alarm rate | median step of the alarm | lowest window t | mean gap, first window |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+def table(summary: list[dict], cost_result: dict) -> str:
+    lines = ["| case | runs | witness: stops | median step | head check: warns | median batch | own row's rank | "
+             "another view's rank | witness status |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for s in summary:
-        lines.append(f"| {s['variant']} | {s['condition']} | {s['runs']} | {s['alarms']} | {s['alarm_rate']:.0%} | "
-                     f"{'' if s['median_alarm_step'] is None else s['median_alarm_step']} | "
-                     f"{'' if s['min_t'] is None else format(s['min_t'], '.1f')} | {s['first_window_gap']:+.3f} |")
-    lines.append("")
-    for c in cost:
-        lines.append(f"check cost, [{c['views']} x {c['batch']}, {c['dim']}] predictions: "
-                     f"{c['seconds_per_call'] * 1e6:.0f} us per batch (CPU)"
-                     + (f", {c['seconds_per_call'] / step_seconds:.2%} of the demo's step" if c["dim"] == 16 else ""))
+        def med(v):
+            return "" if v is None else f"{v:.0f}"
+        lines.append(f"| {s['case']} | {s['runs']} | {s['witness_alarms']} | {med(s['witness_median_step'])} | "
+                     f"{s['head_alarms']} | {med(s['head_median_batch'])} | {s['rows_rank']:.3f} | {s['view_rank']:.3f} | "
+                     f"{s['witness_status']} |")
+    if cost_result:
+        lines.append(f"\nstep with both checks / without (two-view recipe, {cost_result['steps']} interleaved steps, "
+                     f"mean): {cost_result['ratio_of_means']:.4f} ({cost_result['mean_on'] * 1000:.1f} vs "
+                     f"{cost_result['mean_off'] * 1000:.1f} ms)")
     return "\n".join(lines)
 
 
-def plot(runs: list[dict], z: float, path: Path) -> None:
+def plot(runs: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, cond in enumerate(CONDITIONS):
-        for j, r in enumerate(r for r in runs if r["condition"] == cond and r["variant"] == "demo"):
-            ax.plot([w["batch"] for w in r["windows"]], [w["t"] for w in r["windows"]], "o-", ms=3, lw=1,
-                    color=f"C{i}", alpha=0.5, label=cond if j == 0 else None)
-    ax.axhline(z, color="k", ls="--", lw=0.8, label=f"alarm below t = {z:g}")
-    ax.set_yscale("symlog", linthresh=5)
-    ax.set_xlabel("batches observed (end of the tested window)")
-    ax.set_ylabel("window t statistic of the cosine gap")
-    ax.set_title("ReLA alignment check on the demo (Fashion-MNIST, BYOL + ReLA)", fontsize=10)
-    ax.legend(fontsize=8)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    cases = list(dict.fromkeys(r["case"] for r in runs))
+    for i, case in enumerate(cases):
+        pts = [(r["witness"]["last"] or {}) for r in runs if r["case"] == case]
+        pts = [p for p in pts if p.get("view_rank") is not None]
+        ax.scatter([p["view_rank"] for p in pts], [p["rows_rank"] for p in pts], s=18, color=f"C{i % 10}",
+                   marker="o" if "aligned" in case else "x", label=case)
+    xs = np.linspace(0, 0.5, 50)
+    ax.plot(xs, (0.5 + xs) / 2, "k--", lw=0.8, label="stop above (+ 3 se)")
+    ax.axhline(0.5, color="gray", lw=0.6)
+    ax.set_xlabel("another view's mean rank among the witnessed views (0 = recognised)")
+    ax.set_ylabel("own row's mean rank among the batch's rows")
+    ax.set_title("ReLA's witness: the last verdict of each run (o aligned, x misaligned)", fontsize=10)
+    ax.legend(fontsize=6, ncol=2, loc="upper right")
     fig.tight_layout()
     save_figure(fig, path)
+
+
+def prepare(args, cases: list[str]) -> dict:
+    """The stores (one per data set and prior) and the WebDataset shards with their sidecars, cached."""
+    from accelerate_ssl import precompute_sidecars
+    from accelerate_ssl.targets.precompute import precompute_targets
+    from accelerate_ssl.targets.priors import create_prior
+    from accelerate_ssl.targets.store import TargetStore
+
+    cache, stores = Path(args.cache), {}
+    for case in cases:
+        data, _, recipe, _ = CASES[case]
+        if data == "webdataset":
+            data = "fashion-mnist"
+            urls = write_shards(images_of(data), cache / "shards")
+            folder = cache / "sidecars"
+            if not (folder / "sidecars.json").is_file():
+                spec = f"wds:{cache}/shards/shard-{{000000..{len(urls) - 1:06d}}}.tar"
+                precompute_sidecars(create_prior(PRIOR), spec, folder, progress=False)
+            stores["webdataset"] = (urls, folder)
+        prior = "random:convnet" if recipe == "random prior" else PRIOR
+        if (data, prior) not in stores:
+            dataset = images_of(data)
+            path = cache / f"store-{data}-{prior.replace(':', '_')}"
+            store = TargetStore.open(path, dataset=dataset) if (path / "metadata.json").is_file() else \
+                precompute_targets(create_prior(prior), dataset, path, progress=False)
+            stores[(data, prior)] = (dataset, store)
+    return stores
+
+
+def write_shards(dataset, folder: Path, per_shard: int = 1000) -> list[str]:
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    urls = []
+    for s in range(0, len(dataset), per_shard):
+        path = folder / f"shard-{s // per_shard:06d}.tar"
+        urls.append(str(path))
+        if path.is_file():
+            continue
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        with tarfile.open(tmp, "w") as tar:
+            for i in range(s, min(s + per_shard, len(dataset))):
+                buf = io.BytesIO()
+                Image.fromarray(np.asarray(dataset.data[i])).save(buf, format="png")
+                info = tarfile.TarInfo(f"{i:06d}.png")
+                info.size = buf.tell()
+                buf.seek(0)
+                tar.addfile(info, buf)
+        tmp.rename(path)
+    return urls
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
-    from accelerate_ssl.data import FashionMNIST
-    from accelerate_ssl.demo import DEFAULT_PRIOR
-    from accelerate_ssl.recipes import images_to_tensor
-    from accelerate_ssl.rela.guard import AlignmentGuard
-    from accelerate_ssl.targets.precompute import precompute_targets
-    from accelerate_ssl.targets.priors import create_prior
-    from accelerate_ssl.targets.store import TargetStore
-
-    demo = demo_settings(args)
-    runs_todo = [(v, c, s) for v in args.variants for c in args.conditions
-                 if v == "demo" or c in ("aligned", "shuffled-100%", "stale")
-                 for s in (args.variant_seeds if v != "demo" else args.seeds if c == "aligned" else args.misaligned_seeds)]
-    cache = Path(args.cache)
-    train = FashionMNIST("train", limit=args.train_size)
-    store_dir = cache / f"targets-{args.train_size}"
-    store = TargetStore.open(store_dir, dataset=train) if (store_dir / "metadata.json").is_file() else \
-        precompute_targets(create_prior(DEFAULT_PRIOR), train, store_dir, progress=True)
-    rows = store[torch.arange(len(store))].float()
-    images = images_to_tensor(train.data)
-    guard = AlignmentGuard()
-    settings = {"prior": DEFAULT_PRIOR, "steps": args.steps, "train_size": args.train_size, "threads": args.threads,
-                "demo": {k: v for k, v in vars(demo).items() if k not in ("out", "json")}, "variants": VARIANTS,
-                "check": {"warmup": guard.warmup, "window": guard.window, "z": guard.z}, "version": VERSION}
+    stores = prepare(args, args.cases + ["fashion-mnist:aligned"])
+    settings = {"steps": args.steps, "threads": args.threads, "prior": PRIOR, "version": VERSION}
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
     runs = []
-    for variant, cond, seed in runs_todo:
-        key = hashlib.sha256(json.dumps({**settings, "variant": variant}, sort_keys=True).encode()).hexdigest()[:12]
-        path = cache / f"run-{variant.replace(' ', '_')}-{cond.replace('%', 'pct')}-{seed}-{key}.json"
-        if not path.is_file():
-            atomic_write_json(path, {"variant": variant, **run_one(demo_settings(args, variant), cond, seed, images, rows,
-                                                                      desc=f"{variant}: ")})
-        runs.append(json.loads(path.read_text()))
-    cost = [check_cost(demo.batch_size, 2, demo.components), check_cost(256, 2, 256)]
-    step_seconds = statistics.mean(r["mean_step_seconds"] for r in runs if r["mean_step_seconds"] and r["variant"] == "demo")
+    for case in args.cases:
+        for seed in (args.seeds if args.seeds is not None else range(CASES[case][3])):
+            path = Path(args.cache) / f"run-{hashlib.sha256(case.encode()).hexdigest()[:8]}-{seed}-{key}.json"
+            if not path.is_file():
+                print(f"{case}, seed {seed} ...", flush=True)
+                atomic_write_json(path, run_one(case, seed, args, stores))
+            runs.append(json.loads(path.read_text()))
+    cost_result = cost(args, stores) if args.cost_steps else {}
     summary = summarise(runs)
     result = {"command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/alignment.py", *sys.argv[1:]]),
               "machine": {"torch": torch.__version__, "platform": platform.platform(), "threads": args.threads},
-              "settings": settings, "summary": summary, "check_cost": cost, "mean_step_seconds": step_seconds,
-              "table": table(summary, cost, step_seconds), "runs": runs}
+              "settings": settings, "summary": summary, "cost": cost_result, "table": table(summary, cost_result),
+              "runs": runs}
     out = Path(args.out)
     write_results(out, result, root=ROOT)
-    plot(runs, guard.z, out.with_suffix(".png"))
+    plot(runs, out.with_suffix(".png"))
     print(result["table"])
     return 0
 
