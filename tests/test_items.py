@@ -306,3 +306,30 @@ def test_a_store_fingerprinted_before_opens_and_is_checked_under_its_own_definit
     with pytest.raises(TargetStoreMismatchError, match="another order"):
         TargetStore.open(store.path, dataset=PetsDataset(files[::-1], items="tuple"))
     assert dataset_fingerprint(ds)["kind"] == "files"  # what a store written now records
+
+
+# ---------------------------------------------------------------------------------------------- views, dry forward
+def test_stored_views_of_dict_items_keep_the_dict(files, tmp_path):
+    from accelerate_ssl.data import ReplayViews, StoredViews
+
+    views = ReplayViews(PetsDataset(files), StoredViews(k=2, seed=0))
+    item = views[3]  # view 1 of image 1: a crop, the label kept
+    assert set(item) == {"image", "label"} and item["label"] == PetsDataset(files)[1]["label"]
+    assert item["image"].size == (20, 20)
+    store = precompute_targets(_prior(), views, tmp_path / "views", progress=False)
+    assert len(store) == 24 and store.metadata["views"]["k"] == 2
+    TargetStore.open(store.path, dataset=ReplayViews(PetsDataset(files), store))
+
+
+def test_the_feature_dim_dry_forward_reads_the_items_image():
+    from accelerate_ssl.backbones import ConvNet
+    from accelerate_ssl.rela.capture import infer_feature_dim
+
+    class SoftLabels(Dataset):  # a float label vector comes first: the image field is what the backbone takes
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            return {"soft_label": torch.tensor([0.2, 0.8]), "image": torch.rand(3, 8, 8)}
+
+    assert infer_feature_dim(ConvNet(in_channels=3, widths=(8, 12)), SoftLabels()) == 12
