@@ -82,8 +82,8 @@ def main(argv=None):
     else:
         clean = PetsDataset(sorted(train_files))
     store = open_or_precompute("random:convnet", clean, Path(args.out) / "targets", progress=False)
-    rela = ReLA(store, model.backbone, dataset=clean, total_steps=args.steps)
     model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)
+    rela = ReLA(store, accelerator.unwrap_model(model).backbone, dataset=clean, total_steps=args.steps)
     train_dataloader = rela.track(train_dataloader)
 
     read = []  # the rows ReLA looked up, step by step (the test's witness, not part of the recipe)
