@@ -25,7 +25,6 @@ loaders whose indices cannot be tracked, e.g. a custom iterable over a ``Lightly
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
@@ -45,44 +44,25 @@ __all__ = ["attach_rela", "clean_dataset", "dataset_filenames", "FilenameIndex",
 FILENAMES_SIDECAR = "filenames.json"
 
 # ---------------------------------------------------------------------------------------------- datasets
-def _without_transform(dataset):
-    """A shallow copy of a torchvision-style dataset with ``transform=None`` (the data are shared)."""
-    clean = copy.copy(dataset)
-    clean.transform = None
-    if getattr(clean, "transforms", None) is not None:  # torchvision VisionDataset applies .transforms
-        from torchvision.datasets.vision import StandardTransform
-
-        clean.transforms = StandardTransform(None, getattr(clean, "target_transform", None))
-    return clean
-
-
 def _is_lightly_dataset(dataset) -> bool:
     return type(dataset).__name__ == "LightlyDataset" and hasattr(dataset, "dataset") and hasattr(dataset, "get_filenames")
 
 
-def clean_dataset(dataset):
-    """The samples of ``dataset`` without its augmentation, as ``(image, label)`` items in the same order.
+def clean_dataset(dataset, transform_attr: Union[None, str, Sequence[str]] = None):
+    """The samples of ``dataset`` without its augmentation, in the same order (the data are shared; ``dataset`` is
+    left as it is).
 
     - lightly's ``LightlyDataset``: its underlying torchvision dataset, transform removed;
-    - ``torch.utils.data.Subset``: a Subset of the clean inner dataset with the same indices;
-    - any dataset with a ``transform`` attribute (torchvision, ``accelerate_ssl.data``): a shallow copy
-      with ``transform=None``.
+    - anything else: :func:`accelerate_ssl.data.clean_view` (a ``Subset`` of the clean inner data set; the transform
+      found under ``transform``, ``image_transform``, ``transforms``, ... or named with ``transform_attr=``).
 
-    Raises a ``TypeError`` naming the fix for datasets without a ``transform`` attribute.
+    Raises a ``TypeError`` naming the fix for datasets without a transform attribute.
     """
-    from torch.utils.data import Subset
+    from accelerate_ssl.data.items import clean_view
 
-    if isinstance(dataset, Subset):
-        return Subset(clean_dataset(dataset.dataset), dataset.indices)
     if _is_lightly_dataset(dataset):
-        return _without_transform(dataset.dataset)
-    if hasattr(dataset, "transform"):
-        return _without_transform(dataset)
-    raise TypeError(
-        f"Cannot find the clean (un-augmented) samples of {type(dataset).__name__}: it has no `transform` attribute. "
-        "Precompute the targets yourself (accelerate_ssl.precompute_targets(prior, clean_dataset, path)) and create "
-        "ReLA(path, model.backbone, dataloader=dataloader)."
-    )
+        return clean_view(dataset.dataset, transform_attr)
+    return clean_view(dataset, transform_attr)
 
 
 def dataset_filenames(dataset) -> Optional[list[str]]:
@@ -121,43 +101,37 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-")[:60]
 
 
-def _image_channels(clean) -> int:
-    from accelerate_ssl.targets.priors import Preprocess
-
-    item = clean[0]
-    image = item[0] if isinstance(item, (tuple, list)) else item
-    return int(Preprocess.to_tensor(image).shape[0])
-
-
 def open_or_precompute(prior: Union[str, nn.Module], dataset, cache_dir: Union[str, os.PathLike],
-                       weights: Optional[str] = None, batch_size: int = 256, progress: bool = True):
+                       weights: Optional[str] = None, batch_size: int = 256, progress: bool = True, image_key=None):
     """The TargetStore of ``prior`` over the clean ``dataset``, computed once under ``cache_dir``.
 
     The store folder is ``cache_dir/<prior spec>-<dataset fingerprint>``, so another dataset (or another
     prior) gets another folder, and opening checks the fingerprint again. ``prior`` is a spec for
     :func:`~accelerate_ssl.targets.priors.create_prior` (random backbones get the data's channel count)
     or a ready ``Prior``. Under ``accelerate launch`` the precompute is sharded across the processes.
-    File names (if the dataset has them) are recorded in the store as its sample keys.
+    File names (if the dataset has them) are recorded in the store as its sample keys. ``image_key``: where each
+    item's image is (dict items: the field; default the first of ``image``, ``img``, ``pixel_values``, ... present).
     """
     from accelerate_ssl import backbones
     from accelerate_ssl.data import dataset_fingerprint
-    from accelerate_ssl.targets.precompute import precompute_targets
+    from accelerate_ssl.targets.precompute import image_channels, precompute_targets
     from accelerate_ssl.targets.priors import create_prior
     from accelerate_ssl.targets.store import METADATA, TargetStore
 
     if isinstance(prior, str):
         family, _, arch = prior.partition(":")
-        overrides = {"in_channels": _image_channels(dataset)} if family == "random" and arch in backbones.BACKBONES else {}
+        overrides = ({"in_channels": image_channels(dataset, image_key)}
+                     if family == "random" and arch in backbones.BACKBONES else {})
         spec = prior
         prior = create_prior(prior, weights=weights, **overrides)
     else:
         spec = getattr(prior, "spec", type(prior).__name__)
-    fingerprint = dataset_fingerprint(dataset)
+    fingerprint = dataset_fingerprint(dataset, image_key=image_key)
     path = Path(cache_dir) / f"{_slug(spec)}-{fingerprint['length']}-{fingerprint['sha256'][:12]}"
     if (path / METADATA).is_file():
         store = TargetStore.open(path, dataset=dataset)
     else:
-        store = precompute_targets(prior, dataset, path, batch_size=batch_size, progress=progress)
+        store = precompute_targets(prior, dataset, path, batch_size=batch_size, progress=progress, image_key=image_key)
     return store
 
 

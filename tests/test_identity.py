@@ -370,12 +370,89 @@ class _AugmentsInside(Dataset):
 
 
 def test_loader_data_set_that_cannot_be_identified(digits_store):
-    """Refused when nothing vouches for it; with the clean dataset= checked, a warning names what is not checked."""
+    """Refused with the fixes when nothing proves its items: a clean dataset= of another object does not vouch."""
     loader = DataLoader(_AugmentsInside(_digits()), batch_size=32)
-    with pytest.raises(ValueError, match="Cannot identify.*ReLA\\(\\.\\.\\., dataset=clean_train_set\\)"):
+    with pytest.raises(ValueError, match="Cannot identify.*dataset=accelerate_ssl.data.clean_view.*keys=batch_keys"):
         ReLA(digits_store.path, Backbone(), dataloader=loader)
-    with pytest.warns(UserWarning, match="only its length is checked"):
+    with pytest.raises(ValueError, match="No data set checked so far lists the same items in the same order"):
         ReLA(digits_store.path, Backbone(), dataset=_digits(), dataloader=loader)
+
+
+class _Jittered(Dataset):
+    """Augments inside __getitem__ through an attribute of its own name (``jitter``), no file list, no .data."""
+
+    def __init__(self, images, jitter):
+        self.images, self.jitter = images, jitter
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, i):
+        return self.jitter(_tensor_transform(self.images[i])), 0
+
+
+def _jitter(x):
+    return x + 0.01 * torch.rand_like(x)
+
+
+@pytest.mark.parametrize("n", [40, 100])
+def test_a_clean_view_of_the_very_object_vouches_for_it_and_says_what_its_check_covered(n, tmp_path):
+    """dataset=clean_view(train_set) proves the training set's items (the same object, its transform off); a check
+    of sampled items is never called full: the warning says what it covered."""
+    import warnings
+
+    from accelerate_ssl.data import clean_view
+
+    images = _digits().data.numpy()[:n]
+    train = _Jittered(images, _jitter)
+    clean = clean_view(train, transform_attr="jitter")
+    store = _precompute(clean, tmp_path / "s")
+    coverage = store.metadata["dataset"]["fingerprint"]["coverage"]
+    assert coverage == ("every item" if n <= 64 else f"sampled 64 of {n} items")
+    loader = DataLoader(train, batch_size=8, shuffle=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ReLA(store.path, Backbone(), dataset=clean, dataloader=loader)
+    said = [str(w.message) for w in caught if "cannot identify" in str(w.message)]
+    if n <= 64:
+        assert not said  # every item of the clean view was checked, and the view is proven to be the training set's
+    else:
+        assert len(said) == 1 and f"fingerprinted from sampled 64 of {n} items, not every item" in said[0]
+        assert "full check" not in said[0] and "store verify" in said[0]
+    reordered = DataLoader(_Jittered(images[::-1].copy(), _jitter), batch_size=8)  # same class, other order
+    with pytest.raises(ValueError, match="No data set checked so far lists the same items"):
+        ReLA(store.path, Backbone(), dataset=clean, dataloader=reordered)
+
+
+def test_an_augmenting_data_set_is_identified_by_its_file_list_so_another_order_is_refused(tmp_path):
+    """Accelerate's cv_example.py way (files in .file_names, augmentation inside __getitem__ from .image_transform),
+    with a clean set listing the same files in another order: refused, every file name compared; the clean view of
+    the training set itself is accepted without a warning."""
+    import warnings
+
+    from torchvision.transforms import Compose, RandomResizedCrop, ToTensor
+
+    from accelerate_ssl.backbones import ConvNet
+    from pets import PetsDataset, make_pet_images
+
+    files = make_pet_images(tmp_path / "pets", 48)
+    augment = Compose([RandomResizedCrop(16, scale=(0.5, 1.0)), ToTensor()])
+    train = PetsDataset(files, image_transform=augment, items="tuple")
+    reordered = PetsDataset(sorted(files) if sorted(files) != files else files[::-1], items="tuple")
+    prior = create_prior("random:convnet", in_channels=3)
+    store = precompute_targets(prior, reordered, tmp_path / "reordered", batch_size=16, progress=False)
+    loader = DataLoader(train, batch_size=8, shuffle=True)
+    with pytest.raises(TargetStoreMismatchError, match="the same 48 files in another order"):
+        ReLA(store, Backbone(), dataset=reordered, dataloader=loader)
+
+    from accelerate_ssl.data import clean_view
+
+    clean = clean_view(train)
+    store = precompute_targets(prior, clean, tmp_path / "clean", batch_size=16, progress=False)
+    assert store.metadata["dataset"]["fingerprint"]["coverage"] == "every file name"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ReLA(store, ConvNet(in_channels=3, widths=(8,)), dataset=clean, dataloader=loader)
 
 
 def test_a_transform_called_unconditionally_and_a_label_tensor_first():

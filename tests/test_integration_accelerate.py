@@ -1,6 +1,7 @@
 """HF Accelerate integration: prepared-loader index tracking, the subset sampler under prepare, a 2-process
 (gloo, CPU) run of examples/accelerate_byol.py with identical lambda and averaged loss on both processes,
-resume from accelerator.save_state, and the sharded precompute command."""
+resume from accelerator.save_state, the sharded precompute command, and a 2-process run of a script written the way
+Accelerate's own examples/cv_example.py is (dict items, augmentation inside __getitem__, files in .file_names)."""
 
 from __future__ import annotations
 
@@ -208,3 +209,44 @@ def test_two_process_training_and_resume(tmp_path):
     resumed = json.loads((tmp_path / "logs-resumed" / "rank-0.json").read_text())
     assert resumed["resumed"] == logs[0]["saved"]  # lambda, step, controller state, head weights (bitwise)
     assert [s["step"] for s in resumed["steps"]] == [4, 5, 6] and resumed["final"]["steps"] == 6
+
+
+CV_WORKER = Path(__file__).resolve().with_name("_accelerate_cv_worker.py")
+
+
+def _cv_run(tmp_path, *extra: str) -> subprocess.CompletedProcess:
+    from pets import make_pet_images
+
+    make_pet_images(tmp_path / "images", 48)
+    return subprocess.run(_argv(LAUNCH) + [str(CV_WORKER), "--data-dir", str(tmp_path / "images"), "--out",
+                                           str(tmp_path / "out"), *extra],
+                          cwd=tmp_path, env={**_env(), "PYTHONPATH": str(ROOT)}, text=True, capture_output=True,
+                          timeout=300)
+
+
+def test_accelerate_cv_example_style_script_trains_every_sample_on_its_own_row(tmp_path):
+    """The README's lines in a script written as Accelerate's cv_example.py: the clean view of its dict-item
+    PetsDataset is precomputed (sharded over 2 processes) and every row ReLA reads in training belongs to the image
+    it is read for, on both processes."""
+    done = _cv_run(tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    logs = [json.loads((tmp_path / "out" / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert [log["world"] for log in logs] == [2, 2] and logs[0]["kind"] == "files"
+    seen = 0
+    for log in logs:
+        assert len(log["steps"]) == 4
+        for step in log["steps"]:
+            assert step["rows"] == step["images"], step  # row j is the target of the file image j was cut from
+            seen += len(step["images"])
+    assert seen == 2 * 4 * 8
+    assert "the image is field 'image'" in done.stderr  # the choice of field is said (once per process at most)
+
+
+def test_accelerate_cv_example_style_script_with_a_reordered_clean_set_stops(tmp_path):
+    """The same script given a clean data set listing the same files in another order: both processes stop before
+    the first step, naming the order and the fix."""
+    done = _cv_run(tmp_path, "--clean", "reordered")
+    assert done.returncode != 0
+    assert "the same 38 files in another order" in done.stderr, done.stderr[-4000:]
+    assert "Train on the order the store was computed on" in done.stderr
+    assert not (tmp_path / "out" / "rank-0.json").exists()

@@ -251,7 +251,7 @@ def test_other_dataset_gets_its_own_store_and_bad_datasets_are_refused(tmp_path)
         def __getitem__(self, i):
             return torch.zeros(1, 8, 8), 0
 
-    with pytest.raises(TypeError, match="no `transform` attribute"):
+    with pytest.raises(TypeError, match="none of the transform attributes transform, transforms, image_transform"):
         clean_dataset(NoTransform())
 
 

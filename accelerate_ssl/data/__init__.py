@@ -3,6 +3,7 @@ the per-epoch subset sampler."""
 
 from .datasets import ArrayImageDataset, Digits, FashionMNIST, ImageFiles, image_folder, load_fashion_mnist, read_idx
 from .fingerprint import dataset_fingerprint, describe_fingerprint_mismatch
+from .items import clean_view, item_image
 from .indexing import IndexTracker, track_indices
 from .subset import DynamicSubsetSampler
 from .views import ReplayViews, StoredViews, apply_view
@@ -17,6 +18,8 @@ __all__ = [
     "read_idx",
     "dataset_fingerprint",
     "describe_fingerprint_mismatch",
+    "clean_view",
+    "item_image",
     "IndexTracker",
     "track_indices",
     "DynamicSubsetSampler",

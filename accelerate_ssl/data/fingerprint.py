@@ -7,36 +7,59 @@ augmented views (training), with or without labels:
 - :func:`dataset_fingerprint` (checked whenever a store meets a data set): ``{"scheme", "length", "kind",
   "sha256", "coverage"}`` where ``kind`` is
 
-  - ``"files"``: data sets listing files in ``.samples`` / ``.imgs`` (ImageFolder), lightly's
-    ``get_filenames()``, solo-learn's ``.images`` or timm's ``ImageDataset`` (``.reader.samples``): every
-    file name, relative to the root, in order;
+  - ``"files"``: data sets listing their files: ``.samples`` / ``.imgs`` (ImageFolder), lightly's
+    ``get_filenames()``, solo-learn's ``.images``, timm's ``ImageDataset`` (``.reader.samples``), or a list of one
+    path per item under one of :data:`FILE_LIST_ATTRS` (``.file_names`` as in Accelerate's examples, ``.files``,
+    ``.image_paths``, ...): every file name, relative to the root, in order (and, to say "the same files in another
+    order", a digest of the sorted names);
   - ``"array"``: data sets holding their samples in ``.data`` (ours, torchvision MNIST/CIFAR): every byte of
     the array, in order (one hash pass), plus its shape;
   - ``"items"``: anything else: ``num_samples`` evenly spaced samples (the image of each item, read with the
-    data set's ``.transform`` switched off), so ``coverage`` is ``"sampled k of N"``: a reordering that
-    misses those positions is not seen at open time (``accelerate-ssl store verify PATH --data SPEC`` checks
-    every item). If two reads of one sample still differ, a ``ValueError`` asks for a clean dataset.
+    data set's transform switched off: every attribute of :data:`~.items.TRANSFORM_ATTRS` holding a callable), so
+    ``coverage`` is ``"sampled k of N items"``: a reordering that misses those positions is not seen at open time
+    (``accelerate-ssl store verify PATH --data SPEC`` checks every item). If two reads of one sample still differ
+    (augmentation inside ``__getitem__``), a ``ValueError`` starting "Cannot identify" names the fixes.
 
-  ``torch.utils.data.Subset`` is unwrapped and its indices hashed too, in order.
+  ``torch.utils.data.Subset`` is unwrapped and its indices hashed too, in order. The image of an item is found by
+  :func:`~.items.item_image` (``image_key`` names it; dict items record the field in the fingerprint).
 - :class:`RowIdentity`: one 64-bit digest per row (the file name, the array row, or the item's image),
   written beside the targets at precompute (``identity.npy``) and compared row by row by
   ``accelerate-ssl store verify PATH --data SPEC``, which names the rows that differ.
+
+**Schemes.** ``SCHEME`` names this definition. Stores record theirs and are checked under it (``like=`` a recorded
+fingerprint): scheme 2 (``.transform`` the only transform attribute, no other file lists, the first sample-like
+value of an item) is still read, so stores written before keep opening.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
 from torch.utils.data import Subset
 
+from .items import (TRANSFORM_ATTRS, announce_image_field, dataset_name, image_location, item_image, switch_off,
+                    transform_attrs, unchanged)
+
 DEFAULT_NUM_SAMPLES = 64
-#: the fingerprint's definition; stores fingerprinted under another scheme must be recomputed
-SCHEME = 2
+#: the fingerprint's definition (see the module docstring)
+SCHEME = 3
+#: the definitions still read: a store fingerprinted under one of them is checked under it
+READABLE_SCHEMES = (2, 3)
+#: attributes listing one file per item (in item order), recognised since scheme 3 after the older recognisers
+FILE_LIST_ATTRS = ("file_names", "filenames", "fnames", "files", "file_list", "filelist", "file_paths", "filepaths",
+                   "paths", "image_paths", "img_paths", "image_files", "img_files", "image_names", "img_names",
+                   "image_list", "img_list")
+
+
+def scheme_of(like: Optional[dict]) -> int:
+    """The scheme to fingerprint under so the result compares with the recorded fingerprint ``like`` (this one when
+    ``like`` is None or of a scheme no longer read: the mismatch then says to recompute)."""
+    scheme = (like or {}).get("scheme")
+    return scheme if scheme in READABLE_SCHEMES else SCHEME
 
 
 def _sample_positions(n: int, num_samples: int) -> list[int]:
@@ -46,23 +69,22 @@ def _sample_positions(n: int, num_samples: int) -> list[int]:
     return sorted({int(round(i * (n - 1) / max(k - 1, 1))) for i in range(k)})
 
 
-def _is_sample(x: Any) -> bool:
-    """An image, an array or a tensor of more than one value (a 0-d or one-element tensor is a label), bytes, a str."""
+def _is_sample_v2(x: Any) -> bool:
+    """Scheme 2: an image, an array or a tensor of more than one value, bytes, a str."""
     if isinstance(x, (torch.Tensor, np.ndarray)):
         return x.ndim >= 1 and (x.numel() if isinstance(x, torch.Tensor) else x.size) > 1
     return isinstance(x, (bytes, str)) or (hasattr(x, "tobytes") and hasattr(x, "mode"))
 
 
-def sample_of(item: Any) -> Any:
-    """The sample an item holds, without its label: the item itself if it is an image / array / tensor, else
-    the first such value found depth-first in a tuple, list or dict (``(img, label)`` -> ``img``,
-    ``{"image": img, "label": 3}`` -> ``img``); the whole item when it holds none."""
-    if _is_sample(item):
+def _sample_v2(item: Any) -> Any:
+    """Scheme 2's sample of an item: the item if it is one, else the first sample-like value found depth-first in a
+    tuple, list or dict; the whole item when it holds none."""
+    if _is_sample_v2(item):
         return item
     values = item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple)) else ()
     for x in values:
-        found = sample_of(x)
-        if _is_sample(found):
+        found = _sample_v2(x)
+        if _is_sample_v2(found):
             return found
     return item
 
@@ -86,7 +108,7 @@ def _to_bytes(item: Any) -> bytes:
     return repr(item).encode()
 
 
-def _unwrap(dataset) -> tuple[Any, list]:
+def unwrap_subsets(dataset) -> tuple[Any, list]:
     """The data set under any chain of Subsets, and the Subsets' index arrays (outermost first)."""
     chain = []
     while isinstance(dataset, Subset):
@@ -95,51 +117,74 @@ def _unwrap(dataset) -> tuple[Any, list]:
     return dataset, chain
 
 
-def _unchanged(x: Any) -> Any:
-    return x
-
-
-@contextlib.contextmanager
-def _transform_off(dataset):
-    """Read items as the data set holds them: its ``.transform`` (torchvision's convention) replaced by the identity
-    (not None: a ``__getitem__`` may call it unconditionally); left as it is when it cannot be set (a property)."""
-    base, _ = _unwrap(dataset)
-    saved = getattr(base, "transform", None)
-    if saved is None:
-        yield
-        return
+def _reading_view(dataset, scheme: int):
+    """``dataset`` (through its Subsets) with its transform attributes set to the identity, for reading samples as the
+    data set holds them (the identity, not None: a ``__getitem__`` may call its transform unconditionally); the data
+    set itself when it has none, or when they cannot be replaced (a read-only property: read with the transform, the
+    double read still guards)."""
+    if isinstance(dataset, Subset):
+        inner = _reading_view(dataset.dataset, scheme)
+        return dataset if inner is dataset.dataset else Subset(inner, dataset.indices)
+    found = transform_attrs(dataset, ("transform",) if scheme == 2 else TRANSFORM_ATTRS)
+    if not found:
+        return dataset
     try:
-        base.transform = _unchanged
-    except (AttributeError, TypeError):  # read-only: read with the transform (the double read still guards)
-        yield
-        return
-    try:
-        yield
-    finally:
-        base.transform = saved
+        return switch_off(dataset, found, unchanged)
+    except (AttributeError, TypeError):
+        return dataset
 
 
-def _read_once(dataset, i: int) -> bytes:
-    """Item ``i``'s sample with the transform off; with the transform on when the data set cannot be read without
-    it (a ``__getitem__`` that needs its transform's output)."""
-    try:
-        with _transform_off(dataset):
-            return _to_bytes(sample_of(dataset[i]))
-    except Exception:  # noqa: BLE001 - any failure of the user's __getitem__ without its transform
-        return _to_bytes(sample_of(dataset[i]))
+class _Samples:
+    """Reads the samples of one data set under one scheme: each item's image (scheme 3: :func:`~.items.item_image`
+    with ``image_key``; scheme 2: the first sample-like value) read with the transform off, or with it when the data
+    set cannot be read without it."""
+
+    def __init__(self, dataset, scheme: int = SCHEME, image_key=None):
+        self.dataset, self.scheme, self.image_key = dataset, scheme, image_key
+        self.view = _reading_view(dataset, scheme)
+
+    def sample(self, item: Any, i: int) -> Any:
+        if self.scheme == 2:
+            return _sample_v2(item)
+        return item_image(item, self.image_key, f"item {i} of {dataset_name(self.dataset)}")
+
+    def item(self, i: int) -> Any:
+        """Item ``i`` read with the transform off; with it when the data set cannot be read without it."""
+        if self.view is not self.dataset:
+            try:
+                return self.view[i]
+            except Exception:  # noqa: BLE001 - any failure of the user's __getitem__ without its transform
+                pass
+        return self.dataset[i]
+
+    def once(self, i: int) -> bytes:
+        """Item ``i``'s sample bytes, read once."""
+        if self.view is not self.dataset:
+            try:
+                return _to_bytes(self.sample(self.view[i], i))
+            except Exception:  # noqa: BLE001 - any failure of the user's __getitem__ without its transform
+                pass
+        return _to_bytes(self.sample(self.dataset[i], i))
+
+    def checked(self, i: int) -> bytes:
+        """Item ``i``'s sample bytes, refused when two reads differ (augmentation the transform-off read cannot
+        switch off)."""
+        first, second = self.once(i), self.once(i)
+        if first != second:
+            names = ".transform" if self.scheme == 2 else ", ".join(f".{a}" for a in TRANSFORM_ATTRS[:3]) + ", ..."
+            raise ValueError(
+                f"Cannot identify the samples of {dataset_name(self.dataset)}: item {i} differs between two reads (a "
+                f"random transform inside __getitem__?) even with its transform attributes ({names}) switched off, "
+                "and it has no file list (.file_names, .samples, ...) or .data array to be identified by. Pass the "
+                "data set without its augmentation, keep the augmentation in a transform attribute, or give it a "
+                "file list."
+            )
+        return first
 
 
-def read_sample(dataset, i: int) -> bytes:
-    """The bytes of item ``i``'s sample (:func:`sample_of`), read with the transform off; refused when two
-    reads differ (a random transform the data set does not expose as ``.transform``)."""
-    first, second = _read_once(dataset, i), _read_once(dataset, i)
-    if first != second:
-        raise ValueError(
-            f"Cannot identify the samples of {type(dataset).__name__}: item {i} differs between two reads (a random "
-            "transform?). Pass the dataset without its augmentation, keep the augmentation in its `.transform` "
-            "attribute, or give it a `.data` array or a `.samples` file list."
-        )
-    return first
+def read_sample(dataset, i: int, image_key=None) -> bytes:
+    """The bytes of item ``i``'s sample (its image, read with the transform off); refused when two reads differ."""
+    return _Samples(dataset, SCHEME, image_key).checked(i)
 
 
 def _hash_array(h, data) -> None:
@@ -151,16 +196,29 @@ def _hash_array(h, data) -> None:
         h.update(np.ascontiguousarray(arr[a : a + rows]).tobytes())
 
 
-def _file_names(dataset) -> list[str] | None:
+def _path_list(value, n: int) -> Optional[list]:
+    """``value`` as a list of ``n`` paths (str / PathLike, or ``(path, ...)`` pairs), else None."""
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "UO":
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or len(value) != n or not n:
+        return None
+    paths = [v[0] if isinstance(v, (list, tuple)) and v else v for v in value]
+    return paths if all(isinstance(p, (str, os.PathLike)) for p in paths) else None
+
+
+def file_names(dataset, scheme: int = SCHEME) -> Optional[list[str]]:
     """Every file name of a file-list data set, relative to its folder (``.root``, lightly's ``.input_dir``), in
     order, whatever the spelling: ``/data/train/a/0.png``, ``./data/train/a/0.png`` (root ``./data/train``) and
-    ``a/0.png`` (a bare name under ``.images``, root ``data/train``) all give ``a/0.png``.
+    ``a/0.png`` (a bare name under ``.images``, root ``data/train``) all give ``a/0.png``; ``None`` when the data set
+    lists no files.
 
     ``.samples`` / ``.imgs`` (torchvision's ImageFolder and ours) hold paths joined with the root, absolute or
     relative to the working directory; ``.images`` (solo-learn's no_labels data set) and lightly's
-    ``get_filenames()`` hold names relative to the root. Only the spelling is normalised (lexically: ``.``,
-    ``..``, doubled and trailing separators, relative vs absolute); the names and their order are kept, so another
-    list or another order still fingerprints differently. A path outside the root stays absolute."""
+    ``get_filenames()`` hold names relative to the root; from scheme 3 on, a list of one path per item under one of
+    :data:`FILE_LIST_ATTRS` (Accelerate's examples keep theirs in ``.file_names``) is read like ``.samples``. Only the
+    spelling is normalised (lexically: ``.``, ``..``, doubled and trailing separators, relative vs absolute); the names
+    and their order are kept, so another list or another order still fingerprints differently. A path outside the root
+    stays absolute; without a root, names are kept as spelled."""
     if hasattr(dataset, "samples") and isinstance(dataset.samples, (list, tuple)):
         paths, joined = [s[0] if isinstance(s, (list, tuple)) else s for s in dataset.samples], True
     elif hasattr(dataset, "imgs") and isinstance(dataset.imgs, (list, tuple)):
@@ -170,9 +228,13 @@ def _file_names(dataset) -> list[str] | None:
     elif isinstance(getattr(dataset, "images", None), list) and all(isinstance(p, str) for p in dataset.images):
         paths, joined = list(dataset.images), False  # solo-learn's no_labels data set: names under .root
     elif isinstance(getattr(getattr(dataset, "reader", None), "samples", None), (list, tuple)):
-        return _file_names(dataset.reader)  # timm's ImageDataset: its folder reader's (path, class) list, in order
+        return file_names(dataset.reader, scheme)  # timm's ImageDataset: its folder reader's (path, class) list, in order
     else:
-        return None
+        n = len(dataset) if scheme >= 3 and hasattr(dataset, "__len__") else 0
+        found = next((p for p in (_path_list(getattr(dataset, a, None), n) for a in FILE_LIST_ATTRS) if p), None)
+        if found is None:
+            return None
+        paths, joined = found, True
     root = getattr(dataset, "root", None) or getattr(dataset, "input_dir", None)
     root = os.path.abspath(os.fspath(root)) if isinstance(root, (str, os.PathLike)) and os.fspath(root) else None
     inside = None if root is None else root.rstrip(os.sep) + os.sep
@@ -201,29 +263,47 @@ def _array(base):
     return data if data is not None and len(data) == len(base) else None
 
 
-def _kind(base) -> tuple[str, Any]:
+def _kind(base, scheme: int = SCHEME) -> tuple[str, Any]:
     """``("files", names)``, ``("array", array)`` or ``("items", None)``."""
-    names = _file_names(base)
+    names = file_names(base, scheme)
     if names is not None:
         return "files", names
     data = _array(base)
     return ("array", data) if data is not None else ("items", None)
 
 
-def dataset_fingerprint(dataset, num_samples: int = DEFAULT_NUM_SAMPLES) -> dict:
-    """Fingerprint ``dataset`` (see module docstring): every file name or array byte; ``num_samples`` items
-    otherwise."""
-    from .views import ReplayViews
+def fingerprint_coverage(dataset, num_samples: int = DEFAULT_NUM_SAMPLES, like: Optional[dict] = None) -> str:
+    """What :func:`dataset_fingerprint` covers for ``dataset`` (under the scheme of ``like``), without reading an
+    item: ``"every file name"``, ``"every array row"``, ``"every item"`` or ``"sampled k of N items"``."""
+    base, _ = unwrap_subsets(dataset)
+    kind, _ = _kind(base, scheme_of(like))
+    if kind == "files":
+        return "every file name"
+    if kind == "array":
+        return "every array row"
+    n = len(dataset)
+    k = len(_sample_positions(n, num_samples))
+    return "every item" if k == n else f"sampled {k} of {n} items"
 
-    if isinstance(dataset, ReplayViews):  # the images underneath + the recorded views (random crops by design)
-        return dataset.fingerprint()
+
+def dataset_fingerprint(dataset, num_samples: int = DEFAULT_NUM_SAMPLES, *, image_key=None,
+                        like: Optional[dict] = None) -> dict:
+    """Fingerprint ``dataset`` (see module docstring): every file name or array byte; ``num_samples`` items
+    otherwise, their image found by ``image_key`` (:func:`~.items.item_image`). ``like``: a recorded fingerprint
+    to compare with; the data set is then fingerprinted under its scheme and image field."""
+    if getattr(type(dataset), "fingerprints_itself", False):  # ReplayViews: the images underneath + the recorded views
+        return dataset.fingerprint(like=like)
+    scheme = scheme_of(like)
+    if image_key is None and like is not None:
+        image_key = like.get("image_key")
     h = hashlib.sha256()
     base_h = hashlib.sha256()  # the content underneath any Subset, so a mismatch can say which of the two differs
-    base, chain = _unwrap(dataset)
+    base, chain = unwrap_subsets(dataset)
     for indices in chain:
         h.update(b"subset:" + indices.tobytes())
     n = len(dataset)
-    kind, content = _kind(base)
+    kind, content = _kind(base, scheme)
+    extra: dict = {}
 
     def both(chunk: bytes) -> None:
         h.update(chunk)
@@ -232,6 +312,8 @@ def dataset_fingerprint(dataset, num_samples: int = DEFAULT_NUM_SAMPLES) -> dict
     if kind == "files":
         both("\n".join(content).encode())
         coverage = "every file name"
+        if scheme >= 3:  # descriptive: says "the same files in another order" when only the order differs
+            extra["set_sha256"] = hashlib.sha256("\n".join(sorted(content)).encode()).hexdigest()
     elif kind == "array":
         rows = hashlib.sha256()
         _hash_array(rows, content)
@@ -240,10 +322,17 @@ def dataset_fingerprint(dataset, num_samples: int = DEFAULT_NUM_SAMPLES) -> dict
     else:
         base_h = None  # items are read through the Subset: no separate view of the content underneath
         positions = _sample_positions(n, num_samples)
+        samples = _Samples(dataset, scheme, image_key)
+        if scheme >= 3 and positions:
+            first = samples.item(positions[0])
+            key = image_location(first, image_key, f"item {positions[0]} of {dataset_name(dataset)}")
+            if isinstance(key, str) or image_key is not None:  # every item read there, recorded for the checks
+                extra["image_key"] = samples.image_key = key
+                announce_image_field(dataset_name(dataset), first, key, image_key)
         for i in positions:
-            h.update(read_sample(dataset, i))
+            h.update(samples.checked(i))
         coverage = "every item" if len(positions) == n else f"sampled {len(positions)} of {n} items"
-    out = {"scheme": SCHEME, "length": n, "kind": kind, "sha256": h.hexdigest(), "coverage": coverage}
+    out = {"scheme": scheme, "length": n, "kind": kind, "sha256": h.hexdigest(), "coverage": coverage, **extra}
     if chain:
         outer = chain[0]
         out["subset"] = {"length": int(len(outer)), "unique": int(len(np.unique(outer)))}
@@ -254,21 +343,26 @@ def dataset_fingerprint(dataset, num_samples: int = DEFAULT_NUM_SAMPLES) -> dict
 
 class RowIdentity:
     """One 64-bit digest per row of ``dataset``: its file name (relative to the root), its ``.data`` row, or its
-    item's sample read with the transform off (:func:`read_sample`); Subsets map through their indices.
-    Picklable, so a DataLoader's workers can compute digests; ``rela``-free and label-free.
+    item's image read with the transform off (``image_key`` as for :func:`dataset_fingerprint`; ``like``: a recorded
+    fingerprint, whose scheme and image field are used); Subsets map through their indices. Picklable, so a
+    DataLoader's workers can compute digests; ``rela``-free and label-free.
 
-    ``RowIdentity(dataset)(i)`` -> int; :meth:`all` -> ``uint64 [N]`` with a progress bar.
+    ``RowIdentity(dataset)(i)`` -> int; :meth:`all` -> ``int64 [N]`` with a progress bar.
     """
 
-    def __init__(self, dataset):
+    def __init__(self, dataset, image_key=None, like: Optional[dict] = None):
         self.dataset = dataset
-        self.base, chain = _unwrap(dataset)
-        self.kind, content = _kind(self.base)
+        self.scheme = scheme_of(like)
+        self.base, chain = unwrap_subsets(dataset)
+        self.kind, content = _kind(self.base, self.scheme)
         self._map = None
         for indices in reversed(chain):  # innermost first: position -> base row
             self._map = indices if self._map is None else self._map[indices]
         self._names = content if self.kind == "files" else None
         self._data = content if self.kind == "array" else None
+        if image_key is None and like is not None:
+            image_key = like.get("image_key")
+        self._samples = _Samples(dataset, self.scheme, image_key) if self.kind == "items" else None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -277,12 +371,12 @@ class RowIdentity:
         """Row ``i``'s digest (a signed 64-bit int). ``item``: ``dataset[i]`` when the caller has read it already
         (precompute does), used for items-kind data sets read without a transform instead of reading again."""
         if self.kind == "items":
-            if item is not None and getattr(self.base, "transform", None) is None:
-                raw = _to_bytes(sample_of(item))
+            if item is not None and self._samples.view is self.dataset:  # nothing to switch off: the item as read
+                raw = _to_bytes(self._samples.sample(item, i))
             elif item is not None:  # precompute read it with the transform: once more without (checked at fingerprint)
-                raw = _read_once(self.dataset, i)
+                raw = self._samples.once(i)
             else:
-                raw = read_sample(self.dataset, i)
+                raw = self._samples.checked(i)
         else:
             j = int(i if self._map is None else self._map[i])
             raw = self._names[j].encode() if self.kind == "files" else _to_bytes(self._data[j])
@@ -315,6 +409,10 @@ def describe_fingerprint_mismatch(expected: dict, actual: dict) -> str | None:
         subset_problem = _describe_subset_mismatch(expected, actual)
         if subset_problem:
             return subset_problem
+        if expected.get("set_sha256") and expected.get("set_sha256") == actual.get("set_sha256"):
+            return (f"the same {actual.get('length')} files in another order (every file name compared): row i of the "
+                    "store is the target of another file than item i. Train on the order the store was computed on "
+                    "(the same list, not a sorted, shuffled or rebuilt copy), or recompute the store for this order")
         return (
             f"same length ({actual.get('length')}) but different content or another order (fingerprint of "
             f"{actual.get('coverage', 'the data')}: {str(expected.get('sha256'))[:12]} vs {str(actual.get('sha256'))[:12]}): "

@@ -7,12 +7,13 @@ A :class:`StreamSource` is an ordered list of shards, each an ordered list of ``
 - ``wds:<pattern>``: the tar files the pattern names (braces ``{000000..000063}`` and globs ``*`` expand, in
   sorted order); a sample's key is its WebDataset ``__key__`` (the file name up to the first dot, grouped the
   way ``webdataset`` groups them); the image is the field named by ``image_field`` (default: the first of
-  ``png jpg jpeg webp ppm bmp tif tiff`` the sample has). ``raw`` is that field's bytes.
+  :data:`~.items.IMAGE_FIELDS` the sample has). ``raw`` is that field's bytes.
 - ``hf:<path or name>``: a folder written by ``Dataset.save_to_disk``, a ``.parquet`` file or folder of them, or a
-  data set name ``load_dataset`` resolves (``split``); the image is column ``image_field`` (default ``image``), the
-  key column ``key_field`` (default: the row number); shards are ``shard_rows`` consecutive rows. ``raw`` is
-  :func:`hf_content` of the row's image cell: an ``Image`` cell's encoded file bytes (read from its ``path`` when
-  only the path is stored, as ``load_dataset("imagefolder")`` stores it), or an array's dtype, shape and values.
+  data set name ``load_dataset`` resolves (``split``); the image is column ``image_field`` (default: the first of
+  :data:`~.items.IMAGE_FIELDS` it has, printed), the key column ``key_field`` (default: the row number); shards are
+  ``shard_rows`` consecutive rows. ``raw`` is :func:`hf_content` of the row's image cell: an ``Image`` cell's encoded
+  file bytes (read from its ``path`` when only the path is stored, as ``load_dataset("imagefolder")`` stores it), or an
+  array's dtype, shape and values.
 
 :meth:`StreamSource.contents` yields ``(key, raw)`` without decoding any image (what ``store verify --data`` and
 ``ShardedTargets.column`` check against the digests recorded at precompute).
@@ -34,10 +35,10 @@ from typing import Iterator, Optional
 import numpy as np
 
 from ..optional import require
+from .items import IMAGE_FIELDS, announce_once
 
 __all__ = ["StreamSource", "open_stream", "decode_images", "hf_content", "IMAGE_FIELDS", "is_stream_spec"]
 
-IMAGE_FIELDS = ("png", "jpg", "jpeg", "webp", "ppm", "bmp", "tif", "tiff")
 STREAM_KINDS = ("wds", "hf")
 DEFAULT_HF_SHARD_ROWS = 10000
 
@@ -165,6 +166,8 @@ class StreamSource:
             for j, (image, raw) in enumerate(zip(images, raws)):
                 if decode and isinstance(image, dict):  # Image(decode=False): the cell's bytes (or file)
                     image = decode_image(raw)
+                elif isinstance(image, bytes):  # an encoded image in a binary column (e.g. "jpg")
+                    image = decode_image(image)
                 yield str(keys[off + j]), image, raw
 
 
@@ -221,10 +224,14 @@ def _hf_source(ds, spec, image_field, key_field, shard_rows) -> StreamSource:
         raise TypeError(f"{spec}: a streaming datasets.IterableDataset has no row count to cut into sidecar shards; "
                         "precompute over the same data as a Dataset (load_dataset without streaming=True, or "
                         "save_to_disk / parquet), or as WebDataset shards (wds:<pattern>).")
-    image_field = image_field or "image"
-    if image_field not in ds.column_names:
-        raise ValueError(f"{spec}: no image column {image_field!r} (columns: {ds.column_names}); name it with "
-                         "--image-field (image_field=).")
+    found = image_field or next((f for f in IMAGE_FIELDS if f in ds.column_names), None)
+    if found not in ds.column_names:
+        raise ValueError(f"{spec}: no image column {image_field or ' / '.join(IMAGE_FIELDS)!r} (columns: "
+                         f"{ds.column_names}); name it with --image-field (image_field=).")
+    if image_field is None:
+        announce_once(("image field", spec, found), f"{spec}: the image is column {found!r} of {ds.column_names} "
+                                                    "(name another with --image-field / image_field=)")
+    image_field = found
     if key_field is not None and key_field not in ds.column_names:
         raise ValueError(f"{spec}: no key column {key_field!r} (columns: {ds.column_names}).")
     if not isinstance(shard_rows, int) or shard_rows < 1:

@@ -35,6 +35,9 @@ from typing import Any, Optional
 
 import torch
 
+from .fingerprint import dataset_fingerprint
+from .items import image_location, replace_image
+
 __all__ = ["StoredViews", "ReplayViews", "apply_view"]
 
 
@@ -146,11 +149,13 @@ class ReplayViews(torch.utils.data.Dataset):
     """The dataset of stored views: item ``j`` is view ``j % k`` of ``dataset[j // k]`` (module docstring).
 
     Args:
-        dataset: map-style, yields a raw image (PIL, ndarray or tensor) or a tuple starting with one.
+        dataset: map-style, yields a raw image (PIL, ndarray or tensor), or a tuple or dict holding one (found as
+            everywhere, :func:`~accelerate_ssl.data.items.item_image`).
         views: a :class:`StoredViews`, or a TargetStore made over ``ReplayViews`` (its recorded views are used).
         transform: applied to the replayed view (e.g. your tensor conversion and normalisation).
 
-    Items keep the dataset's structure: ``(view, *rest)`` for tuple items, ``view`` otherwise.
+    Items keep the dataset's structure, the image replaced by its view: ``(view, *rest)`` for ``(image, *rest)``
+    items, ``{..., "image": view}`` for dict items, ``view`` for bare images.
     """
 
     def __init__(self, dataset, views: Any, transform: Optional[Any] = None):
@@ -178,24 +183,31 @@ class ReplayViews(torch.utils.data.Dataset):
             raise IndexError(f"ReplayViews index {j} out of range ({len(self)} views).")
         i, view = divmod(int(j) % len(self), self.views.k)
         item = self.dataset[i]
-        return i, view, item, item[0] if isinstance(item, (tuple, list)) else item
+        key = image_location(item, where=f"item {i} of {type(self.dataset).__name__}")
+        return i, view, item, key
 
     def params(self, j: int) -> tuple[int, int, int, int, bool]:
         """The recorded view parameters of item ``j``."""
-        i, view, _, image = self._locate(j)
+        i, view, item, key = self._locate(j)
+        image = item if key is None else item[key]
         return self.views.params(i, view, *_size(image))
 
     def __getitem__(self, j):
-        i, view, item, image = self._locate(j)
+        i, view, item, key = self._locate(j)
+        image = item if key is None else item[key]
         out = apply_view(image, self.views.params(i, view, *_size(image)))
         if self.transform is not None:
             out = self.transform(out)
-        return (out, *item[1:]) if isinstance(item, (tuple, list)) else out
+        return replace_image(item, key, out)
 
-    def fingerprint(self) -> dict:
-        """The dataset's own fingerprint combined with the views' (what a store over these views records)."""
-        from .fingerprint import dataset_fingerprint
+    #: dataset_fingerprint asks the views for their fingerprint
+    fingerprints_itself = True
 
-        base = dataset_fingerprint(self.dataset)
+    def fingerprint(self, like: Optional[dict] = None) -> dict:
+        """The dataset's own fingerprint combined with the views' (what a store over these views records). ``like``:
+        a recorded views fingerprint; the images underneath are fingerprinted under its ``base_scheme`` (2 when it
+        records none)."""
+        base = dataset_fingerprint(self.dataset, like=None if like is None else {"scheme": like.get("base_scheme", 2)})
         sha = hashlib.sha256((base["sha256"] + self.views.fingerprint()).encode()).hexdigest()
-        return {"length": len(self), "kind": "views", "sha256": sha, "base_sha256": base["sha256"]}
+        return {"length": len(self), "kind": "views", "sha256": sha, "base_sha256": base["sha256"],
+                "base_scheme": base["scheme"]}

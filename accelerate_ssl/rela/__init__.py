@@ -349,7 +349,8 @@ class ReLA:
         ref = self._checked_datasets.get(id(dataset))
         if ref is not None and ref() is dataset:
             return
-        check_trained_dataset(self.store, dataset, which, vouched=bool(self._checked_datasets))
+        checked = [d for d in (r() for r in self._checked_datasets.values()) if d is not None]
+        check_trained_dataset(self.store, dataset, which, checked)
         try:
             self._checked_datasets[id(dataset)] = weakref.ref(dataset)
         except TypeError:  # not weakly referenceable: hold it

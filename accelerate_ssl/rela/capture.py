@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..data.items import image_or_item
+
 #: captured feature tensors kept at most between two ``wrap`` calls (they hold autograd graphs).
 MAX_CAPTURED = 32
 _FEATURE_KEYS = ("features", "feats", "feat", "pooler_output", "pooled", "embedding", "embeddings")
@@ -78,7 +80,7 @@ def infer_feature_dim(backbone: nn.Module, dataset) -> Optional[int]:
     modes = {m: m.training for m in backbone.modules()}
     try:
         with torch.random.fork_rng(devices=[]):
-            item = dataset[0]
+            item = image_or_item(dataset[0])  # the item's image by the library's one rule, else the item
             x = _first_tensor(item)
             if x is None:
                 return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -94,13 +94,14 @@ def open_targets(targets):
     return store
 
 
-def check_trained_dataset(store, dataset, which: str, vouched: bool = False) -> None:
+def check_trained_dataset(store, dataset, which: str, checked: Sequence = ()) -> None:
     """Refuse ``dataset`` (a data set ReLA will train on, named ``which`` in the message) unless the store was computed
     on it: the store's fingerprint check, or its length for stores without one (in-memory targets). Streams
-    (iterable data sets) have no positions: refused, naming ``wrap(targets=)``. A data set whose
-    samples cannot be identified (augmentation inside ``__getitem__``) is refused, unless ``vouched``: another data set
-    of the run (``dataset=``, the clean set) passed the check, and the lengths agree; then a warning says what is not
-    checked. Iterable data sets have no rows to check (their loops pass ``targets=``, or are refused when tracked)."""
+    (iterable data sets) have no positions: refused, naming ``wrap(targets=)``. A data set whose samples cannot be
+    identified (augmentation inside ``__getitem__`` with no file list, data array or transform attribute to identify
+    it by) is refused with the fixes, unless one of ``checked`` (the data sets that already passed, e.g.
+    ``dataset=``) is proven to list the same items in the same order (:func:`~accelerate_ssl.data.items.same_items`:
+    a clean view of this very object); a warning then says when that check covered sampled items only."""
     from torch.utils.data import IterableDataset
 
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
@@ -115,15 +116,28 @@ def check_trained_dataset(store, dataset, which: str, vouched: bool = False) -> 
         except ValueError as err:
             if which == "dataset=" or "Cannot identify" not in str(err):
                 raise
-            if not (vouched and len(dataset) == len(store)):
-                raise ValueError(f"ReLA checks {which} against the store too, and {err} Or pass the clean data set as "
-                                 "ReLA(..., dataset=clean_train_set).") from err
-            import warnings
+            from ..data.fingerprint import fingerprint_coverage
+            from ..data.items import same_items
 
-            warnings.warn(f"ReLA cannot identify the samples of {which} ({type(dataset).__name__}: its augmentation is "
-                          "not in a `.transform` attribute), so only its length is checked against the store; the clean "
-                          "dataset= passed the full check, and the alignment check watches training.", UserWarning,
-                          stacklevel=4)
+            clean = next((c for c in checked if len(c) == len(dataset) and same_items(c, dataset)), None)
+            if clean is None:
+                raise ValueError(
+                    f"ReLA checks {which} against the store too: {err} No data set checked so far lists the same "
+                    "items in the same order (a clean dataset= vouches only for a clean view of this very object). "
+                    "Fix: pass ReLA(..., dataset=accelerate_ssl.data.clean_view(train_dataset)) (with "
+                    "transform_attr='<attribute>' when its augmentation is held elsewhere), precomputing the targets "
+                    "on that view; or give each item its key (a file name, an id) and pass rela.wrap(loss, "
+                    "keys=batch_keys) with targets precomputed with keys=.") from err
+            recorded = ((getattr(store, "metadata", None) or {}).get("dataset") or {}).get("fingerprint")
+            coverage = fingerprint_coverage(clean, like=recorded)
+            if coverage.startswith("sampled"):
+                import warnings
+
+                warnings.warn(
+                    f"ReLA cannot identify the samples of {which} ({type(dataset).__name__}) by themselves; it lists the "
+                    f"same items in the same order as a checked clean view of it, but that view was fingerprinted from "
+                    f"{coverage}, not every item. `accelerate-ssl store verify PATH --data SPEC` (or "
+                    "store.verify_rows(clean_dataset)) checks every item.", UserWarning, stacklevel=4)
     elif len(dataset) != len(store):
         raise ValueError(
             f"The targets hold {len(store)} rows but {which} has {len(dataset)} samples; row i must be the target of "

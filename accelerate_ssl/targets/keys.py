@@ -61,11 +61,12 @@ def batch_keys(keys: Any) -> list[str]:
 
 def dataset_keys(dataset) -> Optional[list[str]]:
     """Default keys of a data set: its file names relative to its folder (ImageFolder, lightly's ``LightlyDataset``,
-    solo-learn's folders; ``Subset`` s keep their parent's names), in item order; ``None`` for data without files."""
-    from ..data.fingerprint import _file_names, _unwrap
+    solo-learn's folders, a ``.file_names`` list; :func:`~accelerate_ssl.data.fingerprint.file_names`; ``Subset`` s
+    keep their parent's names), in item order; ``None`` for data without files."""
+    from ..data.fingerprint import file_names, unwrap_subsets
 
-    base, index_arrays = _unwrap(dataset)
-    names = _file_names(base)
+    base, index_arrays = unwrap_subsets(dataset)
+    names = file_names(base)
     if names is None:
         return None
     for indices in reversed(index_arrays):  # innermost Subset first

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from ..atomic import atomic_path
+from ..data.items import IMAGE_FIELDS
 from ..data.solo import solo_fraction
 from ..data.spec import DATA_SPEC_HELP, data_spec, open_data
 from .store import (AT_WRITE_PCA, CHUNKS, DTYPES, FORMAT, FORMAT_VERSION, IDENTITY, MANIFEST, METADATA, PCA_DIR, TARGETS,
@@ -96,32 +97,57 @@ def _write_chunk(file: Path, rows: np.ndarray) -> None:
         np.save(tmp, rows, allow_pickle=False)
 
 
+def image_tensor(item: Any, image_key=None, where: str = "an item") -> torch.Tensor:
+    """The image of a data set item (:func:`~accelerate_ssl.data.items.item_image`: ``image_key``, else the common
+    fields of dict items, the first image of a tuple) as a tensor ``[C, H, W]`` (uint8 stays uint8); an image the
+    prior cannot take is refused naming ``where``, the item's structure and the fix."""
+    from ..data.items import UnreadableItemError, describe_item, item_image
+    from .priors import Preprocess
+
+    image = item_image(item, image_key, where)
+    try:
+        return Preprocess.to_tensor(image)
+    except (TypeError, ValueError) as err:
+        raise UnreadableItemError(f"Cannot read the image of {where}: it is {describe_item(item)}; {err} Name the "
+                                  "value that holds the image with image_key= / --image-field.") from None
+
+
+def image_channels(dataset, image_key=None) -> int:
+    """Channels of the image of ``dataset[0]`` (to build a random backbone prior that matches the data)."""
+    from ..data.items import dataset_name
+
+    return int(image_tensor(dataset[0], image_key, f"item 0 of {dataset_name(dataset)}").shape[0])
+
+
 class _Images(torch.utils.data.Dataset):
-    """Yields the image of each item as a tensor ``[C, H, W]`` (uint8 stays uint8: cheap to ship) and the row's
-    identity digest (:class:`~accelerate_ssl.data.fingerprint.RowIdentity`, written to ``identity.npy``)."""
+    """Yields the image of each item (``image_key``, :func:`image_tensor`) as a tensor ``[C, H, W]`` (uint8 stays
+    uint8: cheap to ship) and the row's identity digest (:class:`~accelerate_ssl.data.fingerprint.RowIdentity` under
+    the fingerprint ``like``, written to ``identity.npy``)."""
 
-    def __init__(self, dataset):
+    def __init__(self, dataset, image_key=None, like: Optional[dict] = None):
         from ..data.fingerprint import RowIdentity
+        from ..data.items import dataset_name
 
-        self.dataset = dataset
-        self.identity = RowIdentity(dataset)
+        self.dataset, self.image_key, self.name = dataset, image_key, dataset_name(dataset)
+        self.identity = RowIdentity(dataset, like=like)
 
     def __len__(self):
         return len(self.dataset)
 
     def __getitem__(self, i):
-        from .priors import Preprocess
-
         item = self.dataset[i]
-        image = item[0] if isinstance(item, (tuple, list)) else item
-        return Preprocess.to_tensor(image), self.identity(i, item)
+        return image_tensor(item, self.image_key, f"item {i} of {self.name}"), self.identity(i, item)
 
 
-def _check_first_item(dataset) -> None:
-    """Items must be an image or ``(image, ...)``; say what to pass when they are not (e.g. solo-learn's
-    ``(index, views, label)`` items, whose first element is the index)."""
+def _check_first_item(dataset, image_key=None):
+    """Where the image of the items is (:func:`~accelerate_ssl.data.items.image_location` on item 0; a dict field
+    found by default is printed once), refusing with the fix what precompute cannot read: solo-learn's
+    ``(index, views, label)`` items (whose first element is the index), a list of views per item, an item without an
+    image (naming the data set, the item's structure and ``image_key=``)."""
+    from ..data.items import announce_image_field, dataset_name, image_location
+
     item = dataset[0]
-    first = item[0] if isinstance(item, (tuple, list)) else item
+    first = item[0] if isinstance(item, (tuple, list)) and item else item
     if isinstance(first, (int, np.integer)) and isinstance(item, (tuple, list)) and len(item) == 3:
         raise TypeError(f"{type(dataset).__name__} yields (index, views, label) items like solo-learn's training data "
                         "set: precompute needs the clean images in the same order. Pass "
@@ -131,6 +157,11 @@ def _check_first_item(dataset) -> None:
         raise TypeError(f"{type(dataset).__name__} yields a list of {len(first)} images per item (augmented views?); "
                         "precompute needs one clean image per sample: pass the same data set without its multi-view "
                         "transform (targets describe the unaugmented image).")
+    where = f"item 0 of {dataset_name(dataset)}"
+    key = image_location(item, image_key, where)
+    image_tensor(item, key, where)  # an image the prior can take
+    announce_image_field(dataset_name(dataset), item, key, image_key)
+    return key
 
 
 class _Collate:
@@ -205,21 +236,23 @@ def _process_state():
     return PartialState(cpu=not torch.cuda.is_available())
 
 
-def _python_command(prior, dataset, path) -> str:
+def _python_command(prior, dataset, path, image_key=None) -> str:
+    named = "" if image_key is None else f", image_key={image_key!r}"
     return (f"precompute_targets(create_prior({prior.spec!r}), <{getattr(dataset, 'name', type(dataset).__name__)}>, "
-            f"{str(path)!r})")
+            f"{str(path)!r}{named})")
 
 
 def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, num_workers: int = 0, precision: str = "fp32",
                        chunk_size: int = DEFAULT_CHUNK_SIZE, progress: bool = True,
                        command: Optional[str] = None, dtype: str = "float32", components: Optional[int] = None,
-                       keys=None) -> "TargetStore":
+                       keys=None, image_key=None) -> "TargetStore":
     """Compute ``prior(preprocess(image))`` for every item of ``dataset`` in order and write a TargetStore.
 
     Args:
         prior: a :class:`~accelerate_ssl.targets.priors.Prior` (``create_prior(...)``). A random prior
             with default statistics is normalised with ``dataset.mean``/``dataset.std`` when present.
-        dataset: map-style, yields ``(image, label)`` or ``image`` (PIL, ndarray or tensor), untransformed; or
+        dataset: map-style, yields ``image``, ``(image, label)`` or a dict holding the image (PIL, ndarray or
+            tensor), untransformed (:func:`~accelerate_ssl.data.items.clean_view` removes a data set's transform); or
             streamed data, ``"wds:<shard pattern>"`` / ``"hf:<path or name>"`` / an ``open_stream(...)`` source: then
             one sidecar per data shard is written and a :class:`~accelerate_ssl.targets.sidecar.ShardedTargets` returned
             (:func:`~accelerate_ssl.targets.sidecar.precompute_sidecars` has the sidecar options).
@@ -236,6 +269,9 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
         keys: one key per item, recorded so rows can be found by key (``rela.wrap(keys=)``): ``None`` (default)
             the data set's file names when it has files; a list (an id column, WebDataset ``__key__`` s); a
             callable ``keys(i)``; ``False`` none. Duplicated keys are refused.
+        image_key: where each item's image is: the field of dict items (default: the first of ``image``, ``img``,
+            ``pixel_values``, ``png``, ``jpg``, ... present; the choice is printed), the position in tuple items
+            (default: the first image); for streamed data given as a spec, its image field / column.
         chunk_size: rows per resumable chunk file.
         progress: show a tqdm bar (main process only).
         command: how to reproduce this store, recorded in the metadata (the CLI fills it in).
@@ -258,7 +294,14 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
     from ..data.streams import StreamSource, is_stream_spec
 
     if is_stream_spec(dataset) or isinstance(dataset, StreamSource):  # streamed data: one sidecar per shard
+        from ..data.streams import open_stream
         from .sidecar import precompute_sidecars
+
+        if image_key is not None:
+            if not is_stream_spec(dataset):
+                raise ValueError("image_key= with a StreamSource: name the image field when opening it, "
+                                 "open_stream(spec, image_field=...).")
+            dataset = open_stream(dataset, image_field=str(image_key))
 
         return precompute_sidecars(prior, dataset, path, batch_size=batch_size, precision=precision, progress=progress,
                                    command=command)
@@ -277,14 +320,17 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
     n = len(dataset)
     if n == 0:
         raise ValueError("The dataset is empty; pass a dataset with at least one sample.")
-    _check_first_item(dataset)
+    given, image_key = image_key, _check_first_item(dataset, image_key)
     path = Path(path)
     state = _process_state()
     device = state.device
     batch_size = batch_size or default_batch_size(device)
     pre = _resolve_preprocess(prior, dataset)
     prior_info = {**prior.describe(), "preprocess": pre.config}
-    fingerprint = dataset_fingerprint(dataset)
+    # a store (or an unfinished run) already at `path` continues under the fingerprint definition it was made with
+    recorded = _recorded_fingerprint(path)
+    fingerprint = dataset_fingerprint(dataset, image_key=image_key if isinstance(image_key, str) else given,
+                                      like=recorded)
     dim = int(prior.output_dim)
     if components is not None and (not isinstance(components, int) or isinstance(components, bool)
                                    or not 1 <= components <= dim):
@@ -293,10 +339,12 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
 
     key_list, key_kind = resolve_keys(keys, dataset)
     row_keys = None if key_list is None else TargetKeys.from_keys(key_list, key_kind)  # duplicates refused here
-    command = command or _python_command(prior, dataset, path)
+    command = command or _python_command(prior, dataset, path, given)
     settings = {
         "prior": prior_info,
-        "dataset": {"name": getattr(dataset, "name", type(dataset).__name__), "fingerprint": fingerprint},
+        "dataset": {"name": getattr(dataset, "name", type(dataset).__name__), "fingerprint": fingerprint,
+                    # where the image was read: the field of dict items, a named position (absent otherwise)
+                    **({"image_key": image_key} if isinstance(image_key, str) or given is not None else {})},
         # stored views (accelerate_ssl.data.views): row j = view j % k of image j // k; None: the images themselves
         "views": dataset.views.to_dict() if isinstance(dataset, ReplayViews) else None,
         "num_rows": n, "dim": dim, "dtype": dtype, "components": components, "precision": precision,
@@ -352,7 +400,7 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
 
     if todo:
         _compute_chunks(prior, dataset, pre, path, todo, ranges, dim, batch_size, num_workers, precision, device,
-                        progress and state.is_main_process, tqdm)
+                        progress and state.is_main_process, tqdm, image_key, fingerprint)
     state.wait_for_everyone()
 
     # ---- consolidate (main process), metadata.json last
@@ -368,19 +416,23 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
 
 
 def input_batches(dataset, preprocess, batch_size: int, num_workers: int = 0, pin_memory: bool = False,
-                  ranges: Optional[list[tuple[int, int]]] = None) -> torch.utils.data.DataLoader:
+                  ranges: Optional[list[tuple[int, int]]] = None, image_key=None,
+                  fingerprint: Optional[dict] = None) -> torch.utils.data.DataLoader:
     """The loader precompute reads: ``(images preprocessed for the prior, each row's identity digest)`` batches over
     the rows ``[a, b)`` of each of ``ranges`` (default: every row), a batch never crossing a range; the images are
-    stacked and preprocessed in the loader workers. (``benchmarks/gpu.py`` times it alone.)"""
+    stacked and preprocessed in the loader workers. ``image_key``: where each item's image is; ``fingerprint``: the
+    data set's, whose definition the identity digests follow. (``benchmarks/gpu.py`` times it alone.)"""
     return torch.utils.data.DataLoader(
-        _Images(dataset), batch_sampler=_ChunkBatches(ranges or [(0, len(dataset))], batch_size),
+        _Images(dataset, image_key, fingerprint), batch_sampler=_ChunkBatches(ranges or [(0, len(dataset))], batch_size),
         num_workers=num_workers, collate_fn=_Collate(preprocess), pin_memory=pin_memory, persistent_workers=False,
     )
 
 
-def _compute_chunks(prior, dataset, pre, path, todo, ranges, dim, batch_size, num_workers, precision, device, show, tqdm):
+def _compute_chunks(prior, dataset, pre, path, todo, ranges, dim, batch_size, num_workers, precision, device, show, tqdm,
+                    image_key=None, fingerprint=None):
     prior = prior.to(device).eval()
-    loader = input_batches(dataset, pre, batch_size, num_workers, device.type == "cuda", [ranges[k] for k in todo])
+    loader = input_batches(dataset, pre, batch_size, num_workers, device.type == "cuda", [ranges[k] for k in todo],
+                           image_key, fingerprint)
     dtype = _PRECISIONS[precision]
     bar = tqdm(total=sum(ranges[k][1] - ranges[k][0] for k in todo), desc=f"precompute {prior.spec}", unit="img",
                disable=not show, dynamic_ncols=True)
@@ -476,6 +528,18 @@ def _consolidate(path: Path, ranges, dim: int, metadata: dict, dtype: str = "flo
     (path / MANIFEST).unlink(missing_ok=True)
 
 
+def _recorded_fingerprint(path: Path) -> Optional[dict]:
+    """The data set fingerprint recorded by a finished store or an unfinished run at ``path`` (None: nothing there)."""
+    for name, where in ((METADATA, ()), (MANIFEST, ("settings",))):
+        if (Path(path) / name).is_file():
+            recorded = read_json(Path(path) / name)
+            for key in where:
+                recorded = recorded.get(key) or {}
+            fingerprint = (recorded.get("dataset") or {}).get("fingerprint")
+            return fingerprint if isinstance(fingerprint, dict) else None
+    return None
+
+
 def _identity(settings: dict) -> dict:
     """The settings that decide a store's content: the dataset fingerprint counts by its identity (length, kind,
     sha256), not by the descriptive fields added to it for error messages (stores written before them stay valid);
@@ -527,6 +591,12 @@ def _fraction_arg(value: str) -> float:
     return fraction
 
 
+#: ``--image-field``: one grammar for every kind of data (``image_key=`` in Python)
+IMAGE_FIELD_HELP = ("where each sample's image is: the field of dict items, the column of an hf: data set, the field "
+                    "of a wds: sample (or the position in tuple items); default: the first present of "
+                    + ", ".join(IMAGE_FIELDS) + " (the choice is printed), the first image of tuple items")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prior", required=True, help="prior spec, e.g. timm:vit_small_patch14_dinov2.lvd142m, "
                         "open_clip:ViT-B-32/laion2b_s34b_b79k, torchvision:resnet50/IMAGENET1K_V2, shipped:fashion-mnist-byol, "
@@ -559,9 +629,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="rows per resumable chunk file")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--image-field", default=None, help=IMAGE_FIELD_HELP)
     streams = parser.add_argument_group("streamed data (wds:, hf:): one sidecar per data shard")
-    streams.add_argument("--image-field", default=None, help="the image field of a wds sample (default: the first of "
-                         "png/jpg/jpeg/webp/...) or the image column of an hf data set (default: image)")
     streams.add_argument("--key-field", default=None, help="hf: the column naming each sample (default: the row number)")
     streams.add_argument("--shard-rows", type=int, default=10000, help="hf: rows per sidecar shard")
     streams.add_argument("--views", type=int, default=None,
@@ -589,6 +658,8 @@ def _command_line(args: argparse.Namespace) -> str:
         parts += ["--dtype", args.dtype]
     if args.components is not None:
         parts += ["--components", str(args.components)]
+    if args.image_field is not None:
+        parts += ["--image-field", args.image_field]
     return shlex.join(parts)
 
 
@@ -605,13 +676,12 @@ def run(args: argparse.Namespace) -> int:
         overrides: dict[str, Any] = {}
         family, _, arch = args.prior.partition(":")
         if family == "random" and arch in backbones.BACKBONES:
-            channels = int(_image_channels(dataset[0]))
-            overrides["in_channels"] = channels
+            overrides["in_channels"] = image_channels(dataset, args.image_field)
         prior = create_prior(args.prior, weights=args.weights, offline=True if args.offline else None, **overrides)
         store = precompute_targets(prior, dataset, args.out, batch_size=args.batch_size, num_workers=args.num_workers,
                                    precision=args.precision, chunk_size=args.chunk_size,
                                    progress=not args.no_progress, command=_command_line(args), dtype=args.dtype,
-                                   components=args.components)
+                                   components=args.components, image_key=args.image_field)
     except (ValueError, FileNotFoundError, TypeError) as err:
         print(f"accelerate-ssl precompute: error: {err}", file=sys.stderr)
         return 2
@@ -625,14 +695,6 @@ def run(args: argparse.Namespace) -> int:
         how += "" if store.components is None else f", reduced to {store.components} PCA components"
         print(f"wrote {store.path}: {len(store)} rows x {store.dim} ({prior.spec}, {args.precision}{how})")
     return 0
-
-
-def _image_channels(item) -> int:
-    """Channels of a dataset item's image (to build a random backbone prior that matches the data)."""
-    from .priors import Preprocess
-
-    image = item[0] if isinstance(item, (tuple, list)) else item
-    return int(Preprocess.to_tensor(image).shape[0])
 
 
 def _run_stream(args: argparse.Namespace) -> int:
@@ -650,7 +712,7 @@ def _run_stream(args: argparse.Namespace) -> int:
         family, _, arch = args.prior.partition(":")
         if family == "random" and arch in backbones.BACKBONES:
             _, image, _ = next(source.samples(source.shards[0]))
-            overrides["in_channels"] = _image_channels(image)
+            overrides["in_channels"] = int(image_tensor(image).shape[0])
         prior = create_prior(args.prior, weights=args.weights, offline=True if args.offline else None, **overrides)
         views = StoredViews(k=args.views, seed=args.view_seed) if args.views else None
         parts = ["accelerate-ssl", "precompute", "--prior", args.prior, "--data", args.data, "--out", args.out,

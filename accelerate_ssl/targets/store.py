@@ -251,7 +251,7 @@ class TargetStore:
                 f"{name or IDENTITY} was deleted), so it cannot be checked item by item; recompute it"
                 + (f" (`{self.metadata['command']}`)." if self.metadata.get("command") else "."))
         stored = np.load(self.path / name, allow_pickle=False)
-        identity = RowIdentity(dataset)
+        identity = RowIdentity(dataset, like=(self.metadata.get("dataset") or {}).get("fingerprint"))
         actual = identity.all(progress=progress)
         bad = np.flatnonzero(stored != actual)
         if bad.size:
@@ -279,7 +279,7 @@ class TargetStore:
         if len(dataset) != expected.get("length"):  # cheap check first, no reads
             problem = describe_fingerprint_mismatch(expected, {"length": len(dataset)})
         else:
-            problem = describe_fingerprint_mismatch(expected, dataset_fingerprint(dataset))
+            problem = describe_fingerprint_mismatch(expected, dataset_fingerprint(dataset, like=expected))
         if problem is None:
             return
         name = self.metadata.get("dataset", {}).get("name", "?")
