@@ -159,7 +159,7 @@ def run_one(case: str, seed: int, args, stores: dict) -> dict:
         return run_webdataset(seed, args, stores)
     prior_spec = "random:convnet" if recipe == "random prior" else PRIOR
     dataset, store = stores[(data, prior_spec)]
-    images = images_to_tensor(np.asarray(dataset.data))
+    images = images_to_tensor(dataset.data)
     rows = torch.as_tensor(np.asarray(store.array), dtype=torch.float32)
     targets = store if kind in ("aligned", "stale") else wrong_rows(rows, np.asarray(dataset.targets), kind, seed)
     torch.manual_seed(seed)
@@ -244,7 +244,7 @@ def cost(args, stores: dict) -> dict:
     from accelerate_ssl.recipes import BYOL, images_to_tensor, shuffled_batches, tensor_batches
 
     dataset, store = stores[("fashion-mnist", PRIOR)]
-    images = images_to_tensor(np.asarray(dataset.data))
+    images = images_to_tensor(dataset.data)
     runs = {}
     for checks in (True, False):
         torch.manual_seed(0)
