@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from accelerate_ssl.data.datasets import fashion_mnist_dir
+from accelerate_ssl.rela import ReLA
 from processes import cpu_process_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,6 +107,37 @@ def test_skip_first_batches_stays_aligned(accelerator):
         assert torch.equal(loader.tracker.current, label)
         labels.append(label)
     assert torch.cat(labels).tolist() == list(range(12, 40))
+
+
+def _wrapping_rela():
+    """A ReLA whose wrap takes the IndexIsLabel batch itself as the features."""
+    return ReLA(torch.randn(40, 4), nn.Linear(3, 5), feature_dim=3, schedule="constant:1")
+
+
+def _wrap_every_batch(rela, loader, epochs=2):
+    """Iterate ``loader`` as a loop does, ``rela.wrap`` on every batch; the indices it used must be the batch's own."""
+    seen = []
+    for _ in range(epochs):
+        for x, label in loader:
+            rela.wrap(torch.tensor(0.0), features=x.clone().requires_grad_())
+            assert torch.equal(rela._current_index, label)
+            seen.append(label.tolist())
+    return seen
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_prepared_loaders_with_skip_batches_publish_the_batches_they_yield(accelerator, workers):
+    """Accelerate's loaders that draw k batches and yield from the k+1-th on: DataLoaderShard(skip_batches=k) reads
+    one batch ahead, SkipDataLoader does not (accelerator.skip_first_batches builds them for iterable data sets; a
+    map-style set gets a SkipBatchSampler instead, below). k from 1 to past the end, where a pass yields nothing."""
+    from accelerate.data_loader import DataLoaderShard, SkipDataLoader
+
+    for cls in (DataLoaderShard, SkipDataLoader):
+        for k in (1, 3, 9, 10, 12):
+            rela = _wrapping_rela()
+            loader = rela.track(cls(IndexIsLabel(), batch_size=4, skip_batches=k, num_workers=workers))
+            seen = _wrap_every_batch(rela, loader)
+            assert seen == 2 * [list(range(i, i + 4)) for i in range(4 * k, 40, 4)], (cls.__name__, k)
 
 
 def test_subset_sampler_under_prepare(accelerator):

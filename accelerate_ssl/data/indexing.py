@@ -336,7 +336,9 @@ class TrackedLoader:
         self._fifo.clear()
         self.tracker.iteration += 1
         self.tracker.mixing = _mixing(self.inner)
-        skip = int(getattr(self.wrapper, "skip_batches", 0) or 0)  # Accelerate's skip_first_batches: read, not yielded
+        # a prepared loader made with skip_batches=k draws its first k batches and yields none of them (the inner
+        # loader's FIFO holds them, then the first batch yielded, then the one read ahead)
+        skip = int(getattr(self.wrapper, "skip_batches", 0) or 0)
         for batch in self.wrapper:
             for _ in range(min(skip, len(self._fifo))):
                 self._fifo.popleft()
@@ -348,6 +350,8 @@ class TrackedLoader:
                 )
             self.tracker.push(self._fifo.popleft())
             yield batch
+        for _ in range(min(skip, len(self._fifo))):  # a pass that skipped every batch it drew and yielded none
+            self._fifo.popleft()
         if self._fifo:
             raise RuntimeError(
                 f"accelerate_ssl: {type(self.wrapper).__name__} finished a pass with {len(self._fifo)} batch(es) of its "
