@@ -7,11 +7,12 @@
 
 What is distributed and how (see accelerate_ssl/integrations/accelerate.py):
 - the targets are precomputed once, sharded across the processes (open_or_precompute -> precompute_targets);
-- ``accelerator.prepare`` wraps model, optimiser and loader; ``rela.track(loader)`` gives ReLA the indices of
-  each process's batches; with ``--fraction`` each epoch trains on a fresh subset (ReLA v2 Eq. 43),
-  identical on every process and split into per-process batches by accelerate;
+- ``accelerator.prepare`` wraps model, optimiser and loader; ``rela.track(...)`` around the loader each epoch iterates
+  gives ReLA the indices of each process's batches; with ``--fraction`` each epoch trains on a fresh subset (ReLA v2
+  Eq. 43), identical on every process and split into per-process batches by accelerate;
 - ReLA averages its head's gradients and its loss across processes: every process has the same lambda;
-- ``accelerator.save_state`` / ``load_state`` checkpoint ReLA (registered with ``register_for_checkpointing``).
+- ``accelerator.save_state`` / ``load_state`` checkpoint ReLA (registered with ``register_for_checkpointing``); a
+  resume in the middle of an epoch skips the batches already trained with ``accelerator.skip_first_batches``.
 ``--log-json DIR`` writes one JSON per process (per step: lambda, losses, process-averaged loss, indices).
 """
 
@@ -108,20 +109,24 @@ def main(argv=None):
     rela = ReLA(store, model.backbone, dataset=clean, schedule=args.schedule, total_steps=args.steps)
     optimizer = torch.optim.AdamW(list(model.parameters()) + list(rela.parameters()), lr=args.lr, weight_decay=0.01)
     model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
-    dataloader = rela.track(dataloader)  # a wrapper that publishes each yielded batch's indices
     accelerator.register_for_checkpointing(rela)
     criterion = NegativeCosineSimilarity()
     byol = accelerator.unwrap_model(model)
 
-    step, log = 0, {"rank": accelerator.process_index, "world": accelerator.num_processes, "steps": []}
+    step, resume_step = 0, None
+    log = {"rank": accelerator.process_index, "world": accelerator.num_processes, "steps": []}
     if args.resume:
         accelerator.load_state(args.resume)
         step = rela.steps
+        resume_step = step % len(dataloader)  # batches of the interrupted epoch trained already
         log["resumed"] = rela_snapshot(rela)
     epoch = step // max(len(dataloader), 1)
     while step < args.steps:
         dataloader.set_epoch(epoch)  # accelerate forwards it to the subset sampler: a fresh subset per epoch
-        for (x0, x1), _ in dataloader:
+        active = accelerator.skip_first_batches(dataloader, resume_step) if resume_step else dataloader
+        resume_step = None
+        batches = rela.track(active)  # publishes each yielded batch's indices (the prepared loader reads ahead)
+        for (x0, x1), _ in batches:
             momentum = cosine_schedule(step, args.steps, 0.99, 1.0)
             update_momentum(byol.backbone, byol.backbone_momentum, m=momentum)
             update_momentum(byol.projection_head, byol.projection_head_momentum, m=momentum)
@@ -136,7 +141,7 @@ def main(argv=None):
             mean_loss = accelerator.reduce(loss.detach(), reduction="mean")
             log["steps"].append({"step": step, "epoch": epoch, "lambda": s["lambda"], "lambda_next": rela.lam,
                                  "loss": float(loss.detach()), "loss_mean": float(mean_loss), "loss_rela": s["loss_rela"],
-                                 "loss_ssl": s["loss_ssl"], "index": dataloader.tracker.current.tolist()})
+                                 "loss_ssl": s["loss_ssl"], "index": batches.tracker.current.tolist()})
             if accelerator.is_main_process and (step % 10 == 0 or step == args.steps):
                 print(f"step {step:4d}  loss {float(mean_loss):.4f}  lambda {s['lambda']:.3f}", flush=True)
             if args.save_state and step == (args.save_at or args.steps):

@@ -3,12 +3,16 @@
 Accelerate does the distributed work; ReLA only needs three things to be right across processes, and
 this module holds the glue:
 
-1. **Index tracking of a prepared loader** — ``loader = rela.track(accelerator.prepare(loader))``.
-   Accelerate's ``DataLoaderShard`` is *not* a DataLoader subclass (it only reports ``DataLoader`` as
-   its ``__class__``) and reads **one batch ahead** of what it yields, so ``rela.track`` returns a thin
-   wrapper (:class:`accelerate_ssl.data.indexing.TrackedLoader`) that publishes each batch's
-   indices when the prepared loader yields it (also right with ``accelerator.skip_first_batches``);
-   iterate the wrapper. It delegates everything else (``len``, ``set_epoch``, ...) to the prepared one.
+1. **Index tracking of a prepared loader** — ``for batch in rela.track(active_dataloader):``, around the loader
+   each epoch iterates: the prepared one, or the new one ``accelerator.skip_first_batches`` returns for a mid-epoch
+   resume (README, "HF Accelerate"). Accelerate's ``DataLoaderShard`` is *not* a DataLoader subclass (it only
+   reports ``DataLoader`` as its ``__class__``) and reads **one batch ahead** of what it yields, so ``rela.track``
+   returns a thin wrapper (:class:`accelerate_ssl.data.indexing.TrackedLoader`, the same one each time for the same
+   loader) that publishes each batch's indices when the prepared loader yields it (batches it skips are drawn and
+   never published); iterate the wrapper. It delegates everything else (``len``, ``set_epoch``, ...) to the prepared
+   one, and ``isinstance`` sees the prepared loader's class, so ``accelerator.skip_first_batches`` of it builds a
+   prepared loader again. A loop iterating a prepared loader that ``rela.track`` has not seen stops at ``wrap``,
+   naming it.
 2. **The per-epoch subset sampler** — :func:`subset_sampler`. Accelerate shards *batches* of the
    loader's sampler across processes (``BatchSamplerShard``: process r gets batches r, r + P, ...), so
    the sampler must not shard itself as well: build :class:`~accelerate_ssl.data.DynamicSubsetSampler`
@@ -20,7 +24,8 @@ this module holds the glue:
    module) and averages the ReLA loss before stepping the controller, so every process has the same
    lambda; ``accelerator.register_for_checkpointing(rela)`` works directly (``ReLA`` has
    ``state_dict``/``load_state_dict``) and ``save_state``/``load_state`` restore lambda, step count,
-   controller and head exactly (``tests/test_integration_accelerate.py``).
+   controller and head exactly; a run killed after a mid-epoch checkpoint and resumed with ``load_state`` and
+   ``skip_first_batches`` trains the rows of an uninterrupted one (``tests/test_integration_accelerate.py``).
 
 Targets are precomputed sharded over the same processes with
 ``accelerate launch -m accelerate_ssl.cli precompute ...`` (or :func:`precompute_targets` called under

@@ -22,10 +22,13 @@ every other keyword goes to :class:`~accelerate_ssl.rela.ReLA`. Then:
   (``_process_dataloader`` -> ``_prepare_dataloader``), calls ``strategy.process_dataloader`` and only then
   creates the iterator (``iter(self._data_fetcher)``). The tracked loader appends each batch's indices to a
   queue when it yields the batch; ``on_train_batch_start``, which receives exactly the batch
-  ``training_step`` will get, pops one and hands it to ``rela.wrap`` (so Lightning's fetcher may read ahead).
-  The queue is emptied at every epoch start. Every batch is checked: the popped indices must be as many as
-  the batch's rows, and the number of batches received this epoch must equal the number popped; the
-  loaders Lightning iterates must be the tracked ones. Anything else stops training with the reason.
+  ``training_step`` will get, pops the oldest and hands it to ``rela.wrap``. Lightning's fetcher reads one batch
+  ahead of a loader without a length (``_PrefetchDataFetcher``; at ``iter()``, before the first epoch's hooks), so
+  the queue then holds two batches at each pop; a sized loader is not read ahead. Batches of an earlier pass that
+  training never received (an epoch cut short) are dropped when the next pass yields its first batch. Every batch
+  is checked: the popped indices must be as many as the batch's rows, and the number of batches received this
+  epoch must equal the number popped; the loaders Lightning iterates must be the tracked ones. Anything else
+  stops training with the reason.
 - **Head across processes**: the head's gradients are averaged in ``on_before_optimizer_step`` (after the
   closure's backward and, with a GradScaler, after unscaling; before gradient clipping reads them), once
   per optimiser step, so the head is identical on every rank. Gradient accumulation and closure-stepped
@@ -135,7 +138,8 @@ class _ReLACallback:
         self.rela: Optional[ReLA] = targets if isinstance(targets, ReLA) else None
         self._targets, self._backbone, self._dataset, self._rela_kwargs = targets, backbone, dataset, rela_kwargs
         self._plan_from_trainer = False
-        self._fifo: collections.deque = collections.deque()  # index batches yielded, not yet received
+        #: ``(pass, indices)`` of the batches yielded, not yet received, oldest first; all of one pass
+        self._fifo: collections.deque = collections.deque()
         self._trackers: list = []
         self._received = 0  # batches received (on_train_batch_start) this epoch ...
         self._first_batch_idx: Optional[int] = None  # ... and the batch_idx of the first one
@@ -201,15 +205,18 @@ class _ReLACallback:
                 f"ReLACallback: Lightning's training loader is a {type(dataloader).__name__}, not a torch DataLoader, so "
                 "its sample indices cannot be tracked. Return a DataLoader over a map-style dataset from train_dataloader()."
             )
-        try:
-            len(dataloader)
-        except TypeError:
-            raise TypeError("ReLACallback: the training DataLoader has no length (its sampler has none), so Lightning "
-                            "reads a batch ahead before the epoch starts; use a sampler with __len__.") from None
         self.rela.check_dataset(dataloader.dataset, "the DataLoader Lightning iterates")
         tracker = track_indices(dataloader)
         if tracker not in self._trackers:
-            tracker.add_listener(self._fifo.append)
+            fifo = self._fifo
+
+            def queue(index, tracker=tracker):
+                this_pass = (id(tracker), tracker.iteration)
+                if fifo and fifo[-1][0] != this_pass:
+                    fifo.clear()  # a new pass: Lightning never delivers what an earlier iterator yielded
+                fifo.append((this_pass, index))
+
+            tracker.add_listener(queue)
             self._trackers.append(tracker)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
@@ -223,8 +230,7 @@ class _ReLACallback:
             raise TypeError("ReLACallback: training_step(dataloader_iter) fetches its own batches, so the callback cannot "
                             "know which one the step holds; pass index= to self.rela.wrap instead of the callback.")
         self._check_loaders(trainer)
-        self._fifo.clear()  # a new fit: nothing of it has been fetched yet
-        self._received, self._first_batch_idx = 0, None
+        self._received, self._first_batch_idx = 0, None  # the queue is not cleared: Lightning may have read ahead
         if self._plan_from_trainer:
             total = trainer.estimated_stepping_batches
             if isinstance(total, (int, float)) and 0 < total < float("inf"):
@@ -246,9 +252,8 @@ class _ReLACallback:
 
     # ------------------------------------------------------------------ every batch
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        # Lightning has fetched nothing of this epoch yet (a sized loader is not read ahead at iter()):
-        # whatever is queued was yielded in a previous epoch and never reached training_step
-        self._fifo.clear()
+        # the queue is kept: for the first epoch Lightning read ahead of a loader without a length already; what an
+        # earlier epoch left queued is dropped when this epoch's pass yields its first batch
         self._received, self._first_batch_idx = 0, None
         self._check_loaders(trainer)
 
@@ -261,7 +266,7 @@ class _ReLACallback:
                 f"{self._received} received and {len(self._fifo)} queued since the epoch started). A batch of None, or "
                 "a loader wrapper that drops or adds batches, breaks the order; pass index= to self.rela.wrap instead."
             )
-        index = self._fifo.popleft()
+        _, index = self._fifo.popleft()
         self._received += 1
         sizes = _leading_sizes(batch, set())
         if sizes and len(index) not in sizes:

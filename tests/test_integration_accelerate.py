@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,10 +20,12 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from accelerate_ssl.data.datasets import fashion_mnist_dir
+from accelerate_ssl.rela import ReLA
 from processes import cpu_process_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "accelerate_byol.py"
+RESUME_WORKER = ROOT / "tests" / "_accelerate_resume_worker.py"
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 HAVE_FMNIST = any((fashion_mnist_dir() / f).exists() for f in ("train-images-idx3-ubyte.gz", "train-images-idx3-ubyte"))
 needs_fmnist = pytest.mark.skipif(not HAVE_FMNIST, reason="Fashion-MNIST idx files not installed")
@@ -32,7 +36,7 @@ README_PRECOMPUTE = (f"{LAUNCH} -m accelerate_ssl.cli precompute --prior random:
                      "--limit 512 --out rela-targets/fmnist-512")
 README_TRAIN = (f"{LAUNCH} examples/accelerate_byol.py --steps 6 --limit 512 --batch-size 32 --fraction 0.25 "
                 "--log-json logs --save-state ckpt --save-at 3")
-README_RESUME = ("python examples/accelerate_byol.py --steps 6 --limit 512 --batch-size 32 --fraction 0.25 "
+README_RESUME = (f"{LAUNCH} examples/accelerate_byol.py --steps 6 --limit 512 --batch-size 32 --fraction 0.25 "
                  "--resume ckpt --log-json logs-resumed")
 
 
@@ -42,12 +46,17 @@ def _argv(command: str) -> list[str]:
     return head + [str(ROOT / w) if w.startswith("examples/") else w for w in words[1:]]
 
 
-def _env():
-    return cpu_process_env(PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+def _env():  # the children import this checkout's package
+    return cpu_process_env(PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore",
+                           PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
 
 
 def _run(command: str, cwd: Path, timeout: int = 170) -> subprocess.CompletedProcess:
-    done = subprocess.run(_argv(command), cwd=cwd, env=_env(), text=True, capture_output=True, timeout=timeout)
+    return _run_argv(_argv(command), cwd, timeout)
+
+
+def _run_argv(argv: list, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
+    done = subprocess.run(argv, cwd=cwd, env=_env(), text=True, capture_output=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
     return done
 
@@ -65,8 +74,6 @@ class IndexIsLabel(Dataset):
 
 
 def _rela(n=40):
-    from accelerate_ssl.rela import ReLA
-
     return ReLA(torch.randn(n, 4), nn.Linear(3, 5), feature_dim=5)
 
 
@@ -107,6 +114,90 @@ def test_skip_first_batches_stays_aligned(accelerator):
         assert torch.equal(loader.tracker.current, label)
         labels.append(label)
     assert torch.cat(labels).tolist() == list(range(12, 40))
+
+
+def _wrapping_rela():
+    """A ReLA whose wrap takes the IndexIsLabel batch itself as the features. Its targets are random, so the statistical
+    alignment check has nothing to find; these tests compare the indices ReLA uses with the batch's own."""
+    return ReLA(torch.randn(40, 4), nn.Linear(3, 5), feature_dim=3, schedule="constant:1", alignment_check=False)
+
+
+def _wrap_every_batch(rela, loader, epochs=2):
+    """Iterate ``loader`` as a loop does, ``rela.wrap`` on every batch; the indices it used must be the batch's own."""
+    seen = []
+    for _ in range(epochs):
+        for x, label in loader:
+            rela.wrap(torch.tensor(0.0), features=x.clone().requires_grad_())
+            assert torch.equal(rela._current_index, label)
+            seen.append(label.tolist())
+    return seen
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_prepared_loaders_with_skip_batches_publish_the_batches_they_yield(accelerator, workers):
+    """Accelerate's loaders that draw k batches and yield from the k+1-th on: DataLoaderShard(skip_batches=k) reads
+    one batch ahead, SkipDataLoader does not (accelerator.skip_first_batches builds them for iterable data sets; a
+    map-style set gets a SkipBatchSampler instead, below). k from 1 to past the end, where a pass yields nothing."""
+    from accelerate.data_loader import DataLoaderShard, SkipDataLoader
+
+    for cls in (DataLoaderShard, SkipDataLoader):
+        for k in (1, 3, 9, 10, 12):
+            rela = _wrapping_rela()
+            loader = rela.track(cls(IndexIsLabel(), batch_size=4, skip_batches=k, num_workers=workers))
+            seen = _wrap_every_batch(rela, loader)
+            assert seen == 2 * [list(range(i, i + 4)) for i in range(4 * k, 40, 4)], (cls.__name__, k)
+
+
+def test_skip_first_batches_of_the_tracked_loader_is_a_prepared_loader(accelerator):
+    """Given the loader rela.track returned, accelerator.skip_first_batches builds a prepared loader again (device
+    placement, RNG sync, set_epoch), not a plain DataLoader; iterated through rela.track, its rows are its batches'."""
+    from accelerate.data_loader import DataLoaderShard
+
+    rela = _wrapping_rela()
+    loader = rela.track(accelerator.prepare(DataLoader(IndexIsLabel(), batch_size=4)))
+    skipped = accelerator.skip_first_batches(loader, 3)
+    assert type(skipped) is DataLoaderShard and skipped.device == accelerator.device
+    assert isinstance(loader, DataLoaderShard) and type(loader).__name__ == "TrackedLoader"
+    seen = _wrap_every_batch(rela, rela.track(skipped), epochs=1)
+    assert seen == [list(range(i, i + 4)) for i in range(12, 40, 4)]
+
+
+def test_tracking_the_prepared_loader_every_epoch_is_one_tracked_loader(accelerator):
+    """A loop that writes `for batch in rela.track(active_dataloader)` tracks the same prepared loader every epoch: one
+    tracked loader (each new one would queue every batch of the prepared loader, in a FIFO nobody iterates)."""
+    rela = _wrapping_rela()
+    prepared = accelerator.prepare(DataLoader(IndexIsLabel(), batch_size=4, shuffle=True))
+    first = rela.track(prepared)
+    assert rela.track(prepared) is first and rela.track(first) is first
+    for epoch in range(3):
+        prepared.set_epoch(epoch)
+        seen = _wrap_every_batch(rela, rela.track(prepared), epochs=1)
+        assert sorted(sum(seen, [])) == list(range(40))
+
+
+def test_an_untracked_skip_first_batches_loader_is_named_with_the_line_that_tracks_it(accelerator):
+    """The loader accelerator.skip_first_batches returns is a new one: iterated without rela.track, wrap stops and
+    names it (not "call rela.track", which the user did on the prepared loader), on a fresh ReLA and after a tracked
+    pass."""
+    line = "for batch in rela.track(accelerator.skip_first_batches(loader, k)):"
+    rela = _wrapping_rela()
+    loader = rela.track(accelerator.prepare(DataLoader(IndexIsLabel(), batch_size=4)))
+    for x, _ in accelerator.skip_first_batches(loader, 2):
+        with pytest.raises(RuntimeError, match="no recoverable sample indices") as err:
+            rela.wrap(torch.tensor(0.0), features=x.clone().requires_grad_())
+        assert "skip_first_batches returned" in str(err.value) and line in str(err.value)
+        break
+    _wrap_every_batch(rela, loader, epochs=1)
+    for x, _ in accelerator.skip_first_batches(loader, 2):
+        with pytest.raises(RuntimeError, match="no tracked loader has yielded a batch since the last wrap") as err:
+            rela.wrap(torch.tensor(0.0), features=x.clone().requires_grad_())
+        assert line in str(err.value)
+        break
+    # a prepared loader nothing tracks is named too
+    for x, _ in accelerator.prepare(DataLoader(IndexIsLabel(), batch_size=4)):
+        with pytest.raises(RuntimeError, match="prepared by Accelerate that rela.track has not seen"):
+            rela.wrap(torch.tensor(0.0), features=x.clone().requires_grad_())
+        break
 
 
 def test_subset_sampler_under_prepare(accelerator):
@@ -163,6 +254,23 @@ def test_rela_track_of_a_prepared_loader_publishes_at_its_yield(accelerator):
         ReLA(torch.randn(40, 4), nn.Linear(3, 5), feature_dim=5, dataloader=prepared)
 
 
+def test_readme_accelerate_lines_are_the_resume_workers():
+    """Every line of the README's Accelerate recipe is in tests/_accelerate_resume_worker.py (which the 2-process resume
+    test runs), and ReLA's lines there (marked) are the README's: 3 added, the ReLA(...) call on two, and 2 changed."""
+    def code(line):
+        return line.split("  #")[0].strip()
+
+    readme = (ROOT / "README.md").read_text().split("**HF Accelerate**", 1)[1]
+    block = [code(line) for line in readme.split("```python\n", 1)[1].split("```", 1)[0].splitlines()]
+    block = [line for line in block if line and not line.startswith("...")]
+    worker = RESUME_WORKER.read_text().splitlines()
+    assert [line for line in block if line not in {code(w) for w in worker}] == []
+    marked = [code(w) for w in worker if w.rstrip().endswith("# README")]
+    assert [line for line in block if line in marked] == marked and len(marked) == 6
+    assert [line for line in marked if "rela.track(" in line or "rela.wrap(" in line] == [
+        "for step, batch in enumerate(rela.track(active_dataloader)):", "loss = rela.wrap(loss)"]
+
+
 def test_multi_gpu_config_file_is_one_machine_n_gpus():
     import yaml
 
@@ -204,11 +312,14 @@ def test_two_process_training_and_resume(tmp_path):
     assert logs[0]["final"] == logs[1]["final"]
     assert logs[0]["final"]["steps"] == 6 and logs[0]["saved"]["steps"] == 3
 
-    # resume from the accelerate checkpoint written at step 3: ReLA's state is restored exactly
+    # resume from the accelerate checkpoint written at step 3, in the middle of epoch 1 (2 batches per epoch and
+    # process): ReLA's state is restored exactly and skip_first_batches resumes with the batch step 4 trained
     _run(README_RESUME, tmp_path)
-    resumed = json.loads((tmp_path / "logs-resumed" / "rank-0.json").read_text())
-    assert resumed["resumed"] == logs[0]["saved"]  # lambda, step, controller state, head weights (bitwise)
-    assert [s["step"] for s in resumed["steps"]] == [4, 5, 6] and resumed["final"]["steps"] == 6
+    for rank in (0, 1):
+        resumed = json.loads((tmp_path / "logs-resumed" / f"rank-{rank}.json").read_text())
+        assert resumed["resumed"] == logs[rank]["saved"]  # lambda, step, controller state, head weights (bitwise)
+        assert [s["step"] for s in resumed["steps"]] == [4, 5, 6] and resumed["final"]["steps"] == 6
+        assert [s["index"] for s in resumed["steps"]] == [s["index"] for s in logs[rank]["steps"][3:]]
 
 
 CV_WORKER = Path(__file__).resolve().with_name("_accelerate_cv_worker.py")
@@ -250,3 +361,63 @@ def test_accelerate_cv_example_style_script_with_a_reordered_clean_set_stops(tmp
     assert "the same 38 files in another order" in done.stderr, done.stderr[-4000:]
     assert "Train on the order the store was computed on" in done.stderr
     assert not (tmp_path / "out" / "rank-0.json").exists()
+
+
+
+def _worker_store(folder: Path) -> None:
+    """What tests/_accelerate_resume_worker.py trains on: 48 images and their store, targets/train."""
+    import numpy as np
+
+    from accelerate_ssl.data import ArrayImageDataset
+    from accelerate_ssl.targets.precompute import precompute_targets
+    from accelerate_ssl.targets.priors import create_prior
+
+    images = np.random.default_rng(0).integers(0, 256, (48, 8, 8), dtype=np.uint8)
+    np.save(folder / "images.npy", images)
+    precompute_targets(create_prior("random:convnet"), ArrayImageDataset(images, np.arange(48)),
+                       folder / "targets" / "train", batch_size=16, progress=False)
+
+
+def _worker_steps(folder: Path) -> list[list[dict]]:
+    return [[json.loads(line) for line in (folder / f"steps-{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+
+
+def test_killed_after_a_checkpoint_and_resumed_with_skip_first_batches_trains_the_uninterrupted_rows(tmp_path):
+    """The README's Accelerate lines in a script written like Accelerate's checkpointing example, 2 gloo processes:
+    killed right after the checkpoint of step 4 (mid-epoch), resumed with load_state and skip_first_batches. Every
+    step reads its own samples' rows, and the killed + resumed run trains the same batches with the same losses as an
+    uninterrupted one (lambda, the head and the batches all continue exactly)."""
+    _worker_store(tmp_path)
+    launch = [ACCELERATE, *shlex.split(LAUNCH)[1:], str(RESUME_WORKER)]
+    for name in ("whole", "killed", "resumed"):
+        (tmp_path / name).mkdir()
+    _run_argv(launch + ["whole"], tmp_path)
+
+    with open(tmp_path / "killed.log", "w") as out:
+        run = subprocess.Popen(launch + ["killed", "--checkpointing_steps", "4", "--hold"], cwd=tmp_path, env=_env(),
+                               stdout=out, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 240
+            while not (tmp_path / "killed" / "saved").exists():
+                assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-4000:]
+                time.sleep(0.2)
+            for rank in (0, 1):
+                os.kill(int((tmp_path / "killed" / f"pid-{rank}").read_text()), signal.SIGKILL)
+            assert run.wait(timeout=120) != 0  # the launcher saw its processes killed
+        finally:
+            if run.poll() is None:
+                run.kill()
+    assert (tmp_path / "killed" / "saved").read_text() == "step_4"
+    _run_argv(launch + ["resumed", "--resume_from_checkpoint", "killed/ckpt/step_4"], tmp_path)
+
+    whole, killed, resumed = (_worker_steps(tmp_path / name) for name in ("whole", "killed", "resumed"))
+    for rank in (0, 1):
+        assert [s["step"] for s in whole[rank]] == list(range(1, 13))
+        assert [s["step"] for s in killed[rank]] == [1, 2, 3, 4]
+        assert [s["step"] for s in resumed[rank]] == list(range(5, 13))
+        assert all(s["read_is_own"] for s in whole[rank] + killed[rank] + resumed[rank])
+        assert [s["own"] for s in killed[rank] + resumed[rank]] == [s["own"] for s in whole[rank]]
+        assert [s["loss"] for s in killed[rank] + resumed[rank]] == [s["loss"] for s in whole[rank]]
+    for epoch in (0, 1):  # each epoch, the two processes trained the two halves of the data set
+        own = [i for rank in (0, 1) for s in whole[rank] if s["epoch"] == epoch for i in s["own"]]
+        assert sorted(own) == list(range(48))

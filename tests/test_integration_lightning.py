@@ -14,7 +14,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 from accelerate_ssl.integrations.lightning import ReLACallback
 
@@ -72,6 +72,47 @@ def test_single_process_a_fresh_loader_with_workers_every_epoch_and_accumulation
     assert model.rela.head_mode == "own"
     metrics = trainer.callback_metrics  # logged through module.log
     assert {"rela/lambda", "rela/loss_ssl"} <= set(metrics) and isinstance(metrics["rela/lambda"], torch.Tensor)
+
+
+class UnsizedShuffle(Sampler):
+    """A fresh permutation each pass and no ``__len__``; counts the indices drawn in the current pass."""
+
+    def __init__(self, n):
+        self.n, self.passes, self.drawn = n, 0, 0
+
+    def __iter__(self):
+        self.passes, self.drawn = self.passes + 1, 0
+        for i in torch.randperm(self.n, generator=torch.Generator().manual_seed(self.passes)).tolist():
+            self.drawn += 1
+            yield i
+
+
+def test_batches_lightning_reads_ahead_are_popped_oldest_first():
+    """Lightning's fetcher reads one batch ahead of a loader without a length, so two batches are queued at every pop;
+    the first epoch is cut short (on_train_batch_start returns -1), leaving a yielded batch training never gets."""
+    Student = make_module(pl, head_in_user_optimizer=False)
+    sampler = UnsizedShuffle(40)
+    ahead = []  # per training_step: indices drawn in this pass beyond the batches delivered so far
+
+    class ReadAhead(Student):
+        def train_dataloader(self):
+            # 8 batches of 5: a batch popped from the wrong end is not caught by a size mismatch
+            return DataLoader(IndexImages(), batch_size=5, sampler=sampler)
+
+        def on_train_batch_start(self, batch, batch_idx):
+            if self.current_epoch == 0 and batch_idx == 2:
+                return -1  # the rest of this epoch is skipped
+            self.delivered = (0 if batch_idx == 0 else self.delivered) + len(batch[1])
+            ahead.append(sampler.drawn - self.delivered)
+
+    model = ReadAhead()
+    trainer = _trainer(max_epochs=2, callbacks=[
+        ReLACallback(target_rows(), schedule="epochs:0.5", n_components=None, total_steps=10)])
+    trainer.fit(model)
+    # Lightning held the next batch whenever training_step ran, but for the last of the pass
+    assert ahead == [5, 5] + [5] * 7 + [0]
+    assert len(model.steps_seen) == 2 + 8 and model.rela.steps == 10 and sampler.passes == 2
+    _assert_every_row_is_the_samples_own(model.steps_seen)
 
 
 def test_two_process_ddp_distributed_sampler_reload_accumulation_clipping(tmp_path):

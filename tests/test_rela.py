@@ -289,6 +289,34 @@ def test_unflattenable_backbone_output():
     assert torch.isfinite(rela.wrap(torch.tensor(0.0), index=torch.tensor([0, 1]), features=f))
 
 
+@pytest.mark.parametrize("point", ["output of a frozen backbone", "input of a classifier on frozen features"])
+def test_a_feature_point_nothing_trains_is_refused_naming_the_fix(point):
+    """Features that do not require grad in a training step: nothing upstream trains, ReLA would train its head only
+    (and scale the user's loss by 1 - lambda). Refused at the first wrap; unfreezing the backbone makes it train."""
+    model = Net()
+    model.backbone.requires_grad_(False)
+    if point.startswith("output"):
+        rela = ReLA(targets(), model.backbone, feature_dim=4)
+        where = "Sequential's output"
+    else:  # Accelerate's cv_example: every parameter frozen but the classifier's, whose input ReLA captures
+        rela = ReLA(targets(), model.head, capture="input")
+        where = "Linear's input"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, _, idx = fixed_batches(1)[0]
+    loss = model(x).pow(2).mean()
+    with pytest.raises(ValueError, match="do not require grad") as err:
+        rela.wrap(loss, index=idx)
+    assert where in str(err.value) and "Unfreeze" in str(err.value) and "hook a module" in str(err.value)
+    assert rela.steps == 0
+
+    model.backbone.requires_grad_(True)  # the fix: the backbone trains, and ReLA's loss reaches it
+    before = model.backbone[0].weight.detach().clone()
+    rela.wrap(model(x).pow(2).mean(), index=idx).backward()
+    assert model.backbone[0].weight.grad is not None and model.backbone[0].weight.grad.abs().sum() > 0
+    opt.step()
+    assert rela.steps == 1 and not torch.equal(before, model.backbone[0].weight)
+
+
 def test_no_recoverable_index_and_no_features():
     model = Net()
     rela = ReLA(targets(), model.backbone, feature_dim=4)

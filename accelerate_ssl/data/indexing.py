@@ -32,7 +32,8 @@ into a FIFO and returns a :class:`TrackedLoader` that pops and publishes one ent
 wrappers are recognised (timm's ``PrefetchLoader`` by its ``.loader``, Accelerate's prepared loader by its
 ``.base_dataloader``, also after ``accelerator.skip_first_batches``); any other is named explicitly,
 ``track_loader(prefetcher, inner=prefetcher.loader)``, which asserts the one-to-one, in-order contract.
-Iterate the loader that :func:`track_loader` (or ``rela.track``) returns.
+Iterate the loader that :func:`track_loader` (or ``rela.track``) returns; tracking the same wrapper again returns the
+same one (a loop may track the loader of each epoch as it starts it).
 
 What cannot be proven aligned is refused, never guessed:
 
@@ -58,7 +59,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data import dataloader as _dl
 
-__all__ = ["IndexTracker", "TrackedLoader", "track_indices", "track_loader"]
+__all__ = ["IndexTracker", "TrackedLoader", "track_indices", "track_loader", "untracked_loader_hint"]
 
 
 class IndexTracker:
@@ -300,6 +301,34 @@ def _known_inner(loader) -> Optional[Any]:
     return None
 
 
+def untracked_loader_hint() -> str:
+    """For ReLA's "no indices for this batch" errors: if the loop is iterating a loader HF Accelerate prepared (Accelerate
+    names the loader being iterated) whose batches nothing tracks, what it is and the line that tracks it; else ''."""
+    import sys
+
+    state = sys.modules.get("accelerate.state")
+    if state is None:
+        return ""
+    try:
+        active = state.GradientState().active_dataloader
+    except Exception:  # an Accelerate without this public attribute: no hint
+        return ""
+    inner = _known_inner(active) if active is not None else None
+    if not isinstance(inner, DataLoader) or "_accelerate_ssl_tracker" in inner.__dict__:
+        return ""
+    skipped, sampler = bool(getattr(active, "skip_batches", 0)), inner.batch_sampler
+    while sampler is not None and not skipped:
+        skipped = _is_type(sampler, "accelerate.data_loader", "SkipBatchSampler")
+        sampler = getattr(sampler, "batch_sampler", None)
+    if skipped:
+        return ("The loop iterates the loader accelerator.skip_first_batches returned: a new prepared loader, which "
+                "rela.track has not seen (tracking the loader it was made from does not track it). Iterate every loader "
+                "through rela.track: `for batch in rela.track(accelerator.skip_first_batches(loader, k)):`, or "
+                "`for batch in rela.track(active_dataloader):` where the loop picks the loader of the epoch.")
+    return ("The loop iterates a loader prepared by Accelerate that rela.track has not seen. Iterate what rela.track "
+            "returns (the prepared loader reads a batch ahead): `for batch in rela.track(loader):`.")
+
+
 class TrackedLoader:
     """A wrapper that yields its ``inner`` DataLoader's batches one-to-one and in order (possibly reading ahead),
     with each batch's dataset indices published to ``tracker`` when the wrapper yields it (module docstring).
@@ -336,7 +365,9 @@ class TrackedLoader:
         self._fifo.clear()
         self.tracker.iteration += 1
         self.tracker.mixing = _mixing(self.inner)
-        skip = int(getattr(self.wrapper, "skip_batches", 0) or 0)  # Accelerate's skip_first_batches: read, not yielded
+        # a prepared loader made with skip_batches=k draws its first k batches and yields none of them (the inner
+        # loader's FIFO holds them, then the first batch yielded, then the one read ahead)
+        skip = int(getattr(self.wrapper, "skip_batches", 0) or 0)
         for batch in self.wrapper:
             for _ in range(min(skip, len(self._fifo))):
                 self._fifo.popleft()
@@ -348,6 +379,8 @@ class TrackedLoader:
                 )
             self.tracker.push(self._fifo.popleft())
             yield batch
+        for _ in range(min(skip, len(self._fifo))):  # a pass that skipped every batch it drew and yielded none
+            self._fifo.popleft()
         if self._fifo:
             raise RuntimeError(
                 f"accelerate_ssl: {type(self.wrapper).__name__} finished a pass with {len(self._fifo)} batch(es) of its "
@@ -357,6 +390,13 @@ class TrackedLoader:
 
     def __len__(self) -> int:
         return len(self.wrapper)
+
+    @property
+    def __class__(self):
+        """The wrapper's class, as ``isinstance`` sees it: host code that branches on the loader's type treats this one
+        as the loader it wraps (``accelerator.skip_first_batches(loader, k)`` then builds a prepared loader, placed on
+        the device, not a plain DataLoader). ``type()`` still says TrackedLoader."""
+        return type(self.wrapper)
 
     def __getattr__(self, name: str) -> Any:
         if name in ("wrapper", "inner", "tracker", "_fifo"):
@@ -377,15 +417,22 @@ def track_loader(loader, tracker: Optional[IndexTracker] = None, *, inner=None) 
     inner DataLoader's batches one-to-one and in order (timm's ``PrefetchLoader``, a loader prepared by HF
     Accelerate, or any other named by ``inner=``) comes back as a :class:`TrackedLoader`: iterate that.
     """
-    if isinstance(loader, TrackedLoader):
+    if type(loader) is TrackedLoader:
         if tracker is not None and tracker is not loader.tracker:
             loader.tracker.add_listener(tracker.push)
         return loader, loader.tracker
     if inner is None:
         inner = _known_inner(loader)
     if inner is not None:
+        # one TrackedLoader per wrapper, so a loop may call rela.track(loader) every epoch (a second one would also
+        # queue every batch of the inner loader, in a FIFO nobody iterates)
+        wrapped = getattr(loader, "__dict__", {}).get("_accelerate_ssl_tracked")
+        if wrapped is not None and wrapped.inner is inner:
+            return track_loader(wrapped, tracker)
         wrapped = TrackedLoader(loader, inner, tracker or IndexTracker())
         wrapped.tracker.mixing = _mixing(inner)
+        if hasattr(loader, "__dict__"):
+            loader.__dict__["_accelerate_ssl_tracked"] = wrapped
         return wrapped, wrapped.tracker
     tracker = track_indices(loader, tracker)
     tracker.mixing = _mixing(loader)

@@ -81,7 +81,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..data.indexing import IndexTracker, refuse_timm_mixup, track_loader
+from ..data.indexing import IndexTracker, refuse_timm_mixup, track_loader, untracked_loader_hint
 from ..schedules import Constant, Schedule, create_schedule, needs_run_length, takes_run_length
 from .capture import MAX_CAPTURED, FeatureCapture, check_hooked_module, flatten_features, infer_feature_dim
 from .distributed import average_gradients, is_distributed, mean_over_processes
@@ -530,9 +530,9 @@ class ReLA:
         means the loop's batch did not come from a tracked loader (e.g. a DataLoader rebuilt each epoch)."""
         if self._current_index is None:
             raise RuntimeError(
-                "ReLA.wrap: this batch has no recoverable sample indices. Call rela.track(dataloader) (or "
-                "ReLA(..., dataloader=loader)) before iterating the loader, or pass index= to wrap "
-                "(e.g. solo-learn's batch[0])."
+                "ReLA.wrap: this batch has no recoverable sample indices. " + (untracked_loader_hint() or (
+                    "Call rela.track(dataloader) (or ReLA(..., dataloader=loader)) before iterating the loader, or "
+                    "pass index= to wrap (e.g. solo-learn's batch[0])."))
             )
         if self._index_pending > 1:
             raise RuntimeError(
@@ -546,9 +546,9 @@ class ReLA:
         if not self._index_fresh:
             raise RuntimeError(
                 "ReLA.wrap: no tracked loader has yielded a batch since the last wrap, so this batch's sample indices "
-                "are unknown (the last tracked batch's would be the wrong rows). A DataLoader created after ReLA (e.g. "
-                "one rebuilt every epoch) must be tracked too: `loader = rela.track(loader)` before iterating it. Call "
-                "wrap once per batch, or pass index= to wrap."
+                "are unknown (the last tracked batch's would be the wrong rows). " + (untracked_loader_hint() or (
+                    "A DataLoader created after ReLA (e.g. one rebuilt every epoch) must be tracked too: `loader = "
+                    "rela.track(loader)` before iterating it. Call wrap once per batch, or pass index= to wrap."))
             )
         self._index_fresh = False
         return self._current_index

@@ -9,6 +9,10 @@ momentum/EMA copy, even a ``deepcopy`` made afterwards) are ignored. Outputs are
 ``model.get_classifier()``) gives the pooled pre-logits features that reach it, inside the model's own
 forward (DDP, ``torch.compile`` and EMA copies as above). The hooked module must have parameters: they are
 how ReLA recognises the user's optimiser (:func:`check_hooked_module`).
+
+Captured features must require grad: a training-mode call with grad enabled whose output (or input) does not has no
+trained parameter upstream (a frozen backbone, a classifier's input on frozen features), and is refused at ``wrap``
+(:func:`untrained_features_error`); the check reads a tensor flag, so it costs nothing on a GPU.
 """
 
 from __future__ import annotations
@@ -116,6 +120,18 @@ def check_hooked_module(backbone: nn.Module, capture: str) -> None:
         )
 
 
+def untrained_features_error(module: str, point: str) -> ValueError:
+    """Features captured in training, with grad enabled, that do not require grad: no trained parameter is upstream."""
+    return ValueError(
+        f"ReLA: the features at {module}'s {point} do not require grad in a training step, so nothing that computes them "
+        "is trained (a frozen backbone?): ReLA would train only its own head, and scale your loss by (1 - lambda) for "
+        "nothing. Unfreeze the layers that compute these features (requires_grad_(True) on their parameters, in your "
+        "optimiser), or hook a module whose output depends on trained parameters (ReLA(targets, model.backbone) with "
+        "the backbone trained). If only a classifier on frozen features trains, ReLA has nothing to speed up: leave it "
+        "out."
+    )
+
+
 class FeatureCapture:
     """The backbone's training-mode outputs since the last :meth:`take`, recorded by a forward hook.
 
@@ -138,6 +154,9 @@ class FeatureCapture:
             feats = flatten_features(output, f"backbone {type(self.backbone).__name__}")
         except ValueError as err:  # reported at wrap(), unless features= is given there
             self.error = err
+            return
+        if not feats.requires_grad:  # a flag on the tensor: no device work, no host wait
+            self.error = untrained_features_error(type(self.backbone).__name__, "input" if self.use_input else "output")
             return
         self.captured.append(feats)
         if len(self.captured) > MAX_CAPTURED:
