@@ -44,7 +44,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from accelerate_ssl.atomic import atomic_write_json  # noqa: E402
+from accelerate_ssl.atomic import atomic_path, atomic_write_json  # noqa: E402
 from accelerate_ssl.results import save_figure, write_results  # noqa: E402
 
 VERSION = 2  # bump when a change invalidates cached runs
@@ -160,7 +160,7 @@ def run_one(case: str, seed: int, args, stores: dict) -> dict:
     prior_spec = "random:convnet" if recipe == "random prior" else PRIOR
     dataset, store = stores[(data, prior_spec)]
     images = images_to_tensor(dataset.data)
-    rows = torch.as_tensor(np.asarray(store.array), dtype=torch.float32)
+    rows = torch.as_tensor(np.array(store.array), dtype=torch.float32)
     targets = store if kind in ("aligned", "stale") else wrong_rows(rows, np.asarray(dataset.targets), kind, seed)
     torch.manual_seed(seed)
     backbone = ConvNet(widths=(16, 32, 64))
@@ -364,9 +364,7 @@ def write_shards(dataset, folder: Path, per_shard: int = 1000) -> list[str]:
         urls.append(str(path))
         if path.is_file():
             continue
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        with tarfile.open(tmp, "w") as tar:
+        with atomic_path(path) as tmp, tarfile.open(tmp, "w") as tar:
             for i in range(s, min(s + per_shard, len(dataset))):
                 buf = io.BytesIO()
                 Image.fromarray(np.asarray(dataset.data[i])).save(buf, format="png")
@@ -374,7 +372,6 @@ def write_shards(dataset, folder: Path, per_shard: int = 1000) -> list[str]:
                 info.size = buf.tell()
                 buf.seek(0)
                 tar.addfile(info, buf)
-        tmp.rename(path)
     return urls
 
 
