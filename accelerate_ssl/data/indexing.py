@@ -59,7 +59,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data import dataloader as _dl
 
-__all__ = ["IndexTracker", "TrackedLoader", "track_indices", "track_loader", "untracked_loader_hint"]
+__all__ = ["IndexTracker", "TrackedLoader", "iterated_through_tracking", "track_indices", "track_loader",
+           "untracked_loader_hint"]
 
 
 class IndexTracker:
@@ -299,6 +300,12 @@ def _known_inner(loader) -> Optional[Any]:
     if type(loader).__module__.startswith("accelerate.") and getattr(loader, "base_dataloader", None) is not None:
         return loader.base_dataloader  # DataLoaderShard (DataLoaderDispatcher is refused by TrackedLoader)
     return None
+
+
+def iterated_through_tracking(loader) -> bool:
+    """Whether ``loader`` must be iterated through what :func:`track_loader` returns (a wrapper that reads ahead of its
+    DataLoader: timm's ``PrefetchLoader``, a loader Accelerate prepared), rather than tracked in place."""
+    return type(loader) is not TrackedLoader and _known_inner(loader) is not None
 
 
 def untracked_loader_hint() -> str:

@@ -287,6 +287,72 @@ class ReLA:
                 "rela.track(loader)`."
             )
 
+    @classmethod
+    def from_prior(cls, prior, backbone: nn.Module, dataloader, *, total_steps: Optional[int] = None,
+                   cache_dir="rela-targets", dataset=None, image_key=None, transform_attr=None,
+                   weights: Optional[str] = None, batch_size: Optional[int] = None, progress: bool = True,
+                   **kwargs) -> "ReLA":
+        """ReLA for the loop that iterates ``dataloader``, its targets made by ``prior``: the whole set-up in one call.
+
+        ``rela = ReLA.from_prior("shipped:digits-byol", model.backbone, loader, total_steps=epochs * len(loader))``
+
+        1. the clean view of ``dataloader.dataset`` (:func:`~accelerate_ssl.data.items.clean_view`: the same items
+           in the same order, its transform off), or ``dataset=`` when you pass the clean set yourself;
+        2. its store, opened from ``cache_dir`` when it is there, else precomputed into it once
+           (:func:`~accelerate_ssl.targets.cache.open_or_precompute`: one folder per prior and data fingerprint; the
+           processes of a distributed run share the work and wait for each other, separate runs take turns);
+        3. ReLA over that store, the clean set and the loader's data set both checked against its fingerprint, the
+           loader tracked (a DataLoader in place; a loader that reads ahead, Accelerate's prepared one or timm's
+           ``PrefetchLoader``, is checked here and iterated as ``for batch in rela.track(loader):``).
+
+        Args:
+            prior: a prior spec (``"timm:vit_small_patch14_dinov2.lvd142m"``, ``"open_clip:ViT-B-32/laion2b_s34b_b79k"``,
+                ``"shipped:digits-byol"``, ...; README "Choosing a prior") or a ready ``Prior``.
+            backbone: the student's feature extractor (``model.backbone``).
+            dataloader: the training loader (over a map-style data set; streamed data carries its rows in the batch
+                instead: ``ShardedTargets``).
+            total_steps: the run's optimiser steps in this process (``epochs * len(loader)`` / accumulation steps).
+            cache_dir: the folder holding the stores.
+            dataset: the clean training set, when its clean view cannot be found (no transform attribute).
+            image_key: where an item's image is (a dict field, a tuple position); default by the common names.
+            transform_attr: the attribute(s) holding the augmentation, when not one of the common names.
+            weights, batch_size, progress: for the prior (a local weights file) and the precompute.
+            **kwargs: the other :class:`ReLA` options (``schedule``, ``n_components``, ``capture``, ...).
+        """
+        from torch.utils.data import IterableDataset
+
+        from ..data.indexing import iterated_through_tracking
+        from ..data.items import clean_view
+        from ..targets.cache import open_or_precompute
+
+        source = getattr(dataloader, "dataset", None)
+        if source is None:
+            raise TypeError(f"ReLA.from_prior needs the training DataLoader (the loader your loop iterates), got a "
+                            f"{type(dataloader).__name__}.")
+        if (isinstance(source, IterableDataset) or not hasattr(source, "__len__")
+                or type(source).__module__.split(".")[0] in ("datasets", "webdataset")):
+            raise TypeError(
+                f"The loader's data set is a {type(source).__name__}: streamed data, whose rows are found by sample key "
+                "rather than by position. Precompute sidecars (`accelerate-ssl precompute --data wds:<shards> / "
+                "hf:<path>`), let the rows ride in the batch (ShardedTargets.open(folder).join() / .column(dataset)) "
+                "and create ReLA(targets, backbone, ...) with rela.wrap(loss, targets=...) (README: At web scale).")
+        if dataset is not None and transform_attr is not None:
+            raise ValueError("ReLA.from_prior: pass dataset= (the clean set itself) or transform_attr= (where the "
+                             "loader's data set holds its augmentation), not both.")
+        clean = clean_view(source, transform_attr) if dataset is None else dataset
+        store = open_or_precompute(prior, clean, cache_dir, weights=weights, batch_size=batch_size, progress=progress,
+                                   image_key=image_key)
+        reads_ahead = iterated_through_tracking(dataloader)
+        rela = cls(store, backbone, dataset=clean, dataloader=None if reads_ahead else dataloader,
+                   total_steps=total_steps, **kwargs)
+        if reads_ahead:  # iterated through rela.track(loader) in the loop; its data set is checked now
+            rela.check_dataset(source, "the DataLoader's dataset")
+            if rela.head is None and kwargs.get("capture", "output") == "output":
+                dim = infer_feature_dim(backbone, source)
+                if dim is not None:
+                    rela._build(dim, next((p.device for p in backbone.parameters()), torch.device("cpu")))
+        return rela
+
     # ------------------------------------------------------------------ setup
     def _build(self, student_dim: int, device) -> None:
         n = self.n_components

@@ -220,16 +220,39 @@ class _OneProcess:
         pass
 
 
-def _process_state():
-    """accelerate's ``PartialState`` when accelerate is installed (so ``accelerate launch`` shards the work),
-    else a single process; several processes without accelerate are refused with the fix."""
+class _ProcessGroup:
+    """The same, for the processes of an initialised ``torch.distributed`` group (Lightning's DDP, ``torchrun``, an
+    ``Accelerator`` already created): each process its rank's share, a barrier of the group."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.process_index, self.num_processes = dist.get_rank(), dist.get_world_size()
+        self.is_main_process = self.process_index == 0
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def wait_for_everyone(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def process_state():
+    """The processes that share a precompute: those of an initialised ``torch.distributed`` group when there is one
+    (Lightning's DDP, ``torchrun`` after ``init_process_group``, an ``Accelerator`` made earlier); else accelerate's
+    ``PartialState`` when accelerate is installed (so ``accelerate launch`` shards the work); else a single process.
+    Several processes with neither are refused with the fix."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return _ProcessGroup()
     try:
         from accelerate import PartialState
     except ImportError:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from ..optional import require
 
-            require("accelerate", "precompute in several processes")
+            require("accelerate", "precompute in several processes (or call torch.distributed.init_process_group first)")
         return _OneProcess()
     # cpu=True when there is no GPU: `accelerate launch --multi_gpu` then still runs gloo CPU processes
     # (accelerate would otherwise see no GPU and treat every process as a lone one).
@@ -322,7 +345,7 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
         raise ValueError("The dataset is empty; pass a dataset with at least one sample.")
     given, image_key = image_key, _check_first_item(dataset, image_key)
     path = Path(path)
-    state = _process_state()
+    state = process_state()
     device = state.device
     batch_size = batch_size or default_batch_size(device)
     pre = _resolve_preprocess(prior, dataset)

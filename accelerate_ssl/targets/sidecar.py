@@ -193,7 +193,7 @@ def precompute_sidecars(prior, source, path, *, batch_size: Optional[int] = None
 
     from .. import __version__
     from ..data.streams import StreamSource, open_stream
-    from .precompute import _PRECISIONS, _process_state, _settings_diff, default_batch_size
+    from .precompute import _PRECISIONS, _settings_diff, process_state, default_batch_size
 
     source = source if isinstance(source, StreamSource) else open_stream(source)
     if precision not in _PRECISIONS:
@@ -204,7 +204,7 @@ def precompute_sidecars(prior, source, path, *, batch_size: Optional[int] = None
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}.")
     path = Path(path)
-    state = _process_state()
+    state = process_state()
     batch_size = batch_size or default_batch_size(state.device)
     pre = prior.preprocess
     settings = json.loads(json.dumps({
