@@ -154,7 +154,8 @@ class RecipeLog:
     """The rows a recipe's ReLA read, step by step, against the rows of the samples each batch holds.
 
     ``watch(rela)`` once ReLA exists; ``step(rela, own)`` right after each ``wrap``, ``own`` the batch's own dataset
-    indices (or keys, with ``keys=``); ``save()`` writes ``$RECIPE_LOG/rank-<r>.json`` when ``RECIPE_LOG`` is set."""
+    indices (or keys, with ``keys=``); ``save(rank)`` writes ``$RECIPE_LOG/rank-<rank>.json`` when ``RECIPE_LOG`` is set (the rank: ``$RANK`` when not
+    given)."""
 
     def __init__(self):
         self.steps: list[dict] = []
@@ -178,11 +179,11 @@ class RecipeLog:
         self.steps.append({"own": own.tolist(), "reads": len(reads), "lambda": float(rela.stats["lambda"]),
                            "own_rows": len(reads) == 1 and torch.equal(reads[0], expected)})
 
-    def save(self) -> None:
+    def save(self, rank: Optional[int] = None) -> None:
         folder = os.environ.get("RECIPE_LOG")
         if not folder:
             return
-        rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+        rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) if rank is None else rank
         Path(folder).mkdir(parents=True, exist_ok=True)
         (Path(folder) / f"rank-{rank}.json").write_text(json.dumps({"rank": rank, "steps": self.steps}))
 
