@@ -26,7 +26,7 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 ADDED, CHANGED, TEST = "# ReLA: added", "# ReLA: changed, was: ", "# test"
-COUNT = re.compile(r"\*\*(\d+) added, (\d+) changed\*\*")
+COUNT = re.compile(r"\*\*(\d+)\s+added,\s+(\d+)\s+changed\*\*")
 
 
 # ---------------------------------------------------------------------------------------------- the README
@@ -40,8 +40,10 @@ def readme_recipe(anchor: str, text: Optional[str] = None) -> tuple[int, int, li
     the first ``**N added, M changed**`` after it, and the code lines of the first ````python`` block after that
     (comments, blank lines and ``...`` lines left out)."""
     text = README.read_text() if text is None else text
-    assert text.count(anchor) == 1, f"README: {anchor!r} must occur exactly once, found {text.count(anchor)}"
-    rest = text.split(anchor, 1)[1]
+    pattern = r"\s+".join(re.escape(word) for word in anchor.split())  # the anchor may be wrapped over lines
+    found = list(re.finditer(pattern, text))
+    assert len(found) == 1, f"README: {anchor!r} must occur exactly once, found {len(found)}"
+    rest = text[found[0].end():]
     count = COUNT.search(rest)
     assert count is not None, f"README: no '**N added, M changed**' after {anchor!r}"
     block = rest[count.end():].split("```python\n", 1)[1].split("```", 1)[0]
