@@ -52,6 +52,20 @@ def readme_recipe(anchor: str, text: Optional[str] = None) -> tuple[int, int, li
     return int(count.group(1)), int(count.group(2)), [line for line in lines if line and not line.startswith(("#", "..."))]
 
 
+def readme_command(anchor: str, text: Optional[str] = None) -> list[str]:
+    """The words of the first ``accelerate-ssl ...`` command of a ````bash`` block after ``anchor`` (its comment off)."""
+    import shlex
+
+    text = README.read_text() if text is None else text
+    pattern = r"\s+".join(re.escape(word) for word in anchor.split())
+    rest = text[re.search(pattern, text).end():]
+    for block in re.findall(r"```bash\n(.*?)```", rest, flags=re.S):
+        for line in block.splitlines():
+            if line.startswith("accelerate-ssl "):
+                return shlex.split(line, comments=True)
+    raise AssertionError(f"README: no accelerate-ssl command after {anchor!r}")
+
+
 # ---------------------------------------------------------------------------------------------- the script
 def comment(line: str) -> str:
     """A line's trailing comment (after two spaces), ``""`` when it has none."""
