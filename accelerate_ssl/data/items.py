@@ -95,7 +95,7 @@ def _fix(item: Any) -> str:
     else:
         how = "image_key=<position>"
         flag = "--image-field <position>"
-    return (f"Name where the image is: {how} (precompute_targets, open_or_precompute, dataset_fingerprint) or {flag} "
+    return (f"Name where the image is: {how} (ReLA.from_prior, precompute_targets, open_or_precompute, dataset_fingerprint) or {flag} "
             "on the command line; that value must be a PIL image, a numpy array or a tensor (decode files and bytes in "
             "__getitem__).")
 
