@@ -4,7 +4,6 @@ the clean view is found or refused with the fix; the loader's data set is checke
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -321,15 +321,8 @@ def untracked_loader_hint() -> str:
     except Exception:  # an Accelerate without this public attribute: no hint
         return ""
     inner = _known_inner(active) if active is not None else None
-    if not isinstance(inner, DataLoader):
+    if not isinstance(inner, DataLoader) or "_accelerate_ssl_tracker" in inner.__dict__:
         return ""
-    if "_accelerate_ssl_tracker" in inner.__dict__:
-        tracked = getattr(active, "__dict__", {}).get("_accelerate_ssl_tracked")
-        if tracked is None or tracked.iterating:
-            return ""
-        return ("The loop iterates a loader prepared by Accelerate itself, not what rela.track returned for it (the "
-                "prepared loader reads a batch ahead, so its batches are published only through that): write "
-                "`for batch in rela.track(loader):`.")
     skipped, sampler = bool(getattr(active, "skip_batches", 0)), inner.batch_sampler
     while sampler is not None and not skipped:
         skipped = _is_type(sampler, "accelerate.data_loader", "SkipBatchSampler")
@@ -371,7 +364,6 @@ class TrackedLoader:
             )
         self.wrapper, self.inner, self.tracker = wrapper, inner, tracker
         self._fifo: collections.deque = collections.deque()
-        self.iterating = False  # a pass of this tracked loader is under way (the loop iterates it, not the wrapper)
         inner_tracker = track_indices(inner, _as_inner=True)
         inner_tracker.add_listener(self._fifo.append)
         inner_tracker.add_upcoming_listener(tracker.announce)  # drawn by the inner loader: upcoming for this one too
@@ -383,21 +375,17 @@ class TrackedLoader:
         # a prepared loader made with skip_batches=k draws its first k batches and yields none of them (the inner
         # loader's FIFO holds them, then the first batch yielded, then the one read ahead)
         skip = int(getattr(self.wrapper, "skip_batches", 0) or 0)
-        self.iterating = True
-        try:
-            for batch in self.wrapper:
-                for _ in range(min(skip, len(self._fifo))):
-                    self._fifo.popleft()
-                skip = 0
-                if not self._fifo:
-                    raise RuntimeError(
-                        f"accelerate_ssl: {type(self.wrapper).__name__} yielded a batch its inner DataLoader never "
-                        "built, so it does not yield that loader's batches one-to-one; pass index= to rela.wrap instead."
-                    )
-                self.tracker.push(self._fifo.popleft())
-                yield batch
-        finally:
-            self.iterating = False
+        for batch in self.wrapper:
+            for _ in range(min(skip, len(self._fifo))):
+                self._fifo.popleft()
+            skip = 0
+            if not self._fifo:
+                raise RuntimeError(
+                    f"accelerate_ssl: {type(self.wrapper).__name__} yielded a batch its inner DataLoader never built, "
+                    "so it does not yield that loader's batches one-to-one; pass index= to rela.wrap instead."
+                )
+            self.tracker.push(self._fifo.popleft())
+            yield batch
         for _ in range(min(skip, len(self._fifo))):  # a pass that skipped every batch it drew and yielded none
             self._fifo.popleft()
         if self._fifo:
@@ -418,12 +406,12 @@ class TrackedLoader:
         return type(self.wrapper)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("wrapper", "inner", "tracker", "_fifo", "iterating"):
+        if name in ("wrapper", "inner", "tracker", "_fifo"):
             raise AttributeError(name)
         return getattr(self.wrapper, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("wrapper", "inner", "tracker", "_fifo", "iterating"):
+        if name in ("wrapper", "inner", "tracker", "_fifo"):
             object.__setattr__(self, name, value)
         else:  # e.g. timm's train.py: loader.mixup_enabled = False
             setattr(self.wrapper, name, value)

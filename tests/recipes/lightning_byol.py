@@ -7,7 +7,6 @@ import copy
 
 import pytorch_lightning as pl
 import torch
-from torch import nn
 
 from lightly.loss import NegativeCosineSimilarity
 from lightly.models.modules import BYOLPredictionHead, BYOLProjectionHead
