@@ -253,6 +253,10 @@ def test_the_shipped_reference_is_the_committed_measurement():
     assert demo.REFERENCE["speedup_cpu"] == [round(r["speedup_cpu"]["speedup"], 2) for r in result["per_seed"]]
     assert demo.REFERENCE["speedup_steps"] == [round(r["speedup"]["speedup"], 2) for r in result["per_seed"]]
     assert demo.REFERENCE["mean_cpu"] == round(result["speedup_cpu"]["speedup"], 2)
+    # the file's own reference line is the one the demo writes against REFERENCE (seeds, intervals), from its numbers
+    args = argparse.Namespace(**{**defaults, **result["settings"]})
+    assert result["reference"] == demo._reference_line(args, result)
+    assert result["reference"].startswith(f"reference: seeds {', '.join(map(str, demo.REFERENCE['seeds']))} on ")
 
 
 @pytest.mark.parametrize("prior_spec", ["shipped:digits-byol", "timm:vit_small_patch14_dinov2.lvd142m",
