@@ -267,3 +267,53 @@ def test_grayscale_prior_says_it_turns_rgb_into_luminance():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         prior.preprocess(Image.fromarray(np.full((28, 28), 100, dtype=np.uint8)))  # grayscale input: no warning
+
+
+# ------------------------------------------------------------------------------------------ AugMix (--aug-splits)
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory):
+    """timm's own data set over 16 PNG files (two class folders): image k, in timm's file order, is the constant colour
+    5 * k; and targets precomputed over it (rows in that order, the file list recorded)."""
+    from timm.data import create_dataset
+
+    from accelerate_ssl.targets.precompute import precompute_targets
+    from accelerate_ssl.targets.priors import create_prior
+
+    root = tmp_path_factory.mktemp("timm-folder")
+    for k in range(16):
+        (root / "train" / f"c{k // 8}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((SIZE, SIZE, 3), 5 * k, dtype=np.uint8)).save(root / "train" / f"c{k // 8}" / f"{k % 8}.png")
+    clean = create_dataset("", root=str(root / "train"))
+    store = precompute_targets(create_prior("random:convnet", in_channels=3), clean, root / "targets", progress=False)
+    return root / "train", store
+
+
+def test_augmix_splits_train_with_the_readme_lines_on_timms_augmix_dataset(image_folder):
+    """train.py --aug-splits 2 wraps its data set in AugMixDataset (item i: item i's clean split plus an augmented one)
+    and the prefetcher stacks the splits as blocks of the batch. `dataset=dataset_train` (the wrapper, as the README's
+    lines pass it) is identified by the files underneath, and every split of a sample is pulled to that sample's row."""
+    from timm.data import AugMixDataset, create_dataset
+
+    folder, store = image_folder
+    dataset_train = AugMixDataset(create_dataset("", root=str(folder)), num_splits=2)
+    loader_train = create_loader(dataset_train, input_size=(3, SIZE, SIZE), batch_size=4, is_training=True,
+                                 num_aug_splits=2, num_workers=0, device=torch.device("cpu"), use_prefetcher=True)
+    torch.manual_seed(0)
+    model = timm.create_model("test_resnet", pretrained=False, num_classes=2)
+    rela = ReLA(store.path, model.get_classifier(), capture="input", dataset=dataset_train, total_steps=4,
+                witness=False)  # (the prior re-embedding inputs: its own tests; here the rows are read off the pixels)
+    loader_train = rela.track(loader_train)
+    rela.targets = Spy(rela.targets)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen = []
+    for x, y in loader_train:
+        assert len(x) == 8  # 4 samples x 2 splits, the clean split first
+        clean = (decode(x[:4], True).double() / 5).round().long()
+        loss = rela.wrap(nn.functional.cross_entropy(model(x), y))
+        used, _ = rela.targets.calls[-1]
+        assert torch.equal(used, clean)  # each sample's own row, for both of its splits
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        seen += clean.tolist()
+    assert sorted(seen) == list(range(16)) and rela.steps == 4
