@@ -387,3 +387,35 @@ def test_augmix_splits_train_with_the_readme_lines_on_timms_augmix_dataset(image
         opt.zero_grad()
         seen += clean.tolist()
     assert sorted(seen) == list(range(16)) and rela.steps == 4
+
+
+# ------------------------------------------------------------------------------------------ DDP on the CPU
+def test_timm_style_ddp_on_the_cpu_under_two_gloo_processes(image_folder, tmp_path):
+    """timm's train.py passes device_ids=[device] to DDP, which DDP refuses for a CPU module; with device_ids=None
+    (the one change, tests/_timm_ddp_worker.py) a script built of train.py's own pieces runs the README's lines under
+    torchrun on 2 gloo processes: each process trains its DistributedSampler's share, every row ReLA looks up is its
+    sample's own, and lambda and the transport head are the same on both processes at every step."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from processes import cpu_process_env
+
+    folder, store = image_folder
+    here = Path(__file__).resolve()
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    done = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(here.with_name("_timm_ddp_worker.py")),
+                           str(folder), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env=cpu_process_env(PYTHONPATH=str(here.parents[1]), RELA_TARGETS=str(store.path)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
+    for r in ranks:
+        assert r["world_size"] == 2 and r["updates_per_epoch"] == 4 and r["rela_steps"] == 8
+        for step in r["steps"]:
+            assert step["rows"] == step["samples"]  # each process's rows are its own samples'
+    for epoch in (0, 1):  # the two processes share every epoch's samples, each sample once
+        shares = [sum((s["samples"] for s in r["steps"] if s["epoch"] == epoch), []) for r in ranks]
+        assert sorted(shares[0] + shares[1]) == list(range(16)) and not set(shares[0]) & set(shares[1])
+    assert [s["lambda"] for s in ranks[0]["steps"]] == [s["lambda"] for s in ranks[1]["steps"]]
+    assert ranks[0]["head"] == ranks[1]["head"]  # the head's gradients are averaged across the processes
