@@ -6,8 +6,8 @@ import torch
 from PIL import Image
 
 from accelerate_ssl.backbones import ConvNet, ResNetSmall
-from accelerate_ssl.targets.priors import (IMAGENET_MEAN, SHIPPED_PRIORS, Preprocess, create_prior, list_priors,
-                                           save_prior_checkpoint)
+from accelerate_ssl.priors import SHIPPED_PRIORS, Preprocess, create_prior, list_priors, save_prior_checkpoint
+from accelerate_ssl.priors.registry import IMAGENET_MEAN
 
 
 def _gray(size=28, seed=0):
