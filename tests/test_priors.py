@@ -173,7 +173,7 @@ def test_every_shipped_prior_loads_by_name_and_embeds_28px_images(name):
 def test_a_recorded_timm_vit_is_rebuilt_at_the_size_its_rows_were_made_at(tmp_path):
     """A ViT's position embeddings depend on its input size: a prior made with size=32 (default 160) is rebuilt at 32,
     with the recorded preprocessing, and embeds as the original did."""
-    timm = pytest.importorskip("timm")
+    import timm
     from safetensors.torch import save_file
 
     from accelerate_ssl.priors import rebuild_prior
