@@ -19,9 +19,9 @@ from typing import Optional, Sequence
 # name -> (module that implements it, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "compact": ("accelerate_ssl.compact.cli", "distil unlabelled images into a compact parameterized store (Yu et al. (2025)), or inspect one"),
-    "priors": ("accelerate_ssl.targets.catalog", "list recommended priors, show what a prior spec names, fetch its weights into the cache"),
+    "priors": ("accelerate_ssl.priors.catalog", "list recommended priors, show what a prior spec names, fetch its weights into the cache"),
     "precompute": ("accelerate_ssl.targets.precompute", "run a prior model over a data set once and write a TargetStore"),
-    "store": ("accelerate_ssl.targets.store", "check a TargetStore: `store verify <path>` reads every row and the file's checksum"),
+    "store": ("accelerate_ssl.targets.verify", "check a TargetStore: `store verify <path>` reads every row and the file's checksum"),
     "demo": ("accelerate_ssl.demo", "ReLA's speed-up over plain BYOL on Fashion-MNIST, on CPU (table + PNG + JSON)"),
     "distill": ("accelerate_ssl.distill.cli", "synthesise a distilled warm-start set (SRe2L / DWA / FADRM) from a BatchNorm teacher"),
 }

@@ -367,7 +367,7 @@ def run(args) -> int:
     from .data import FashionMNIST
     from .recipes import Probe, images_to_tensor, mean_run
     from .targets.precompute import precompute_targets
-    from .targets.priors import create_prior
+    from .priors import create_prior
     from .targets.store import TargetStore
 
     out = Path(args.out)

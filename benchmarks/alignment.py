@@ -130,7 +130,7 @@ def wrong_rows(rows: torch.Tensor, labels: np.ndarray, kind: str, seed: int) -> 
 # ---------------------------------------------------------------------------------------------- one run
 def make_rela(targets, backbone, recipe: str, steps: int, prior_spec: str, checks: bool = True):
     from accelerate_ssl.rela import ReLA, Witness
-    from accelerate_ssl.targets.priors import create_prior
+    from accelerate_ssl.priors import create_prior
 
     given = None if hasattr(targets, "metadata") else create_prior(prior_spec)  # in-memory rows record no prior
     witness = Witness(prior=given, on_misalignment="warn") if checks else False
@@ -328,7 +328,7 @@ def prepare(args, cases: list[str]) -> dict:
     """The stores (one per data set and prior) and the WebDataset shards with their sidecars, cached."""
     from accelerate_ssl import precompute_sidecars
     from accelerate_ssl.targets.precompute import precompute_targets
-    from accelerate_ssl.targets.priors import create_prior
+    from accelerate_ssl.priors import create_prior
     from accelerate_ssl.targets.store import TargetStore
 
     cache, stores = Path(args.cache), {}

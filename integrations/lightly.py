@@ -107,15 +107,16 @@ def open_or_precompute(prior: Union[str, nn.Module], dataset, cache_dir: Union[s
 
     The store folder is ``cache_dir/<prior spec>-<dataset fingerprint>``, so another dataset (or another
     prior) gets another folder, and opening checks the fingerprint again. ``prior`` is a spec for
-    :func:`~accelerate_ssl.targets.priors.create_prior` (random backbones get the data's channel count)
+    :func:`~accelerate_ssl.priors.create_prior` (random backbones get the data's channel count)
     or a ready ``Prior``. Under ``accelerate launch`` the precompute is sharded across the processes.
     File names (if the dataset has them) are recorded in the store as its sample keys. ``image_key``: where each
     item's image is (dict items: the field; default the first of ``image``, ``img``, ``pixel_values``, ... present).
     """
     from accelerate_ssl import backbones
     from accelerate_ssl.data import dataset_fingerprint
-    from accelerate_ssl.targets.precompute import image_channels, precompute_targets
-    from accelerate_ssl.targets.priors import create_prior
+    from accelerate_ssl.targets.precompute import precompute_targets
+    from accelerate_ssl.targets.write import image_channels
+    from accelerate_ssl.priors import create_prior
     from accelerate_ssl.targets.store import METADATA, TargetStore
 
     if isinstance(prior, str):

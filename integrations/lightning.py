@@ -274,15 +274,15 @@ class _ReLACallback:
                 f"ReLACallback: the batch's tensors have {sorted(sizes)} rows but the DataLoader yielded {len(index)} sample "
                 "indices for it; the batches Lightning delivers are not the DataLoader's. Pass index= to self.rela.wrap."
             )
-        self.rela._publish_index(index)
-        self._last_seen = self.rela._last
+        self.rela.publish_index(index)
+        self._last_seen = self.rela.last_wrap
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.rela is not None and self.rela._is_user_optimizer(optimizer):
-            self.rela._sync_head_gradients()
+        if self.rela is not None:
+            self.rela.average_head_gradients(optimizer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        last = self.rela._last
+        last = self.rela.last_wrap
         if last is self._last_seen:
             return  # training_step did not call rela.wrap
         self._last_seen = last
@@ -298,7 +298,7 @@ class _ReLACallback:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "rela" in state_dict:
             self.rela.load_state_dict(state_dict["rela"])
-            self._last_seen = self.rela._last
+            self._last_seen = self.rela.last_wrap
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if "rela" not in checkpoint.get("callbacks", {}).get(self.state_key, {}):

@@ -107,7 +107,7 @@ def test_cuda_witnessed_steps_never_synchronise():
     """The witness on every step (two views, the prior on the device) adds no host synchronisation: its statistics are
     read back once their copy has completed."""
     from accelerate_ssl.rela import Witness
-    from accelerate_ssl.targets.priors import Preprocess, Prior
+    from accelerate_ssl.priors import Preprocess, Prior
 
     class Flat(nn.Module):
         def __init__(self):

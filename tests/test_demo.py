@@ -167,9 +167,9 @@ def test_rela_run_differs_from_plain_only_by_the_wrap(tmp_path, fashion_mnist_av
 
 
 def test_default_prior_ships_and_loads():
-    from accelerate_ssl.targets.priors import create_prior
+    from accelerate_ssl.priors import create_prior
 
-    from accelerate_ssl.targets.priors import shipped_prior_file
+    from accelerate_ssl.priors import shipped_prior_file
 
     # a prior trained on other data (digits), label-free: a user's situation, not an upper bound; small enough to ship
     assert demo.DEFAULT_PRIOR == "shipped:digits-byol"

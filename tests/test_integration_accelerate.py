@@ -370,7 +370,7 @@ def _worker_store(folder: Path) -> None:
 
     from accelerate_ssl.data import ArrayImageDataset
     from accelerate_ssl.targets.precompute import precompute_targets
-    from accelerate_ssl.targets.priors import create_prior
+    from accelerate_ssl.priors import create_prior
 
     images = np.random.default_rng(0).integers(0, 256, (48, 8, 8), dtype=np.uint8)
     np.save(folder / "images.npy", images)

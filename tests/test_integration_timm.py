@@ -327,7 +327,7 @@ def test_stats_after_load_describe_the_loaded_state():
 
 
 def test_grayscale_prior_says_it_turns_rgb_into_luminance():
-    from accelerate_ssl.targets.priors import create_prior
+    from accelerate_ssl.priors import create_prior
 
     prior = create_prior("shipped:fashion-mnist-byol")
     assert prior.preprocess.channels == 1

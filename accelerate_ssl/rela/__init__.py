@@ -348,7 +348,7 @@ class ReLA:
                     return
                 if tracker.mixing and not r.schedule.finished:
                     raise ValueError(tracker.mixing)
-                r._publish_index(idx, source=(id(tracker), tracker.iteration))
+                r.publish_index(idx, source=(id(tracker), tracker.iteration))
 
             tracker.add_listener(listener)
             tracker.add_upcoming_listener(lambda idx, ref=ref: (r := ref()) is not None and r.targets.announce(idx))
@@ -386,8 +386,8 @@ class ReLA:
             return "allow"
         return "refuse" if self.end_step is None else "hold"
 
-    def _publish_index(self, index: torch.Tensor, source=None) -> None:
-        """The dataset indices of the batch the loop now holds (from a tracked loader, or an integration that
+    def publish_index(self, index: torch.Tensor, source=None) -> None:
+        """For integrations that know which batch the loop body holds (a tracked loader calls it too). The dataset indices of the batch the loop now holds (from a tracked loader, or an integration that
         knows which batch the loop body receives); the next ``wrap`` without ``index=`` consumes them, once.
         ``source`` names the pass they come from: a second batch of the same pass before that wrap is counted
         (the loop cannot hold both), a batch of a new pass replaces an unconsumed one (``break`` then a new epoch).
@@ -608,6 +608,19 @@ class ReLA:
         if "closure" in kwargs:
             return args, {**kwargs, "closure": closure_then_average}
         return (args[0], closure_then_average, *args[2:]), kwargs
+
+    def average_head_gradients(self, optimizer=None) -> None:
+        """For integrations that step the optimiser themselves (Lightning's ``on_before_optimizer_step``, before gradient
+        clipping): average the head's gradients across processes now, once per backward, if ``optimizer`` is the one
+        that trains the backbone (any, when None). A later pre-step hook of the same step finds them averaged."""
+        if optimizer is None or self._is_user_optimizer(optimizer):
+            self._sync_head_gradients()
+
+    @property
+    def last_wrap(self) -> dict[str, Any]:
+        """``{"lambda", "loss_rela", "loss_ssl"}`` of the latest ``wrap``, the losses as detached device tensors or None
+        (no host read: for loggers; :attr:`stats` reads them as floats). A new dict after each wrap or load."""
+        return self._last
 
     def _sync_head_gradients(self) -> None:
         """Average the head's gradients across processes, once per backward: a second call before the next ``wrap``
