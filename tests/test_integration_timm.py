@@ -347,7 +347,7 @@ def image_folder(tmp_path_factory):
     from timm.data import create_dataset
 
     from accelerate_ssl.targets.precompute import precompute_targets
-    from accelerate_ssl.targets.priors import create_prior
+    from accelerate_ssl.priors import create_prior
 
     root = tmp_path_factory.mktemp("timm-folder")
     for k in range(16):
