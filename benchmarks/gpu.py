@@ -238,7 +238,7 @@ def input_pipeline_rate(prior, data, size: Size, device: torch.device) -> float:
     """Images/s of precompute's own input pipeline alone (the same DataLoader: each sample's identity digest and the
     prior's preprocessing in the workers, pinned batches copied to the device), with no forward: the ceiling the
     data side puts on precompute."""
-    from accelerate_ssl.targets.precompute import input_batches
+    from accelerate_ssl.targets.write import input_batches
 
     loader = input_batches(data, prior.preprocess, size.batch, size.workers, pin_memory=device.type == "cuda")
     t = time.perf_counter()

@@ -239,7 +239,7 @@ class _ReLACallback:
         if self._pending_state is not None:  # a checkpoint Lightning restored before the loader was known
             self.rela.load_state_dict(self._pending_state)
             self._pending_state = None
-        self._last_seen = self.rela._last
+        self._last_seen = self.rela.last_wrap
 
     def _patch_strategy(self, trainer) -> None:
         """Track every training DataLoader as Lightning hands it to ``strategy.process_dataloader``: after it replaced
@@ -342,15 +342,15 @@ class _ReLACallback:
                 f"ReLACallback: the batch's tensors have {sorted(sizes)} rows but the DataLoader yielded {len(index)} sample "
                 "indices for it; the batches Lightning delivers are not the DataLoader's. Pass index= to self.rela.wrap."
             )
-        self.rela._publish_index(index)
-        self._last_seen = self.rela._last
+        self.rela.publish_index(index)
+        self._last_seen = self.rela.last_wrap
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.rela is not None and self.rela._is_user_optimizer(optimizer):
-            self.rela._sync_head_gradients()
+        if self.rela is not None:
+            self.rela.average_head_gradients(optimizer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        last = self.rela._last
+        last = self.rela.last_wrap
         if last is self._last_seen:
             return  # training_step did not call rela.wrap
         self._last_seen = last
@@ -369,7 +369,7 @@ class _ReLACallback:
                 self._pending_state = state_dict["rela"]
                 return
             self.rela.load_state_dict(state_dict["rela"])
-            self._last_seen = self.rela._last
+            self._last_seen = self.rela.last_wrap
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if "rela" not in checkpoint.get("callbacks", {}).get(self.state_key, {}):

@@ -203,7 +203,7 @@ def test_the_loader_lightning_iterates_is_checked_against_the_store(tmp_path):
 
     from accelerate_ssl.data import ArrayImageDataset
     from accelerate_ssl.targets.precompute import precompute_targets
-    from accelerate_ssl.targets.priors import create_prior
+    from accelerate_ssl.priors import create_prior
     from accelerate_ssl.targets.store import TargetStoreMismatchError
 
     rng = np.random.default_rng(0)

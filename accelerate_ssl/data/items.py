@@ -31,6 +31,8 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from ..launch import is_main_process
+
 __all__ = ["IMAGE_FIELDS", "TRANSFORM_ATTRS", "UnreadableItemError", "is_image", "describe_item", "image_location",
            "item_image", "image_or_item", "replace_image", "announce_once", "announce_image_field", "dataset_name", "transform_attrs",
            "switch_off", "clean_view", "same_items", "unchanged"]
@@ -173,7 +175,7 @@ def announce_once(what: Any, text: str) -> None:
     if what in _ANNOUNCED:
         return
     _ANNOUNCED.add(what)
-    if os.environ.get("RANK", "0") == "0":
+    if is_main_process():
         print(f"accelerate-ssl: {text}", file=sys.stderr)
 
 

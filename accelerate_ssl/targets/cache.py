@@ -8,7 +8,7 @@ folder and a stale folder is never reused; opening checks the fingerprint again 
 
 - in a ``torch.distributed`` group (Lightning's DDP, ``torchrun`` after ``init_process_group``, ``accelerate launch``)
   each process computes its share of the chunks and the main process writes the store
-  (:func:`~accelerate_ssl.targets.precompute.process_state`); the processes wait for each other, then all open it;
+  (:func:`~accelerate_ssl.targets.write.process_state`); the processes wait for each other, then all open it;
 - separate runs sharing one cache folder (two jobs started together, a notebook and a script) take the folder's lock
   file in turn (``<folder>.lock``, an ``flock`` on POSIX systems, held by the main process of each run): the first
   computes, the next finds the finished store and opens it.
@@ -68,7 +68,7 @@ def open_or_precompute(prior: Union[str, nn.Module], dataset, cache_dir: Union[s
     under ``cache_dir`` and reopened after that (module docstring).
 
     Args:
-        prior: a prior spec for :func:`~accelerate_ssl.targets.priors.create_prior` (``"timm:<model>"``,
+        prior: a prior spec for :func:`~accelerate_ssl.priors.create_prior` (``"timm:<model>"``,
             ``"shipped:digits-byol"``, ...; a ``random:`` ConvNet gets the data's channel count) or a ready ``Prior``.
         dataset: the training set without augmentation, in training order (``accelerate_ssl.data.clean_view``).
         cache_dir: the folder holding one store per prior and data set.
@@ -82,9 +82,10 @@ def open_or_precompute(prior: Union[str, nn.Module], dataset, cache_dir: Union[s
     """
     from .. import backbones
     from ..data.fingerprint import dataset_fingerprint
-    from .precompute import image_channels, precompute_targets, process_state
-    from .priors import create_prior
+    from ..priors import create_prior
+    from .precompute import precompute_targets
     from .store import METADATA, TargetStore
+    from .write import image_channels, process_state
 
     if isinstance(prior, str):
         family, _, arch = prior.partition(":")
