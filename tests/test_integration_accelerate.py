@@ -282,7 +282,7 @@ def test_from_prior_on_a_prepared_loader_and_a_clean_set_in_another_order(accele
     loader = accelerator.prepare(DataLoader(train, batch_size=6, shuffle=True))
     backbone = ConvNet(in_channels=3, widths=(8,))
     rela = ReLA.from_prior("random:convnet", backbone, loader, total_steps=8, cache_dir=tmp_path / "cache",
-                           progress=False)
+                           progress=False, image_key="image")  # (named: the field found by default is said once)
     assert rela.head is not None and rela.head.in_features == 8  # the feature dim, from the prepared loader's data
     row_of = {name_number(f): i for i, f in enumerate(files)}
     for batch in rela.track(loader):
@@ -290,7 +290,7 @@ def test_from_prior_on_a_prepared_loader_and_a_clean_set_in_another_order(accele
         assert rela._current_index.tolist() == [row_of[n] for n in image_number(batch["image"])]
     with pytest.raises(TargetStoreMismatchError, match="the same 24 files in another order"):
         ReLA.from_prior("random:convnet", backbone, loader, dataset=PetsDataset(sorted(files)),
-                        cache_dir=tmp_path / "cache", progress=False)
+                        cache_dir=tmp_path / "cache", progress=False, image_key="image")
 
 
 def test_multi_gpu_config_file_is_one_machine_n_gpus():

@@ -37,11 +37,8 @@ def test_the_quick_start_is_lightlys_byol_example_with_two_added_and_one_changed
 
 
 def test_the_quick_start_runs_as_written_and_every_row_is_the_samples_own(tmp_path, fashion_mnist_available):
-    def run():
-        return subprocess.run([sys.executable, str(SCRIPT)], cwd=tmp_path, env=recipe_env(tmp_path / "log"), text=True,
-                              capture_output=True, timeout=300)
-
-    done = run()
+    done = subprocess.run([sys.executable, str(SCRIPT)], cwd=tmp_path, env=recipe_env(tmp_path / "log"), text=True,
+                          capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "epoch: 01, loss:" in done.stdout and "precompute shipped:digits-byol" in done.stderr
     steps = read_logs(tmp_path / "log")[0]
@@ -49,14 +46,7 @@ def test_the_quick_start_runs_as_written_and_every_row_is_the_samples_own(tmp_pa
     assert_every_row_is_the_samples_own(steps)
     for epoch in (0, 1):  # each epoch the shuffled loader visits every sample once
         assert sorted(i for s in steps[4 * epoch:4 * epoch + 4] for i in s["own"]) == list(range(256))
-    stores = list((tmp_path / "rela-targets").glob("shipped-digits-byol-256-*/metadata.json"))
-    assert len(stores) == 1
-    # a second run reopens the store: nothing is recomputed
-    mtime = stores[0].stat().st_mtime_ns
-    again = run()
-    assert again.returncode == 0 and "precompute shipped:digits-byol" not in again.stderr, again.stderr[-3000:]
-    assert stores[0].stat().st_mtime_ns == mtime
-    assert_every_row_is_the_samples_own(read_logs(tmp_path / "log")[0])
+    assert len(list((tmp_path / "rela-targets").glob("shipped-digits-byol-256-*/metadata.json"))) == 1
 
 
 def _run(tmp_path, with_length: bool):

@@ -97,7 +97,7 @@ dataloader = torch.utils.data.DataLoader(
 # Train with DDP (Synchronized Batch Norm, on in lightly's example, works on GPUs only).
 # Distributed sampling is also enabled with replace_sampler_ddp=True.
 trainer = pl.Trainer(
-    max_epochs=10,
+    max_epochs=4,
     devices=2,
     accelerator="cpu",
     strategy="ddp",
