@@ -104,6 +104,10 @@ def main() -> None:
             optimizer.zero_grad()
             steps.append({"epoch": epoch, "samples": decode(input), "rows": rela.targets.index,
                           "lambda": rela.stats["lambda"]})
+        if args.rank == 0:  # train.py's saver exists on rank 0 only
+            output_dir = cli.out
+            if True:  # the README's line, at train.py's indentation after `saver.save_checkpoint(...)`
+                torch.save(rela.state_dict(), os.path.join(output_dir, f'rela-{epoch}.pth'))
     record = {"rank": args.rank, "world_size": args.world_size, "steps": steps, "rela_steps": rela.steps,
               "updates_per_epoch": updates_per_epoch, "head": rela.head.weight.detach().tolist()}
     with open(os.path.join(cli.out, f"rank{args.rank}.json"), "w") as f:

@@ -419,3 +419,19 @@ def test_timm_style_ddp_on_the_cpu_under_two_gloo_processes(image_folder, tmp_pa
         assert sorted(shares[0] + shares[1]) == list(range(16)) and not set(shares[0]) & set(shares[1])
     assert [s["lambda"] for s in ranks[0]["steps"]] == [s["lambda"] for s in ranks[1]["steps"]]
     assert ranks[0]["head"] == ranks[1]["head"]  # the head's gradients are averaged across the processes
+    saved = torch.load(tmp_path / "rela-1.pth")  # the README's save line, on rank 0 after each epoch
+    assert saved["steps"] == 8 and saved["store_rows"] == 16
+
+
+def test_the_readme_lines_are_the_workers_and_their_count_is_stated():
+    """Every line of the README's train.py block is a line of the worker that runs them under torchrun (above), and
+    the README's count is the block's: one line changed (the loss), every other one added."""
+    from pathlib import Path
+
+    from recipe_check import code, readme_recipe
+
+    added, changed, block = readme_recipe("Then add these lines to `train.py`")
+    worker = {code(line) for line in (Path(__file__).with_name("_timm_ddp_worker.py")).read_text().splitlines()}
+    assert [line for line in block if line not in worker] == []
+    replaced = [line for line in block if line.startswith("_loss = ")]  # train.py's `_loss = result['loss']`
+    assert (added, changed) == (len(block) - len(replaced), len(replaced)) == (8, 1)
