@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 from accelerate_ssl.atomic import atomic_path, atomic_write_json  # noqa: E402
 from accelerate_ssl.results import save_figure, write_results  # noqa: E402
 
-VERSION = 3  # bump when a change invalidates cached runs
+VERSION = 4  # bump when a change invalidates cached runs
 PRIOR = "shipped:digits-byol"
 #: case -> (data, rows, recipe, seeds); rows: how the store's rows are given to the samples
 CASES = {

@@ -96,6 +96,30 @@ def test_switched_off_it_observes_nothing():
     assert warned == [] and rela.guard.observed == 0 and rela.guard.alarm is None
 
 
+def _window_verdict(signal: float, noise: float = 1.0, batch: int = 512):
+    """One tested window of synthetic batches: predictions = signal * own target + noise; the guard's alarm."""
+    g = torch.Generator().manual_seed(1)
+    guard = AlignmentGuard(warmup=0, window=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MisalignmentWarning)
+        for _ in range(10):
+            t = torch.randn(batch, D_T, generator=g)
+            guard.observe(signal * t + noise * torch.randn(batch, D_T, generator=g), t, batch)
+        guard._poll(wait=True)
+    return guard.last, guard.alarm
+
+
+def test_warns_only_on_a_gap_confidently_near_zero():
+    """The rule's three regions, by value: a zero gap measured tightly warns; a small gap measured tightly (t far above
+    z, e.g. one class's images) does not; a large gap does not."""
+    last, alarm = _window_verdict(0.0)
+    assert alarm is not None and last["t"] < 3 and last["relative_upper"] < 0.1
+    last, alarm = _window_verdict(0.015, noise=0.3)  # gap ~0.04 +- 0.005: what one class's images give at first
+    assert alarm is None and last["t"] > 3 and last["relative_upper"] < 0.1, last
+    last, alarm = _window_verdict(1.0)
+    assert alarm is None and last["relative_upper"] > 0.5, last
+
+
 def test_state_round_trips_mid_window():
     """A resumed check continues its open window: the same windows and the same alarm as an uninterrupted one."""
     g = torch.Generator().manual_seed(0)

@@ -14,10 +14,13 @@ closer to their own rows than to a neighbour's, also on batches the student has 
 observed *before* its own optimiser step). When they do not, and the head has not learnt the wrong pairing, the own row
 is just another sample's row and ``E[gap_t] = 0``. After ``warmup`` observed batches (the batch the head is
 least-squares fitted on is never observed: its gap is optimistic), each ``window`` batches are tested: the check warns
-once (:class:`MisalignmentWarning`) when the gap is *confidently* a small part of the spread,
-``mean(gap) + z se(gap) < tau mean(spread)``: the predictions recover less than ``tau`` of what tells the batch's targets
-apart, and the data say so with confidence. A gap that is positive but uncertain (a batch of near-alike images, a
-student that cannot see what the prior saw yet) does not warn: absence of evidence is not evidence of misalignment.
+once (:class:`MisalignmentWarning`) when the gap is *confidently* a small part of the spread and not confidently above
+zero, ``mean(gap) + z se(gap) < tau mean(spread)`` and ``mean(gap) < z se(gap)``: the predictions recover less than
+``tau`` of what tells the batch's targets apart, and are consistent with the zero gap of other samples' rows. A gap
+that is positive but uncertain (a batch of near-alike images, a student that cannot see what the prior saw yet) does
+not warn: absence of evidence is not evidence of misalignment. Nor does a gap that is small but confidently positive
+(images of one class, whose targets differ in little the student sees at first): rows of other samples give no gap at
+all, in expectation.
 
 What it cannot see: a store with only part of its rows wrong (the right rows keep the gap), and a wrong pairing the
 head has *learnt* (a store of the same images in another order that maps class to class, an epoch or more of training
@@ -138,7 +141,7 @@ class AlignmentGuard:
         self.last = {"batch": batch, "gap": mean, "gap_std": sd, "t": t, "spread": spread,
                      "relative_upper": upper / spread if spread > 0 else math.inf}
         self.history.append(self.last)
-        if upper < self.tau * spread and self.alarm is None:
+        if upper < self.tau * spread and t < self.z and self.alarm is None:
             self.alarm = dict(self.last)
             warnings.warn(MisalignmentWarning(
                 f"ReLA alignment check: over the {count} batches up to batch {batch}, the transport head's predictions "
