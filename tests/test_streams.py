@@ -221,6 +221,15 @@ def test_a_killed_precompute_resumes_shard_by_shard_to_identical_sidecars(stream
 
     again = precompute_targets(prior, spec, tmp_path / "s", batch_size=3, progress=False)  # by spec; any batch size
     assert isinstance(again, ShardedTargets) and again.identity() == full.identity()
+    with pytest.raises(ValueError, match="other settings"):  # the Python form passes dtype= on, as the CLI does
+        precompute_targets(prior, spec, tmp_path / "s", dtype="float16", progress=False)
+    with pytest.raises(ValueError, match="other settings"):
+        precompute_targets(prior, spec, tmp_path / "s", components=4, progress=False)
+    with pytest.raises(ValueError, match="keyed by each sample's __key__"):
+        precompute_targets(prior, spec, tmp_path / "s", keys=False, progress=False)
+    half = precompute_targets(prior, spec, tmp_path / "h", dtype="float16", components=4, progress=False)
+    assert half.metadata["settings"]["dtype"] == "float16" and half.metadata["settings"]["components"] == 4
+    assert half.dim == 4 and half.shard(half.shards[0])[1].shape[1] == 4
 
 
 # ------------------------------------------------------------------------------------------------ bad inputs

@@ -156,8 +156,11 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
                                  "open_stream(spec, image_field=...).")
             dataset = open_stream(dataset, image_field=str(image_key))
 
-        return precompute_sidecars(prior, dataset, path, batch_size=batch_size, precision=precision, progress=progress,
-                                   command=command)
+        if keys is not None or num_workers or chunk_size != DEFAULT_CHUNK_SIZE:
+            raise ValueError("keys=, num_workers= and chunk_size= are for map-style data sets: a stream's rows are "
+                             "keyed by each sample's __key__ and written one sidecar per shard. Leave them out.")
+        return precompute_sidecars(prior, dataset, path, batch_size=batch_size, precision=precision, dtype=dtype,
+                                   components=components, progress=progress, command=command)
     module = type(dataset).__module__.split(".")[0]
     if module in ("datasets", "webdataset"):
         spec = "hf:<path or name>" if module == "datasets" else "wds:<shard pattern>"
