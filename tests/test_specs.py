@@ -76,3 +76,19 @@ def test_torchvision_teacher_keeps_its_classifier_from_the_hub_cache_offline(tmp
     teacher = create_teacher("torchvision:resnet18/IMAGENET1K_V1").eval()
     x = torch.randn(1, 3, 32, 32)
     assert teacher(x).shape == (1, 1000) and torch.equal(teacher(x), net(x))
+
+
+@pytest.mark.parametrize("verb", [["distill"], ["compact", "distill"]])
+def test_verbs_that_read_items_refuse_streamed_data_at_parse_time(verb, capsys):
+    """distill and compact distill read dataset[i]: their --data refuses wds:/hf: and their help does not offer them."""
+    from accelerate_ssl.cli import build_parser
+
+    parser = build_parser(verb[0])
+    for spec in ("wds:shards/a-{000..009}.tar", "hf:some/dataset"):
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args([*verb, "--data", spec])
+        assert exit_.value.code == 2 and "streamed data, which this command cannot read item by item" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args([*verb, "--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal's width
+    assert "wds:<shard" not in shown and "--image-field" not in shown and "map-style data" in shown

@@ -17,7 +17,7 @@ from dataclasses import fields
 
 import torch
 
-from ..data.spec import DATA_SPEC_HELP, data_spec
+from ..data.spec import MAP_DATA_SPEC_HELP, map_data_spec
 from .distill import DistillConfig
 
 
@@ -47,7 +47,7 @@ def load_images(data: str, limit: int | None = None, image_size: int | None = No
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="compact_command", metavar="ACTION")
     d = sub.add_parser("distill", help="distil unlabelled images into a compact store (Yu et al. (2025))")
-    d.add_argument("--data", default="fashion-mnist", type=data_spec, help=DATA_SPEC_HELP)
+    d.add_argument("--data", default="fashion-mnist", type=map_data_spec, help=MAP_DATA_SPEC_HELP)
     d.add_argument("--limit", type=int, default=None, help="use only the first N images")
     d.add_argument("--image-size", type=int, default=None, help="resize image-folder images to this size")
     t = d.add_mutually_exclusive_group(required=True)

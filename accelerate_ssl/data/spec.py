@@ -21,12 +21,14 @@ import os
 from pathlib import Path
 from typing import Callable, Optional
 
-__all__ = ["DATA_SPEC_HELP", "data_spec", "open_data"]
+__all__ = ["DATA_SPEC_HELP", "MAP_DATA_SPEC_HELP", "data_spec", "map_data_spec", "open_data"]
 
 DATA_SPEC_HELP = ("fashion-mnist, digits, folder:<path> or a folder path (class sub-folders, or a flat folder of "
                   "images), solo:<path> / solo-no-labels:<path> (indexed exactly as solo-learn indexes that train folder), "
                   "wds:<shard pattern> (WebDataset tar shards, e.g. wds:data/shard-{000000..000063}.tar) or "
                   "hf:<path or name> (Hugging Face datasets; name the image column with --image-field)")
+#: the same grammar for the verbs that need ``dataset[i]`` (distillation, compact sets): no streams
+MAP_DATA_SPEC_HELP = DATA_SPEC_HELP.split(", wds:")[0] + " (map-style data: streamed wds:/hf: data has no dataset[i])"
 _NAMED = ("fashion-mnist", "digits")
 _PATH_KINDS = ("folder", "solo", "solo-no-labels", "wds", "hf")
 
@@ -43,6 +45,15 @@ def data_spec(value: str) -> str:
     if sep and kind not in _PATH_KINDS and len(kind) > 1:
         raise argparse.ArgumentTypeError(f"unknown data kind {kind!r} in {value!r}; use {DATA_SPEC_HELP}")
     raise argparse.ArgumentTypeError(f"{value!r} is neither a known data set nor an existing folder; use {DATA_SPEC_HELP}")
+
+
+def map_data_spec(value: str) -> str:
+    """:func:`data_spec` for a verb that reads ``dataset[i]`` (an argparse ``type``): streamed data is refused."""
+    spec = data_spec(value)
+    if spec.startswith(("wds:", "hf:")):
+        raise argparse.ArgumentTypeError(f"{value!r} is streamed data, which this command cannot read item by item; "
+                                         f"use {MAP_DATA_SPEC_HELP}")
+    return spec
 
 
 def open_data(spec: str, split: str = "train", *, root: Optional[str] = None, limit: Optional[int] = None,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..data.spec import DATA_SPEC_HELP, data_spec, open_data
+from ..data.spec import MAP_DATA_SPEC_HELP, map_data_spec, open_data
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offline", action="store_true",
                         help="never download torchvision weights, use the local cache only (also: HF_HUB_OFFLINE=1)")
     parser.add_argument("--teacher-kwargs", action="append", default=[], help="JSON constructor arguments per teacher")
-    parser.add_argument("--data", default="fashion-mnist", type=data_spec,
-                        help=f"real labelled images for initialisation: {DATA_SPEC_HELP}")
+    parser.add_argument("--data", default="fashion-mnist", type=map_data_spec,
+                        help=f"real labelled images for initialisation: {MAP_DATA_SPEC_HELP}")
     parser.add_argument("--mean", type=float, nargs="+", help="teacher input mean per channel (default: the data set's)")
     parser.add_argument("--std", type=float, nargs="+", help="teacher input std per channel (default: the data set's)")
     parser.add_argument("--method", default="dwa", choices=list_methods())
