@@ -355,14 +355,14 @@ class ReLAMixin:
                 f"(data.fraction or another folder?); {self._rela_fix()}.")
         if not hasattr(store, "check_dataset"):  # Tensor targets: no fingerprint to compare
             return
-        try:
-            store.check_dataset(precompute_dataset(dataset))
+        try:  # through ReLA, so that wrap(index=) knows a data set was checked
+            self.rela.check_dataset(precompute_dataset(dataset), "solo-learn's training data set")
         except TargetStoreMismatchError as err:
             raise TargetStoreMismatchError(f"ReLAMixin: {err} For solo-learn, {self._rela_fix()}.") from err
-        except (ValueError, TypeError, OSError) as err:  # a data set that cannot be fingerprinted
-            warnings.warn(f"ReLAMixin: could not fingerprint solo-learn's training data set ({err}); only its length was "
-                          "checked against the target store. Make sure the targets were computed over this data set "
-                          "in this order.", stacklevel=2)
+        except (ValueError, TypeError, OSError) as err:  # a data set whose samples cannot be identified
+            raise TargetStoreMismatchError(
+                f"ReLAMixin: cannot identify the samples of solo-learn's training data set ({err}), so nothing proves "
+                f"that row i of the target store is item i's; {self._rela_fix()}.") from err
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:

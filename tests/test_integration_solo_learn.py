@@ -631,3 +631,27 @@ def test_a_method_whose_classifier_loss_cannot_be_found_is_warned_about():
     batch = next(iter(DataLoader(IndexedTwoViews(), batch_size=8)))
     with pytest.warns(UserWarning, match="no loss of it came through _base_shared_step"):
         model.training_step(batch, 0)
+
+
+def test_a_data_set_whose_samples_cannot_be_identified_is_refused_and_a_checked_one_is_not_warned_about(tmp_path):
+    """Two-view items with no image and no file list to identify them by: the mixin stops with the reason (it used to
+    warn and train on length alone). A solo data set that passes the check counts as checked for wrap(index=): no
+    'no data set was checked' warning."""
+    from accelerate_ssl import create_prior, precompute_targets
+    from solo_contract import IndexedTwoViews
+
+    images = [Image.fromarray((torch.rand(12, 12, generator=torch.Generator().manual_seed(k)) * 255).byte().numpy())
+              for k in range(48)]
+    store = precompute_targets(create_prior("random:convnet"), images, tmp_path / "s", progress=False)
+    with pytest.raises(TargetStoreMismatchError, match="cannot identify the samples of solo-learn's training data set"):
+        _fit_on(tmp_path, IndexedTwoViews(n=48), store.path)
+
+    flat = tmp_path / "unlabelled"
+    _write_images(flat, [f"img_{k:03d}.png" for k in range(40)])
+    train = dataset_with_index(CustomDatasetWithoutLabels)(flat, transform=_two_views)
+    _precompute(["--data", f"solo-no-labels:{flat}", "--out", str(tmp_path / "listdir")])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model = _fit_on(tmp_path, train, tmp_path / "listdir")
+    assert model.rela.steps == 2
+    assert not [w for w in seen if "no data set was checked" in str(w.message)]
