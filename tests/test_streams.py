@@ -324,6 +324,11 @@ def test_streams_are_refused_where_rows_are_by_position_with_the_fix(stream, pri
     loader = torch.utils.data.DataLoader(wds.WebDataset(urls, shardshuffle=False), batch_size=2)
     with pytest.raises(TypeError, match=r"ride in the batch.*rela.wrap\(loss, targets=batch_targets\)"):
         ReLA(targets, torch.nn.Linear(2, 2), dataloader=loader)
+    net = torch.nn.Linear(4, 8)
+    rela = ReLA(targets, net, feature_dim=8, total_steps=1)
+    net(torch.randn(2, 4))
+    with pytest.raises(ValueError, match=r"these targets are sidecars of streamed data.*wrap\(targets=\)"):
+        rela.wrap(torch.zeros((), requires_grad=True), keys=["a", "b"])
     with pytest.raises(TypeError, match=r"precompute_sidecars"):
         precompute_targets(prior, datasets.Dataset.from_dict({"image": [image_of(0)]}), root / "x")
     from accelerate_ssl.data.spec import open_data

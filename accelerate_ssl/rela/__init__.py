@@ -592,8 +592,11 @@ class ReLA:
             self._index_fresh = False  # the loop said which samples it holds: a tracked batch is used up too
             if keys is not None:
                 if not hasattr(self.store, "key_rows"):
+                    held = ("sidecars of streamed data: let the rows ride in the batch (ShardedTargets.join / .column) "
+                            "and pass wrap(targets=)" if hasattr(self.store, "shards") else
+                            "an in-memory tensor: pass index= instead")
                     raise ValueError("ReLA.wrap(keys=) needs a TargetStore with recorded keys (precompute_targets(..., "
-                                     "keys=...)); these targets are an in-memory tensor: pass index= instead.")
+                                     f"keys=...)); these targets are {held}.")
                 index = self.store.key_rows(keys)
             elif index is not None:
                 index = as_index(index)
