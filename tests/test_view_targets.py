@@ -148,3 +148,32 @@ def test_pooled_view_rows_train_through_wrap_targets(store):
     assert torch.isfinite(loss) and loss.requires_grad
     with pytest.raises(ValueError, match="needs a spatial store"):
         view_targets(object(), idx, geometry[0])  # a store of pooled rows has no spatial metadata
+
+
+def test_the_readme_block_is_lines_of_a_loop_that_runs(tmp_path, monkeypatch, fashion_mnist_available):
+    """Every code line of the README's spatial-store block is a line of tests/recipes/spatial_views.py, which trains a
+    few steps on real images: each step's carried targets are the stored maps pooled over that step's recorded boxes."""
+    import runpy
+    from pathlib import Path
+
+    from recipe_check import README, code
+
+    script = Path(__file__).with_name("recipes") / "spatial_views.py"
+    text = README.read_text()
+    block = text[text.index("**Spatial stores: a target for any crop.**"):].split("```python\n", 1)[1].split("```")[0]
+    lines = [code(line) for line in block.splitlines()]
+    lines = [line for line in lines if line and not line.startswith(("#", "..."))]
+    script_lines = {code(line) for line in script.read_text().splitlines()}
+    assert len(lines) == 8 and [line for line in lines if line not in script_lines] == []
+    monkeypatch.chdir(tmp_path)
+    run = runpy.run_path(str(script), run_name="__main__")
+    assert len(run["losses"]) == 4 and all(np.isfinite(run["losses"]))
+    store = run["store"]
+    assert store.spatial["grid"] == [3, 3] and store.components == 32 and store.dtype == "float16"
+    for index, g1, g2, targets in run["carried"]:
+        maps = store.maps(index)
+        assert targets.shape == (2 * len(index), 32)
+        # each view's target is its own image's stored map pooled over its own recorded box
+        for g, rows in ((g1, targets[: len(index)]), (g2, targets[len(index):])):
+            torch.testing.assert_close(rows, pool_boxes(maps, grid_boxes(g, store.spatial, store.metadata["preprocess"])))
+        assert not torch.allclose(targets[: len(index)], store[index], atol=1e-3)  # not the whole-image rows
