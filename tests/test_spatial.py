@@ -210,6 +210,27 @@ def test_an_interrupted_spatial_run_resumes_in_the_same_basis(tmp_path, monkeypa
     assert "chunk-00000.npy" in counted and np.array_equal(np.array(store.array), reference)
 
 
+def test_two_processes_write_the_same_spatial_store(tmp_path):
+    """Under `accelerate launch` the main process fits the map's PCA, every process writes its chunks in that basis,
+    and the store is the one a single process writes, byte for byte (fp32 on the CPU)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from processes import cpu_process_env
+
+    worker = str(Path(__file__).with_name("_precompute_worker.py"))
+    reference = _run(tmp_path / "one", n=48, spatial=4)
+    accelerate = str(Path(sys.executable).with_name("accelerate"))
+    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
+           "no", "--dynamo_backend", "no", worker, str(tmp_path / "two"), "--n", "48", "--spatial", "4"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cpu_process_env(PYTHONUNBUFFERED="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    store = TargetStore.open(tmp_path / "two", dataset=tiny_dataset(48))
+    assert store.metadata["num_processes"] == 2 and store.spatial == reference.spatial
+    assert np.array_equal(np.array(store.array), np.array(reference.array))
+
+
 def test_cli_spatial_flag(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["precompute", "--help"])
