@@ -46,6 +46,10 @@ from .format import (AT_WRITE_PCA, CHUNKS, DTYPES, FORMAT, FORMAT_VERSION, IDENT
                      TARGETS, TargetStoreCorruptError, TargetStoreIncompleteError, TargetStoreMismatchError, decode_rows,
                      encode_rows, read_json, refuse_float16_overflow)
 
+#: decoded map values a spatial store's ``store[idx]`` holds at a time (float32: 16 MB)
+MAP_BLOCK_VALUES = 1 << 22
+
+
 class TargetStore:
     """Memory-mapped prior targets with their provenance (contract: ``accelerate_ssl.targets.store``).
 
@@ -361,11 +365,20 @@ class TargetStore:
         return self._random_rows
 
     def __getitem__(self, idx: Any) -> torch.Tensor:
-        """float32 rows of ``idx`` (a spatial store's: each map's mean over its grid, the whole-image target)."""
+        """float32 rows of ``idx`` (a spatial store's: each map's mean over its grid, the whole-image target, read a
+        block of maps at a time so that a long index, such as ReLA's table of every row, never holds all the maps)."""
+        if self.spatial is None:
+            return torch.from_numpy(self._read(idx))
+        if isinstance(idx, slice):
+            idx = np.arange(len(self))[idx]
+        if isinstance(idx, (list, tuple, np.ndarray, torch.Tensor)) and len(idx) > 0:
+            flat = idx.reshape(-1) if isinstance(idx, (np.ndarray, torch.Tensor)) else idx
+            block = max(1, MAP_BLOCK_VALUES // self._array.shape[1])
+            means = [self._read(flat[a : a + block]).reshape(-1, self._array.shape[1] // self.dim, self.dim).mean(axis=1)
+                     for a in range(0, len(flat), block)]
+            return torch.from_numpy(np.concatenate(means).reshape(*np.shape(idx), self.dim))
         rows = self._read(idx)
-        if self.spatial is not None:
-            rows = rows.reshape(*rows.shape[:-1], -1, self.dim).mean(axis=-2)
-        return torch.from_numpy(rows)
+        return torch.from_numpy(rows.reshape(*rows.shape[:-1], -1, self.dim).mean(axis=-2))
 
     def maps(self, idx: Any) -> torch.Tensor:
         """A spatial store's maps of ``idx`` as float32 ``[B, C, h, w]`` (``[C, h, w]`` for an int)."""
