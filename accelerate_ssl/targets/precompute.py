@@ -36,6 +36,8 @@ locations x 384 values, 393 KB per image in float32; at ``k=32`` in float16, 16 
 Metadata ``spatial`` records the grid, the stride (input pixels per cell), the prior's input size, the channels and
 the reduction (:meth:`TargetStore.spatial <accelerate_ssl.targets.store.TargetStore.spatial>`); the store's rows
 (``store[i]``) are then the map's mean over its grid, and :mod:`accelerate_ssl.targets.views` pools a view's box.
+Under ``accelerate launch`` the main process fits and every process writes in that one basis; the store then equals a
+one-process store to float rounding (the fit's float64 Gram product may round differently in another process).
 
 **Keys.** One key per row (the data set's file names, or ``keys=``) is recorded with the store
 (:mod:`accelerate_ssl.targets.keys`); duplicated keys are refused before anything is computed.
