@@ -188,7 +188,8 @@ class TargetStore:
         if self.spatial is not None:
             self._check_spatial()
         return {"rows": n, "dim": self.dim, "dtype": self.dtype, "sha256": actual,
-                "checksum": "ok" if recorded else "not recorded", "keys": len(self._keys) if self._keys else 0}
+                "checksum": "ok" if recorded else "not recorded", "keys": len(self._keys) if self._keys else 0,
+                **({"grid": list(self.grid)} if self.spatial is not None else {})}
 
     def verify_rows(self, dataset, progress: bool = False) -> dict:
         """Check, item by item, that row i belongs to ``dataset[i]``: every row's identity digest (its file name,
