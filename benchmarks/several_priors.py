@@ -1,0 +1,399 @@
+"""Several priors at once vs each alone, on the demo's recipe: accuracy at the budget and the speed-up over plain BYOL
+(wall-clock and CPU time, every prior's precompute counted), with and without the standardisation, and the balancing
+methods of multi-teacher students.
+
+The recipe is the demo's (``accelerate_ssl/demo.py``: 20k Fashion-MNIST images, ConvNet 16/32/64, BYOL, batch 128,
+AdamW 1e-3, ``switch`` planned for the budget, weak one-view steps while lambda = 1, 16 target components,
+least-squares heads; linear probe on the 10k test images). A cell is ``PRIORS|STANDARDISATION|BALANCE``:
+
+* priors: ``digits`` (``shipped:digits-byol``, BYOL on other data, the demo's), ``fmnist``
+  (``shipped:fashion-mnist-byol``, BYOL 1000 steps on these images), ``random`` (``random:convnet``); ``a+b`` both;
+* standardisation of each prior's rows: ``zscore`` (ReLA v2 Eq. 41, each store's own: the library's default), ``raw``
+  (the rows as the prior wrote them, ``n_components=None``), ``phis`` (PHI-S, Ranzinger et al. 2024: centred, rotated
+  onto the top principal axes and by a Hadamard matrix, one scale for every dimension);
+* balance: ``equal`` (the priors' mean loss) or ``drop`` (UNIC's teacher dropping, Sariyildiz et al. ECCV 2024).
+
+Units, each cached as one JSON under ``--cache`` when it ends (rerun the same command to resume): ``plain-<seed>``
+(plain BYOL, ``--full-steps``), ``rela-<cell>-<seed>`` (``--budget`` steps), ``precompute-<mode>-<repeat>-<data>``
+(every prior of ``--pair`` precomputed from a fresh folder, loading the priors included: ``separate``, one pass per
+prior, or ``one-pass``, ``precompute_targets({...})``; the repeats alternate which mode runs first). The precompute is
+timed on the training images (``fmnist``: an in-memory array, nothing to decode) and on ``jpeg``: ``--jpeg-images`` of
+them upscaled to 224 px and stored as JPEG files in an image folder (the priors resize them back to 28 px), where
+reading and decoding an image costs what a photo's does.
+
+    nice -n 5 python benchmarks/several_priors.py                  # the study (resumable)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from accelerate_ssl.atomic import atomic_write_json  # noqa: E402
+from accelerate_ssl.recipes import cost_speedup, mean_run, speedup  # noqa: E402
+from accelerate_ssl.results import save_figure, write_results  # noqa: E402
+
+PRIORS = {"digits": "shipped:digits-byol", "fmnist": "shipped:fashion-mnist-byol", "random": "random:convnet"}
+CELLS = ["digits|zscore|equal", "fmnist|zscore|equal", "digits+fmnist|zscore|equal",
+         "digits|raw|equal", "fmnist|raw|equal", "digits+fmnist|raw|equal",
+         "digits+fmnist|zscore|drop", "digits+fmnist|phis|equal"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cells", nargs="+", default=CELLS, metavar="PRIORS|STD|BALANCE")
+    p.add_argument("--pair", nargs="+", default=["digits", "fmnist"], help="the priors whose precompute is timed")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--budget", type=int, default=250)
+    p.add_argument("--full-steps", type=int, default=1000)
+    p.add_argument("--plain-probes", type=int, nargs="+", default=[0, 125, 250, 375, 500, 625, 750, 875, 1000])
+    p.add_argument("--precompute-repeats", type=int, default=3)
+    p.add_argument("--jpeg-images", type=int, default=4000, help="images of the JPEG folder the precompute is timed on")
+    p.add_argument("--train-size", type=int, default=20000)
+    p.add_argument("--test-size", type=int, default=10000)
+    p.add_argument("--probe-epochs", type=int, default=30)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--cache", default=str(ROOT / "benchmarks/cache/several_priors"), help="stores and finished units")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/several_priors.json"))
+    args = p.parse_args(argv)
+    for cell in args.cells:
+        priors, std, balance = (cell.split("|") + ["", ""])[:3]
+        if not priors or any(x not in PRIORS for x in priors.split("+")) or std not in ("zscore", "raw", "phis") \
+                or balance not in ("equal", "drop"):
+            p.error(f"cell {cell!r}: PRIORS|STD|BALANCE with PRIORS from {list(PRIORS)} joined by '+', STD zscore / raw "
+                    "/ phis, BALANCE equal / drop")
+    return args
+
+
+def settings(args) -> dict:
+    """What changes a unit's numbers (a cached unit is re-used only when these match)."""
+    return {k: getattr(args, k) for k in ("budget", "full_steps", "train_size", "test_size", "probe_epochs", "threads",
+                                          "jpeg_images")}
+
+
+# ---------------------------------------------------------------------------------------------- the recipe
+def recipe(args) -> argparse.Namespace:
+    from accelerate_ssl.demo import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    r = parser.parse_args([])
+    r.budget, r.threads, r.train_size, r.test_size, r.probe_epochs = (args.budget, args.threads, args.train_size,
+                                                                     args.test_size, args.probe_epochs)
+    return r
+
+
+def data(args):
+    from accelerate_ssl.data import FashionMNIST
+    from accelerate_ssl.demo import _uint8_tensor
+    from accelerate_ssl.recipes import images_to_tensor
+
+    train, test = FashionMNIST("train", limit=args.train_size), FashionMNIST("test", limit=args.test_size)
+    tensors = (images_to_tensor(train.data), train.targets, images_to_tensor(test.data), test.targets)
+    train.transform = _uint8_tensor
+    return train, tensors
+
+
+def stores(args, names) -> dict:
+    """The training stores of ``names``, computed once in one pass (not timed: the precompute units time it)."""
+    from accelerate_ssl.data import FashionMNIST
+    from accelerate_ssl.priors import create_prior
+    from accelerate_ssl.targets.precompute import precompute_targets
+
+    train = FashionMNIST("train", limit=args.train_size)
+    folders = {n: Path(args.cache) / f"store-{n}-{args.train_size}" for n in names}
+    return precompute_targets({n: create_prior(PRIORS[n]) for n in names}, train, folders, progress=True)
+
+
+def jpeg_folder(args) -> Path:
+    """``--jpeg-images`` training images upscaled to 224 px, RGB JPEG files (quality 90) in one folder per class."""
+    from PIL import Image
+
+    from accelerate_ssl.atomic import atomic_path, atomic_write_text
+    from accelerate_ssl.data import FashionMNIST
+
+    root = Path(args.cache) / f"jpeg224-{args.jpeg_images}"
+    if not (root / "done").is_file():
+        train = FashionMNIST("train", limit=args.jpeg_images)
+        for i, (image, label) in enumerate(zip(train.data.numpy(), train.targets.tolist())):
+            file = root / f"class{label}" / f"{i:05d}.jpg"
+            file.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_path(file, suffix=".jpg") as tmp:
+                Image.fromarray(image).resize((224, 224), Image.BILINEAR).convert("RGB").save(tmp, "JPEG", quality=90)
+        atomic_write_text(root / "done", "")
+    return root
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The normalised ``n x n`` Hadamard matrix (Sylvester's construction; ``n`` a power of 2): orthogonal, every
+    entry ``+-1 / sqrt(n)``."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"PHI-S needs a power-of-2 dimension (Sylvester's Hadamard matrix), got {n}.")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / math.sqrt(n)
+
+
+def phi_s(store, n: int) -> torch.Tensor:
+    """PHI-S (Ranzinger et al., *PHI-S: Distribution Balancing for Label-Free Multi-Teacher Distillation*, 2024,
+    Sec. 2.4), on the top ``n`` principal axes as ReLA keeps them: ``y' = H U_n^T (y - mu) / phi``, ``U`` the centred
+    PCA's eigenvectors (no per-column z-score), ``H`` a normalised Hadamard matrix and ``phi`` the root of the mean of
+    the kept eigenvalues: every dimension the same variance, 1."""
+    pca = store.pca(n, standardize=False)
+    rows = pca.transform_blocks(store.decoded()).double()
+    return (rows @ hadamard(n).T / math.sqrt(float(pca.eigenvalues.mean()))).float()
+
+
+def cell_targets(args, cell: str, opened: dict):
+    """The targets and extra ReLA arguments of a cell."""
+    names, std, balance = cell.split("|")
+    names = names.split("+")
+    options = {"balance": balance}
+    if std == "raw":
+        options["n_components"] = None
+    if std == "phis":  # rows reduced here: ReLA takes them as they are (the witness cannot re-embed into them)
+        targets = {n: phi_s(opened[n], recipe(args).components) for n in names}
+        options.update(n_components=None, witness=False)
+    else:
+        targets = {n: opened[n] for n in names}
+    return (targets[names[0]] if len(names) == 1 else targets), options
+
+
+# ---------------------------------------------------------------------------------------------- units
+def run_unit(args, unit: tuple) -> dict:
+    """``("plain", seed)``, ``("rela", cell, seed)`` or ``("precompute", mode, repeat)``."""
+    torch.set_num_threads(args.threads)
+    load = os.getloadavg()
+    if unit[0] == "precompute":
+        out = time_precompute(args, *unit[1:])
+    else:
+        from accelerate_ssl.demo import train_byol
+        from accelerate_ssl.recipes import Probe
+
+        train, tensors = data(args)
+        probe = Probe(*tensors, epochs=args.probe_epochs, seed=unit[-1])
+        if unit[0] == "plain":
+            out = train_byol(recipe(args), train, probe, args.full_steps, args.plain_probes, desc=f"plain {unit[1]}",
+                             seed=unit[1])
+        else:
+            _, cell, seed = unit
+            targets, options = cell_targets(args, cell, stores(args, cell.split("|")[0].split("+")))
+            out = train_byol(recipe(args), train, probe, args.budget, [args.budget], store=targets, seed=seed,
+                             desc=f"{cell} {seed}", rela_options=options)
+            lam = out.pop("lambda_per_step")
+            out["switch_step"] = next((i for i, v in enumerate(lam) if v < 1.0), None)
+    return {"unit": list(unit), "settings": settings(args), **out, "load_average_start": load,
+            "load_average_end": os.getloadavg()}
+
+
+def time_precompute(args, mode: str, repeat: int, kind: str) -> dict:
+    """Every prior of ``--pair`` precomputed over ``kind``'s images into fresh folders (loading each prior counted,
+    opening the data set not: both ways open it), one pass per prior or one pass for all."""
+    import warnings
+
+    from accelerate_ssl.data import FashionMNIST
+    from accelerate_ssl.data.spec import open_data
+    from accelerate_ssl.priors import create_prior
+    from accelerate_ssl.targets.precompute import precompute_targets
+
+    images = FashionMNIST("train", limit=args.train_size) if kind == "fmnist" else open_data(f"folder:{jpeg_folder(args)}")
+    size = {} if kind == "fmnist" else {"size": 28}  # the JPEGs resized back to the priors' input
+    folder = Path(args.cache) / "timing" / f"{mode}-{repeat}-{kind}"
+    shutil.rmtree(folder, ignore_errors=True)
+    order = args.pair if repeat % 2 == 0 else args.pair[::-1]
+    warnings.filterwarnings("ignore", message=".*luminance.*")  # RGB JPEGs into the grayscale priors, said once each
+    t, c, per = time.perf_counter(), time.process_time(), {}
+    if mode == "one-pass":
+        precompute_targets({n: create_prior(PRIORS[n], **size) for n in order}, images, {n: folder / n for n in order},
+                           progress=False)
+    else:
+        for n in order:
+            t1, c1 = time.perf_counter(), time.process_time()
+            precompute_targets(create_prior(PRIORS[n], **size), images, folder / n, progress=False)
+            per[n] = {"seconds": time.perf_counter() - t1, "cpu_seconds": time.process_time() - c1}
+    out = {"seconds": time.perf_counter() - t, "cpu_seconds": time.process_time() - c, "order": order, "per_prior": per}
+    shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
+def units_of(args) -> list[tuple]:
+    out = []
+    for kind in ("fmnist", "jpeg"):
+        for r in range(args.precompute_repeats):  # alternate which mode runs first
+            modes = ("separate", "one-pass") if r % 2 == 0 else ("one-pass", "separate")
+            out += [("precompute", m, r, kind) for m in modes]
+    out += [("plain", s) for s in args.seeds]
+    out += [("rela", cell, s) for s in args.seeds for cell in args.cells]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- analysis
+def precompute_costs(args, done: dict, kind: str = "fmnist") -> dict:
+    """Median seconds (wall, CPU) of each prior alone, of the pair one prior after another, and in one pass."""
+    runs = {m: [done[u] for u in done if u[0] == "precompute" and u[1] == m and u[3] == kind]
+            for m in ("separate", "one-pass")}
+    med = lambda rs, key: statistics.median(r[key] for r in rs)  # noqa: E731
+    out = {"one-pass": {k: med(runs["one-pass"], k) for k in ("seconds", "cpu_seconds")},
+           "separate": {k: med(runs["separate"], k) for k in ("seconds", "cpu_seconds")},
+           "repeats": len(runs["separate"])}
+    for n in args.pair:
+        out[n] = {k: statistics.median(r["per_prior"][n][k] for r in runs["separate"]) for k in ("seconds", "cpu_seconds")}
+    out["one_pass_saving"] = {k: 1 - out["one-pass"][k] / out["separate"][k] for k in ("seconds", "cpu_seconds")}
+    return out
+
+
+def cell_cost(args, cell: str, pre: dict) -> dict:
+    """The precompute a cell pays: its prior alone, or ``--pair`` in one pass (other sets: one prior after another)."""
+    names = cell.split("|")[0].split("+")
+    if len(names) == 1:
+        return pre[names[0]]
+    if sorted(names) == sorted(args.pair):
+        return pre["one-pass"]
+    return {k: sum(pre[n][k] for n in names) for k in ("seconds", "cpu_seconds")}
+
+
+def analyse(args, done: dict) -> dict:
+    pre = precompute_costs(args, done)
+    plain = {s: done[("plain", s)] for s in args.seeds}
+    mean_plain = mean_run(list(plain.values()))["curve"]
+    curve = lambda run: [(c["step"], c["top1"]) for c in run]  # noqa: E731
+    cells = {}
+    for cell in args.cells:
+        runs = {s: done[("rela", cell, s)] for s in args.seeds}
+        cost = cell_cost(args, cell, pre)
+        per_seed = []
+        for s, r in runs.items():
+            end = r["curve"][-1]
+            per_seed.append({"seed": s, "top1": end["top1"], "switch_step": r["switch_step"],
+                             "steps": speedup(curve(plain[s]["curve"]), end["top1"], args.budget),
+                             "wall": cost_speedup(plain[s]["curve"], end["top1"], end["train_seconds"] + cost["seconds"]),
+                             "cpu": cost_speedup(plain[s]["curve"], end["top1"],
+                                                 end["train_cpu_seconds"] + cost["cpu_seconds"], "train_cpu_seconds")})
+        acc = [p["top1"] for p in per_seed]
+        m = statistics.fmean(acc)
+        wall = statistics.fmean(r["curve"][-1]["train_seconds"] for r in runs.values()) + cost["seconds"]
+        cpu = statistics.fmean(r["curve"][-1]["train_cpu_seconds"] for r in runs.values()) + cost["cpu_seconds"]
+        cells[cell] = {"top1": m, "top1_std": statistics.pstdev(acc), "per_seed": per_seed, "precompute": cost,
+                       "steps": speedup(curve(mean_plain), m, args.budget), "wall": cost_speedup(mean_plain, m, wall),
+                       "cpu": cost_speedup(mean_plain, m, cpu, "train_cpu_seconds"),
+                       "rela_train_seconds": wall - cost["seconds"], "rela_train_cpu_seconds": cpu - cost["cpu_seconds"]}
+    return {"precompute": pre, "precompute_jpeg": precompute_costs(args, done, "jpeg"), "plain": {"mean_curve": mean_plain, "per_seed": {str(s): plain[s]["curve"] for s in plain}},
+            "cells": cells}
+
+
+def _x(e: dict) -> str:
+    return ("> " if e["lower_bound"] else "") + f"{e['speedup']:.2f}x"
+
+
+def table(result: dict) -> str:
+    plain = {c["step"]: c["top1"] for c in result["plain"]["mean_curve"]}
+    budget, full = result["settings"]["budget"], result["settings"]["full_steps"]
+    lines = [f"| priors | standardisation | balance | top-1 % at {budget} steps (seeds) | wall-clock speed-up, precompute "
+             "incl. (seeds) | CPU-time speed-up | steps speed-up | switch step (seeds) |", "|" + "---|" * 8]
+    for cell, c in result["cells"].items():
+        priors, std, balance = cell.split("|")
+        seeds = lambda f: ", ".join(f(p) for p in c["per_seed"])  # noqa: E731
+        lines.append(f"| {priors.replace('+', ' + ')} | {std} | {balance} | **{c['top1']:.2f}** ± {c['top1_std']:.2f} "
+                     f"({seeds(lambda p: format(p['top1'], '.2f'))}) | **{_x(c['wall'])}** ({seeds(lambda p: _x(p['wall']))}) "
+                     f"| {_x(c['cpu'])} | {_x(c['steps'])} | {seeds(lambda p: str(p['switch_step']))} |")
+    lines.append(f"\nPlain BYOL (mean of seeds {result['settings']['seeds']}): {plain.get(budget, float('nan')):.2f} % at "
+                 f"{budget} steps, {plain[full]:.2f} % at {full}.")
+    for key, what in (("precompute", f"the {result['settings']['train_size']} training images (in memory)"),
+                      ("precompute_jpeg", f"{result['settings']['jpeg_images']} 224-px JPEG files")):
+        pre = result[key]
+        lines.append(f"Precompute of {' and '.join(result['settings']['pair'])} over {what} ({pre['repeats']} repeats, "
+                     f"medians): one prior after another {pre['separate']['seconds']:.1f} s wall / "
+                     f"{pre['separate']['cpu_seconds']:.1f} s CPU, in one pass {pre['one-pass']['seconds']:.1f} s / "
+                     f"{pre['one-pass']['cpu_seconds']:.1f} s: {100 * pre['one_pass_saving']['seconds']:.0f} % saved in "
+                     f"wall-clock, {100 * pre['one_pass_saving']['cpu_seconds']:.0f} % in CPU time.")
+    return "\n".join(lines)
+
+
+def figure(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = list(result["cells"].items())
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for i, (cell, c) in enumerate(cells):
+        ax.bar(i, c["top1"], color="tab:orange" if "+" in cell else "tab:blue", alpha=0.7)
+        ax.plot([i] * len(c["per_seed"]), [p["top1"] for p in c["per_seed"]], "k.", ms=5)
+        bx.bar(i, c["wall"]["speedup"], color="tab:orange" if "+" in cell else "tab:blue", alpha=0.7)
+        bx.plot([i] * len(c["per_seed"]), [p["wall"]["speedup"] for p in c["per_seed"]], "k.", ms=5)
+    plain = {p["step"]: p["top1"] for p in result["plain"]["mean_curve"]}
+    budget, full = result["settings"]["budget"], result["settings"]["full_steps"]
+    ax.axhline(plain[budget], color="gray", ls="--", lw=1, label=f"plain BYOL, {budget} steps")
+    ax.axhline(plain[full], color="gray", ls=":", lw=1, label=f"plain BYOL, {full} steps")
+    low = min(min(p["top1"] for p in c["per_seed"]) for _, c in cells)
+    ax.set_ylim(low - 1, max(plain[full], max(c["top1"] for _, c in cells)) + 1)
+    bx.axhline(1.0, color="gray", ls="--", lw=1)
+    for a, title in ((ax, f"linear-probe top-1 % at {budget} steps"), (bx, "wall-clock speed-up over plain BYOL, "
+                                                                            "precompute included")):
+        a.set_xticks(range(len(cells)))
+        a.set_xticklabels([c.replace("|", "\n") for c, _ in cells], fontsize=7)
+        a.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------- main
+def _unit_file(args, unit) -> Path:
+    return Path(args.cache) / "runs" / ("-".join(str(x).replace("|", "_").replace("+", "-") for x in unit) + ".json")
+
+
+def main(argv=None) -> int:
+    import json
+
+    args = parse_args(argv)
+    t_start, load = time.perf_counter(), os.getloadavg()
+    (Path(args.cache) / "runs").mkdir(parents=True, exist_ok=True)
+    stores(args, list(dict.fromkeys([*args.pair, *(n for c in args.cells for n in c.split("|")[0].split("+"))])))
+    done, todo = {}, []
+    for u in units_of(args):
+        f = _unit_file(args, u)
+        if f.is_file() and json.loads(f.read_text())["settings"] == settings(args):
+            done[u] = json.loads(f.read_text())
+        else:
+            todo.append(u)
+    print(f"{len(done)} of {len(done) + len(todo)} units done; {len(todo)} to run")
+    for u in todo:
+        torch.manual_seed(0)
+        done[u] = run_unit(args, u)
+        atomic_write_json(_unit_file(args, u), done[u], indent=1)
+    result = {"command": " ".join(["python", "benchmarks/several_priors.py", *sys.argv[1:]]),
+              "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "platform": platform.platform(),
+                          "cpu_capability": torch.backends.cpu.get_cpu_capability(), "load_average_start": load,
+                          "load_average_end": os.getloadavg()},
+              "settings": {**settings(args), "seeds": args.seeds, "cells": args.cells, "pair": args.pair,
+                           "priors": {n: PRIORS[n] for n in PRIORS}},
+              **analyse(args, done),
+              "units": {"-".join(map(str, u)): {k: r.get(k) for k in ("load_average_start", "load_average_end",
+                                                                        "train_seconds", "train_cpu_seconds", "seconds")}
+                        for u, r in done.items()},
+              "study_wall_seconds_this_invocation": time.perf_counter() - t_start}
+    result["table"] = table(result)
+    write_results(Path(args.out), result, root=ROOT)
+    figure(result, Path(args.out).with_suffix(".png"))
+    print(result["table"])
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
