@@ -170,6 +170,59 @@ def test_checkpoint_resume_continues_lambda_and_the_head_exactly(tmp_path):
     assert resumed.rela.schedule.state_dict() == whole.rela.schedule.state_dict()
 
 
+def test_several_priors_are_logged_each_and_resume_exactly(tmp_path):
+    """Two priors through one callback: each prior's loss, weight and lambda logged; the checkpoint holds both heads and
+    the dropping draws, so a resumed run continues both exactly."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from _lightning_ddp_worker import DIM, SIDE
+
+    class Two(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Flatten(), nn.Linear(SIDE * SIDE, DIM), nn.Tanh())
+            self.projection = nn.Linear(DIM, 4)
+
+        def training_step(self, batch, batch_idx):
+            (x0, x1), _ = batch
+            loss = -F.cosine_similarity(self.projection(self.backbone(x0)), self.projection(self.backbone(x1))).mean()
+            return self.rela.wrap(loss)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD([*self.parameters(), *self.rela.parameters()], lr=0.1)
+
+    rows = target_rows()
+    priors = {"a": rows, "b": 10 * torch.stack([rows[:, 1] * rows[:, 2], rows[:, 3] - rows[:, 4]], 1) + 3}
+
+    def run(stop_after=None, ckpt_path=None):
+        torch.manual_seed(0)
+        model = Two()
+
+        class Stop(pl.Callback):
+            def on_train_epoch_end(self, trainer, module):
+                if stop_after is not None and trainer.current_epoch + 1 == stop_after:
+                    trainer.should_stop = True
+
+        callback = ReLACallback(priors, dataset=IndexImages(), schedule="epochs:0.7", n_components=None, balance="drop")
+        trainer = _trainer(max_epochs=2, callbacks=[callback, Stop()])
+        trainer.fit(model, DataLoader(IndexImages(), batch_size=8), ckpt_path=ckpt_path)
+        return trainer, model
+
+    trainer, whole = run()
+    metrics = trainer.callback_metrics
+    assert {f"rela/{n}/{k}" for n in "ab" for k in ("loss_rela", "weight", "lambda")} <= set(metrics)
+    assert abs(float(metrics["rela/a/weight"]) + float(metrics["rela/b/weight"]) - 1) < 1e-6
+    trainer, first = run(stop_after=1)
+    trainer.save_checkpoint(tmp_path / "epoch1.ckpt")
+    _, resumed = run(ckpt_path=str(tmp_path / "epoch1.ckpt"))
+    assert resumed.rela.steps == whole.rela.steps == 10
+    for name in "ab":
+        for p, q in zip(resumed.rela.priors[name].head.parameters(), whole.rela.priors[name].head.parameters()):
+            assert torch.equal(p, q)
+    assert resumed.rela.schedule.state_dict() == whole.rela.schedule.state_dict()
+
+
 def test_closure_stepped_ddp_loop_keeps_the_head_identical_on_both_processes(tmp_path):
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(WORKER), "closure",
                            str(tmp_path)], env=_env(), capture_output=True, text=True, timeout=180)
