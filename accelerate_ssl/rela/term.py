@@ -54,12 +54,14 @@ class PriorTerm:
         self.transport = transport
         self.guard = guard
         self.witness = None  # set by attach_witness
+        #: the name said in messages (None for a lone prior, whose messages are those of a single-store ReLA)
+        self.label: Optional[str] = None
 
     # ------------------------------------------------------------------ set-up
     def attach_witness(self, witness, backbone: nn.Module, capture: str, label: Optional[str]) -> None:
         """Give this prior its witness (or None), loading the prior its store recorded; ``label`` names the prior in
         the witness's and the alignment check's messages (None for a lone prior)."""
-        self.guard.label = label
+        self.label = self.guard.label = label
         self.witness = witness
         if witness is not None:
             witness.label = label
@@ -107,7 +109,7 @@ class PriorTerm:
 
     def check_state(self, state: dict[str, Any]) -> None:
         """Refuse a checkpoint of this prior trained on other targets (before anything is loaded)."""
-        check_store_identity(state.get("store"), self.identity(), self.name)
+        check_store_identity(state.get("store"), self.identity(), self.label)
         if state.get("store_rows") not in (None, len(self.store)):
             raise ValueError(
                 f"This checkpoint{self._of()} was trained with a {state['store_rows']}-row target store, this ReLA has "
@@ -130,7 +132,7 @@ class PriorTerm:
         self.targets.reset_checks()
 
     def _of(self) -> str:
-        return "" if self.guard.label is None else f" (prior {self.name!r})"
+        return "" if self.label is None else f" (prior {self.name!r})"
 
 
 # ---------------------------------------------------------------------------------------------- store identity
