@@ -14,12 +14,13 @@ least-squares heads; linear probe on the 10k test images). A cell is ``PRIORS|ST
 * balance: ``equal`` (the priors' mean loss) or ``drop`` (UNIC's teacher dropping, Sariyildiz et al. ECCV 2024).
 
 Units, each cached as one JSON under ``--cache`` when it ends (rerun the same command to resume): ``plain-<seed>``
-(plain BYOL, ``--full-steps``), ``rela-<cell>-<seed>`` (``--budget`` steps), ``precompute-<mode>-<repeat>-<data>``
-(every prior of ``--pair`` precomputed from a fresh folder, loading the priors included: ``separate``, one pass per
-prior, or ``one-pass``, ``precompute_targets({...})``; the repeats alternate which mode runs first). The precompute is
-timed on the training images (``fmnist``: an in-memory array, nothing to decode) and on ``jpeg``: ``--jpeg-images`` of
-them upscaled to 224 px and stored as JPEG files in an image folder (the priors resize them back to 28 px), where
-reading and decoding an image costs what a photo's does.
+(plain BYOL, ``--full-steps``), ``rela-<cell>-<seed>`` (``--budget`` steps), ``precompute-<mode>-<repeat>-<data>-<priors>``
+(the priors of a cell precomputed from fresh folders, loading the priors included: ``separate``, one pass per prior,
+or ``one-pass``, ``precompute_targets({...})``; the repeats alternate which mode runs first; a prior that is in no
+multi-prior cell is timed alone). The precompute is timed on the training images (``fmnist``: an in-memory array,
+nothing to decode) and, for the first multi-prior cell's priors, on ``jpeg``: ``--jpeg-images`` of them upscaled to
+224 px and stored as JPEG files in an image folder (the priors resize them back to 28 px), where reading and decoding
+an image costs what a photo's does.
 
     nice -n 5 python benchmarks/several_priors.py                  # the study (resumable)
 """
@@ -41,9 +42,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from accelerate_ssl.atomic import atomic_write_json  # noqa: E402
+from accelerate_ssl.atomic import atomic_path, atomic_write_json, atomic_write_text  # noqa: E402
+from accelerate_ssl.data import FashionMNIST  # noqa: E402
+from accelerate_ssl.priors import create_prior  # noqa: E402
 from accelerate_ssl.recipes import cost_speedup, mean_run, speedup  # noqa: E402
 from accelerate_ssl.results import save_figure, write_results  # noqa: E402
+from accelerate_ssl.targets.precompute import precompute_targets  # noqa: E402
 
 PRIORS = {"digits": "shipped:digits-byol", "fmnist": "shipped:fashion-mnist-byol", "random": "random:convnet"}
 CELLS = ["digits|zscore|equal", "fmnist|zscore|equal", "digits+fmnist|zscore|equal",
@@ -54,7 +58,6 @@ CELLS = ["digits|zscore|equal", "fmnist|zscore|equal", "digits+fmnist|zscore|equ
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cells", nargs="+", default=CELLS, metavar="PRIORS|STD|BALANCE")
-    p.add_argument("--pair", nargs="+", default=["digits", "fmnist"], help="the priors whose precompute is timed")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--budget", type=int, default=250)
     p.add_argument("--full-steps", type=int, default=1000)
@@ -96,7 +99,6 @@ def recipe(args) -> argparse.Namespace:
 
 
 def data(args):
-    from accelerate_ssl.data import FashionMNIST
     from accelerate_ssl.demo import _uint8_tensor
     from accelerate_ssl.recipes import images_to_tensor
 
@@ -108,10 +110,6 @@ def data(args):
 
 def stores(args, names) -> dict:
     """The training stores of ``names``, computed once in one pass (not timed: the precompute units time it)."""
-    from accelerate_ssl.data import FashionMNIST
-    from accelerate_ssl.priors import create_prior
-    from accelerate_ssl.targets.precompute import precompute_targets
-
     train = FashionMNIST("train", limit=args.train_size)
     folders = {n: Path(args.cache) / f"store-{n}-{args.train_size}" for n in names}
     return precompute_targets({n: create_prior(PRIORS[n]) for n in names}, train, folders, progress=True)
@@ -121,8 +119,6 @@ def jpeg_folder(args) -> Path:
     """``--jpeg-images`` training images upscaled to 224 px, RGB JPEG files (quality 90) in one folder per class."""
     from PIL import Image
 
-    from accelerate_ssl.atomic import atomic_path, atomic_write_text
-    from accelerate_ssl.data import FashionMNIST
 
     root = Path(args.cache) / f"jpeg224-{args.jpeg_images}"
     if not (root / "done").is_file():
@@ -199,21 +195,18 @@ def run_unit(args, unit: tuple) -> dict:
             "load_average_end": os.getloadavg()}
 
 
-def time_precompute(args, mode: str, repeat: int, kind: str) -> dict:
-    """Every prior of ``--pair`` precomputed over ``kind``'s images into fresh folders (loading each prior counted,
-    opening the data set not: both ways open it), one pass per prior or one pass for all."""
+def time_precompute(args, mode: str, repeat: int, kind: str, priors: str) -> dict:
+    """Every prior of ``priors`` (``a+b``) precomputed over ``kind``'s images into fresh folders (loading each prior
+    counted, opening the data set not: both ways open it), one pass per prior or one pass for all."""
     import warnings
 
-    from accelerate_ssl.data import FashionMNIST
     from accelerate_ssl.data.spec import open_data
-    from accelerate_ssl.priors import create_prior
-    from accelerate_ssl.targets.precompute import precompute_targets
 
     images = FashionMNIST("train", limit=args.train_size) if kind == "fmnist" else open_data(f"folder:{jpeg_folder(args)}")
     size = {} if kind == "fmnist" else {"size": 28}  # the JPEGs resized back to the priors' input
     folder = Path(args.cache) / "timing" / f"{mode}-{repeat}-{kind}"
     shutil.rmtree(folder, ignore_errors=True)
-    order = args.pair if repeat % 2 == 0 else args.pair[::-1]
+    order = priors.split("+") if repeat % 2 == 0 else priors.split("+")[::-1]
     warnings.filterwarnings("ignore", message=".*luminance.*")  # RGB JPEGs into the grayscale priors, said once each
     t, c, per = time.perf_counter(), time.process_time(), {}
     if mode == "one-pass":
@@ -229,51 +222,60 @@ def time_precompute(args, mode: str, repeat: int, kind: str) -> dict:
     return out
 
 
+def timed_sets(args) -> list[str]:
+    """The prior sets whose precompute is timed: each multi-prior cell's, then each prior in none of them, alone."""
+    multi = list(dict.fromkeys(c.split("|")[0] for c in args.cells if "+" in c.split("|")[0]))
+    covered = {n for m in multi for n in m.split("+")}
+    return multi + list(dict.fromkeys(c.split("|")[0] for c in args.cells if c.split("|")[0] not in covered and
+                                      "+" not in c.split("|")[0]))
+
+
 def units_of(args) -> list[tuple]:
     out = []
-    for kind in ("fmnist", "jpeg"):
-        for r in range(args.precompute_repeats):  # alternate which mode runs first
-            modes = ("separate", "one-pass") if r % 2 == 0 else ("one-pass", "separate")
-            out += [("precompute", m, r, kind) for m in modes]
+    for i, priors in enumerate(timed_sets(args)):
+        for kind in ("fmnist", "jpeg") if i == 0 and "+" in priors else ("fmnist",):
+            for r in range(args.precompute_repeats):  # alternate which mode runs first
+                modes = ("separate", "one-pass") if r % 2 == 0 else ("one-pass", "separate")
+                out += [("precompute", m, r, kind, priors) for m in modes if "+" in priors or m == "separate"]
     out += [("plain", s) for s in args.seeds]
     out += [("rela", cell, s) for s in args.seeds for cell in args.cells]
     return out
 
 
 # ---------------------------------------------------------------------------------------------- analysis
-def precompute_costs(args, done: dict, kind: str = "fmnist") -> dict:
-    """Median seconds (wall, CPU) of each prior alone, of the pair one prior after another, and in one pass."""
-    runs = {m: [done[u] for u in done if u[0] == "precompute" and u[1] == m and u[3] == kind]
+def precompute_costs(done: dict, priors: str, kind: str = "fmnist") -> dict:
+    """Median seconds (wall, CPU) of each prior alone, of them one after another, and in one pass (several)."""
+    runs = {m: [done[u] for u in done if u[0] == "precompute" and u[1] == m and u[3:] == (kind, priors)]
             for m in ("separate", "one-pass")}
     med = lambda rs, key: statistics.median(r[key] for r in rs)  # noqa: E731
-    out = {"one-pass": {k: med(runs["one-pass"], k) for k in ("seconds", "cpu_seconds")},
-           "separate": {k: med(runs["separate"], k) for k in ("seconds", "cpu_seconds")},
-           "repeats": len(runs["separate"])}
-    for n in args.pair:
+    out = {"separate": {k: med(runs["separate"], k) for k in ("seconds", "cpu_seconds")}, "repeats": len(runs["separate"])}
+    for n in priors.split("+"):
         out[n] = {k: statistics.median(r["per_prior"][n][k] for r in runs["separate"]) for k in ("seconds", "cpu_seconds")}
-    out["one_pass_saving"] = {k: 1 - out["one-pass"][k] / out["separate"][k] for k in ("seconds", "cpu_seconds")}
+    if runs["one-pass"]:
+        out["one-pass"] = {k: med(runs["one-pass"], k) for k in ("seconds", "cpu_seconds")}
+        out["one_pass_saving"] = {k: 1 - out["one-pass"][k] / out["separate"][k] for k in ("seconds", "cpu_seconds")}
     return out
 
 
-def cell_cost(args, cell: str, pre: dict) -> dict:
-    """The precompute a cell pays: its prior alone, or ``--pair`` in one pass (other sets: one prior after another)."""
-    names = cell.split("|")[0].split("+")
-    if len(names) == 1:
-        return pre[names[0]]
-    if sorted(names) == sorted(args.pair):
-        return pre["one-pass"]
-    return {k: sum(pre[n][k] for n in names) for k in ("seconds", "cpu_seconds")}
+def cell_cost(cell: str, costs: dict) -> dict:
+    """The precompute a cell pays: its prior alone (timed alone or in the first set holding it), or its priors in one
+    pass."""
+    priors = cell.split("|")[0]
+    if "+" in priors:
+        return costs[priors]["one-pass"]
+    return next(c[priors] for c in costs.values() if priors in c)
 
 
 def analyse(args, done: dict) -> dict:
-    pre = precompute_costs(args, done)
+    sets = timed_sets(args)
+    costs = {priors: precompute_costs(done, priors) for priors in sets}
     plain = {s: done[("plain", s)] for s in args.seeds}
     mean_plain = mean_run(list(plain.values()))["curve"]
     curve = lambda run: [(c["step"], c["top1"]) for c in run]  # noqa: E731
     cells = {}
     for cell in args.cells:
         runs = {s: done[("rela", cell, s)] for s in args.seeds}
-        cost = cell_cost(args, cell, pre)
+        cost = cell_cost(cell, costs)
         per_seed = []
         for s, r in runs.items():
             end = r["curve"][-1]
@@ -290,8 +292,8 @@ def analyse(args, done: dict) -> dict:
                        "steps": speedup(curve(mean_plain), m, args.budget), "wall": cost_speedup(mean_plain, m, wall),
                        "cpu": cost_speedup(mean_plain, m, cpu, "train_cpu_seconds"),
                        "rela_train_seconds": wall - cost["seconds"], "rela_train_cpu_seconds": cpu - cost["cpu_seconds"]}
-    return {"precompute": pre, "precompute_jpeg": precompute_costs(args, done, "jpeg"), "plain": {"mean_curve": mean_plain, "per_seed": {str(s): plain[s]["curve"] for s in plain}},
-            "cells": cells}
+    return {"precompute": costs, "precompute_jpeg": {sets[0]: precompute_costs(done, sets[0], "jpeg")},
+            "plain": {"mean_curve": mean_plain, "per_seed": {str(s): plain[s]["curve"] for s in plain}}, "cells": cells}
 
 
 def _x(e: dict) -> str:
@@ -313,28 +315,26 @@ def table(result: dict) -> str:
                  f"{budget} steps, {plain[full]:.2f} % at {full}.")
     for key, what in (("precompute", f"the {result['settings']['train_size']} training images (in memory)"),
                       ("precompute_jpeg", f"{result['settings']['jpeg_images']} 224-px JPEG files")):
-        pre = result[key]
-        lines.append(f"Precompute of {' and '.join(result['settings']['pair'])} over {what} ({pre['repeats']} repeats, "
-                     f"medians): one prior after another {pre['separate']['seconds']:.1f} s wall / "
-                     f"{pre['separate']['cpu_seconds']:.1f} s CPU, in one pass {pre['one-pass']['seconds']:.1f} s / "
-                     f"{pre['one-pass']['cpu_seconds']:.1f} s: {100 * pre['one_pass_saving']['seconds']:.0f} % saved in "
-                     f"wall-clock, {100 * pre['one_pass_saving']['cpu_seconds']:.0f} % in CPU time.")
+        for priors, pre in result[key].items():
+            if "one-pass" in pre:
+                lines.append(
+                    f"Precompute of {priors.replace('+', ' and ')} over {what} ({pre['repeats']} repeats, medians): "
+                    f"one prior after another {pre['separate']['seconds']:.1f} s wall / {pre['separate']['cpu_seconds']:.1f} "
+                    f"s CPU, in one pass {pre['one-pass']['seconds']:.1f} s / {pre['one-pass']['cpu_seconds']:.1f} s: "
+                    f"{100 * pre['one_pass_saving']['seconds']:.0f} % saved in wall-clock, "
+                    f"{100 * pre['one_pass_saving']['cpu_seconds']:.0f} % in CPU time.")
     return "\n".join(lines)
 
 
 def figure(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     cells = list(result["cells"].items())
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
     for i, (cell, c) in enumerate(cells):
-        ax.bar(i, c["top1"], color="tab:orange" if "+" in cell else "tab:blue", alpha=0.7)
-        ax.plot([i] * len(c["per_seed"]), [p["top1"] for p in c["per_seed"]], "k.", ms=5)
-        bx.bar(i, c["wall"]["speedup"], color="tab:orange" if "+" in cell else "tab:blue", alpha=0.7)
-        bx.plot([i] * len(c["per_seed"]), [p["wall"]["speedup"] for p in c["per_seed"]], "k.", ms=5)
+        for a, value in ((ax, lambda e: e["top1"]), (bx, lambda e: e["wall"]["speedup"])):
+            a.bar(i, value(c), color="tab:orange" if "+" in cell else "tab:blue", alpha=0.7)
+            a.plot([i] * len(c["per_seed"]), [value(p) for p in c["per_seed"]], "k.", ms=5)
     plain = {p["step"]: p["top1"] for p in result["plain"]["mean_curve"]}
     budget, full = result["settings"]["budget"], result["settings"]["full_steps"]
     ax.axhline(plain[budget], color="gray", ls="--", lw=1, label=f"plain BYOL, {budget} steps")
@@ -342,8 +342,8 @@ def figure(result: dict, path: Path) -> None:
     low = min(min(p["top1"] for p in c["per_seed"]) for _, c in cells)
     ax.set_ylim(low - 1, max(plain[full], max(c["top1"] for _, c in cells)) + 1)
     bx.axhline(1.0, color="gray", ls="--", lw=1)
-    for a, title in ((ax, f"linear-probe top-1 % at {budget} steps"), (bx, "wall-clock speed-up over plain BYOL, "
-                                                                            "precompute included")):
+    for a, title in ((ax, f"linear-probe top-1 % at {budget} steps"),
+                     (bx, "wall-clock speed-up over plain BYOL, precompute included")):
         a.set_xticks(range(len(cells)))
         a.set_xticklabels([c.replace("|", "\n") for c, _ in cells], fontsize=7)
         a.set_title(title, fontsize=10)
@@ -363,7 +363,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     t_start, load = time.perf_counter(), os.getloadavg()
     (Path(args.cache) / "runs").mkdir(parents=True, exist_ok=True)
-    stores(args, list(dict.fromkeys([*args.pair, *(n for c in args.cells for n in c.split("|")[0].split("+"))])))
+    stores(args, list(dict.fromkeys(n for c in args.cells for n in c.split("|")[0].split("+"))))
     done, todo = {}, []
     for u in units_of(args):
         f = _unit_file(args, u)
@@ -380,7 +380,7 @@ def main(argv=None) -> int:
               "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "platform": platform.platform(),
                           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "load_average_start": load,
                           "load_average_end": os.getloadavg()},
-              "settings": {**settings(args), "seeds": args.seeds, "cells": args.cells, "pair": args.pair,
+              "settings": {**settings(args), "seeds": args.seeds, "cells": args.cells,
                            "priors": {n: PRIORS[n] for n in PRIORS}},
               **analyse(args, done),
               "units": {"-".join(map(str, u)): {k: r.get(k) for k in ("load_average_start", "load_average_end",
