@@ -292,7 +292,8 @@ def analyse(args, done: dict) -> dict:
                        "steps": speedup(curve(mean_plain), m, args.budget), "wall": cost_speedup(mean_plain, m, wall),
                        "cpu": cost_speedup(mean_plain, m, cpu, "train_cpu_seconds"),
                        "rela_train_seconds": wall - cost["seconds"], "rela_train_cpu_seconds": cpu - cost["cpu_seconds"]}
-    return {"precompute": costs, "precompute_jpeg": {sets[0]: precompute_costs(done, sets[0], "jpeg")},
+    jpeg = {sets[0]: precompute_costs(done, sets[0], "jpeg")} if "+" in sets[0] else {}
+    return {"precompute": costs, "precompute_jpeg": jpeg,
             "plain": {"mean_curve": mean_plain, "per_seed": {str(s): plain[s]["curve"] for s in plain}}, "cells": cells}
 
 
