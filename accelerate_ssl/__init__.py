@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     "create_prior": "accelerate_ssl.priors",
     "list_priors": "accelerate_ssl.priors",
-    "precompute_targets": "accelerate_ssl.targets.precompute",
+    "precompute_targets": "accelerate_ssl.targets.precompute", "open_or_precompute": "accelerate_ssl.targets.cache",
     "TargetStore": "accelerate_ssl.targets.store",
     "precompute_sidecars": "accelerate_ssl.targets.sidecar", "ShardedTargets": "accelerate_ssl.targets.sidecar",
     "open_stream": "accelerate_ssl.data.streams", "decode_images": "accelerate_ssl.data.streams",

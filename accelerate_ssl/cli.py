@@ -2,13 +2,17 @@
 
 Every subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``; only the module
 of the command being run is imported, so ``accelerate-ssl --help`` stays fast. Runs under
-``accelerate launch -m accelerate_ssl.cli <command> ...`` as well.
+``accelerate launch -m accelerate_ssl.cli <command> ...`` as well: every process runs the command (precompute shares
+its work among them), and what a command prints on stdout (its result: ``wrote ...``, ``ok``, the ``--json`` object)
+is printed by the main process only; errors and warnings (stderr) come from every process.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -50,7 +54,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    from .launch import is_main_process
+
+    if is_main_process():
+        return int(args._run(args) or 0)
+    # another process of `accelerate launch` / torchrun: the same result as the main process's, printed once, there
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        return int(args._run(args) or 0)
 
 
 if __name__ == "__main__":

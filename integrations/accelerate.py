@@ -29,10 +29,9 @@ this module holds the glue:
    Several priors (``ReLA({name: store, ...})``) take the same lines: every prior reads the rows of the batch the
    prepared loader yields, every head is averaged and checkpointed.
 
-Targets are precomputed sharded over the same processes with
-``accelerate launch -m accelerate_ssl.cli precompute ...`` (or :func:`precompute_targets` called under
-``accelerate launch``; the example does it through
-:func:`accelerate_ssl.integrations.lightly.open_or_precompute`).
+Targets are precomputed sharded over the same processes: :meth:`ReLA.from_prior <accelerate_ssl.rela.ReLA.from_prior>`
+after ``accelerator.prepare`` does it (the README's recipe), as do :func:`accelerate_ssl.open_or_precompute` and
+``accelerate launch -m accelerate_ssl.cli precompute ...``.
 """
 
 from __future__ import annotations

@@ -292,6 +292,9 @@ def rebuild_prior(recorded: dict, offline: Optional[bool] = None) -> Prior:
         options["seed"] = int(recorded.get("seed") or 0)
         if recorded.get("arch") in backbones.BACKBONES:
             options["in_channels"] = int((recorded.get("preprocess") or {}).get("channels", 1))
+    crop = (recorded.get("preprocess") or {}).get("crop")
+    if family == "timm" and crop:
+        options["size"] = int(crop)  # a ViT is built for the input size its rows were made at
     if recorded.get("checkpoint"):
         spec = f"checkpoint:{recorded['checkpoint']}"  # the absolute path recorded (the spec's may be relative)
     weights = recorded.get("weights")

@@ -208,7 +208,7 @@ class Witness:
             return
         try:
             self._witness(views, rows, n, reduce_rows)
-        except (ValueError, RuntimeError, TypeError) as err:  # the witness must not break a run it cannot check
+        except Exception as err:  # the witness must not break a run it cannot check (a shape a zoo model asserts...)
             self._turn_off(f"re-embedding the training inputs failed ({type(err).__name__}: {str(err)[:300]})")
 
     def _turn_off(self, reason: str) -> None:

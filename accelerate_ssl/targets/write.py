@@ -2,7 +2,8 @@
 how an item's image is read and preprocessed, the prior's forward over a batch with its checks, and how a run's
 settings are compared with an earlier run's.
 
-- :func:`process_state`: accelerate's ``PartialState`` under ``accelerate launch`` (the work is sharded), else one
+- :func:`process_state`: the processes of an initialised ``torch.distributed`` group, or accelerate's ``PartialState``
+  under ``accelerate launch`` (the work is sharded), else one
   process; :data:`PRECISIONS` and :func:`default_batch_size`.
 - :func:`image_tensor` / :func:`check_first_item`: the image of a data set item (dict field, tuple position) as a
   tensor, refused with the fix when the prior cannot take it; :func:`input_batches`: the DataLoader a store's
@@ -165,16 +166,39 @@ class _OneProcess:
         pass
 
 
+class _ProcessGroup:
+    """The same, for the processes of an initialised ``torch.distributed`` group (Lightning's DDP, ``torchrun``, an
+    ``Accelerator`` already created): each process its rank's share, a barrier of the group."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.process_index, self.num_processes = dist.get_rank(), dist.get_world_size()
+        self.is_main_process = self.process_index == 0
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def wait_for_everyone(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
 def process_state():
-    """accelerate's ``PartialState`` when accelerate is installed (so ``accelerate launch`` shards the work),
-    else a single process; several processes without accelerate are refused with the fix."""
+    """The processes that share a precompute: those of an initialised ``torch.distributed`` group when there is one
+    (Lightning's DDP, ``torchrun`` after ``init_process_group``, an ``Accelerator`` made earlier); else accelerate's
+    ``PartialState`` when accelerate is installed (so ``accelerate launch`` shards the work); else a single process.
+    Several processes with neither are refused with the fix."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return _ProcessGroup()
     try:
         from accelerate import PartialState
     except ImportError:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from ..optional import require
 
-            require("accelerate", "precompute in several processes")
+            require("accelerate", "precompute in several processes (or call torch.distributed.init_process_group first)")
         return _OneProcess()
     # cpu=True when there is no GPU: `accelerate launch --multi_gpu` then still runs gloo CPU processes
     # (accelerate would otherwise see no GPU and treat every process as a lone one).
