@@ -20,7 +20,9 @@ or ``one-pass``, ``precompute_targets({...})``; the repeats alternate which mode
 multi-prior cell is timed alone). The precompute is timed on the training images (``fmnist``: an in-memory array,
 nothing to decode) and, for the first multi-prior cell's priors, on ``jpeg``: ``--jpeg-images`` of them upscaled to
 224 px and stored as JPEG files in an image folder (the priors resize them back to 28 px), where reading and decoding
-an image costs what a photo's does.
+an image costs what a photo's does. ``complementarity-<priors>`` measures, for each multi-prior cell's priors, what
+each prior's own rows know of the labels (linear probe) alone and side by side, and how much of one prior's rows the
+other's predict linearly.
 
     nice -n 5 python benchmarks/several_priors.py                  # the study (resumable)
 """
@@ -170,11 +172,14 @@ def cell_targets(args, cell: str, opened: dict):
 
 # ---------------------------------------------------------------------------------------------- units
 def run_unit(args, unit: tuple) -> dict:
-    """``("plain", seed)``, ``("rela", cell, seed)`` or ``("precompute", mode, repeat)``."""
+    """``("plain", seed)``, ``("rela", cell, seed)``, ``("precompute", mode, repeat, data, priors)`` or
+    ``("complementarity", priors)``."""
     torch.set_num_threads(args.threads)
     load = os.getloadavg()
     if unit[0] == "precompute":
         out = time_precompute(args, *unit[1:])
+    elif unit[0] == "complementarity":
+        out = complementarity(args, unit[1])
     else:
         from accelerate_ssl.demo import train_byol
         from accelerate_ssl.recipes import Probe
@@ -222,6 +227,44 @@ def time_precompute(args, mode: str, repeat: int, kind: str, priors: str) -> dic
     return out
 
 
+def complementarity(args, priors: str) -> dict:
+    """What each prior of ``priors`` knows of the labels and what the other adds: the linear probe (the benchmarks'
+    protocol) on each prior's own rows and on the rows of all of them side by side (train rows from the training
+    stores, test rows embedded once into ``--cache``), how much of each prior's rows the other's predict linearly
+    (ridge, R^2 on the test rows, each side z-scored), and the spread of each store's raw rows (what the
+    standardisation equalises)."""
+    from accelerate_ssl.evaluate import linear_probe
+
+    names = priors.split("+")
+    train_rows = {n: torch.tensor(s.decoded()[:], dtype=torch.float32) for n, s in stores(args, names).items()}
+    test = FashionMNIST("test", limit=args.test_size)
+    test_stores = precompute_targets({n: create_prior(PRIORS[n]) for n in names}, test,
+                                     {n: Path(args.cache) / f"store-{n}-test-{args.test_size}" for n in names},
+                                     progress=False)
+    test_rows = {n: torch.tensor(s.decoded()[:], dtype=torch.float32) for n, s in test_stores.items()}
+    ytr, yte = FashionMNIST("train", limit=args.train_size).targets, test.targets
+    probe = lambda a, b: linear_probe(a, ytr, b, yte, epochs=args.probe_epochs, seed=0)["top1"]  # noqa: E731
+    out = {"probe_top1": {n: probe(train_rows[n], test_rows[n]) for n in names}}
+    out["probe_top1"][priors] = probe(torch.cat([train_rows[n] for n in names], 1),
+                                      torch.cat([test_rows[n] for n in names], 1))
+
+    def z(a, ref):
+        return (a - ref.mean(0)) / ref.std(0).clamp_min(1e-6)
+
+    r2 = {}
+    for a in names:
+        for b in names:
+            if a != b:
+                xa, xb = z(train_rows[a], train_rows[a]), z(train_rows[b], train_rows[b])
+                w = torch.linalg.solve(xa.T @ xa + 1e-3 * len(xa) * torch.eye(xa.shape[1]), xa.T @ xb)
+                ta, tb = z(test_rows[a], train_rows[a]), z(test_rows[b], train_rows[b])
+                r2[f"{b} from {a}"] = float(1 - ((ta @ w - tb) ** 2).sum() / ((tb - tb.mean(0)) ** 2).sum())
+    out["r2"] = r2
+    out["raw_spread"] = {n: {"total_variance": float(r.var(0).sum()), "mean_row_norm": float(r.norm(dim=1).mean()),
+                             "dim": r.shape[1]} for n, r in train_rows.items()}
+    return out
+
+
 def timed_sets(args) -> list[str]:
     """The prior sets whose precompute is timed: each multi-prior cell's, then each prior in none of them, alone."""
     multi = list(dict.fromkeys(c.split("|")[0] for c in args.cells if "+" in c.split("|")[0]))
@@ -237,6 +280,7 @@ def units_of(args) -> list[tuple]:
             for r in range(args.precompute_repeats):  # alternate which mode runs first
                 modes = ("separate", "one-pass") if r % 2 == 0 else ("one-pass", "separate")
                 out += [("precompute", m, r, kind, priors) for m in modes if "+" in priors or m == "separate"]
+    out += [("complementarity", priors) for priors in timed_sets(args) if "+" in priors]
     out += [("plain", s) for s in args.seeds]
     out += [("rela", cell, s) for s in args.seeds for cell in args.cells]
     return out
@@ -293,7 +337,9 @@ def analyse(args, done: dict) -> dict:
                        "cpu": cost_speedup(mean_plain, m, cpu, "train_cpu_seconds"),
                        "rela_train_seconds": wall - cost["seconds"], "rela_train_cpu_seconds": cpu - cost["cpu_seconds"]}
     jpeg = {sets[0]: precompute_costs(done, sets[0], "jpeg")} if "+" in sets[0] else {}
-    return {"precompute": costs, "precompute_jpeg": jpeg,
+    comp = {u[1]: {k: v for k, v in done[u].items() if k in ("probe_top1", "r2", "raw_spread")}
+            for u in done if u[0] == "complementarity"}
+    return {"precompute": costs, "precompute_jpeg": jpeg, "complementarity": comp,
             "plain": {"mean_curve": mean_plain, "per_seed": {str(s): plain[s]["curve"] for s in plain}}, "cells": cells}
 
 
@@ -324,6 +370,13 @@ def table(result: dict) -> str:
                     f"s CPU, in one pass {pre['one-pass']['seconds']:.1f} s / {pre['one-pass']['cpu_seconds']:.1f} s: "
                     f"{100 * pre['one_pass_saving']['seconds']:.0f} % saved in wall-clock, "
                     f"{100 * pre['one_pass_saving']['cpu_seconds']:.0f} % in CPU time.")
+    for priors, c in result.get("complementarity", {}).items():
+        probes = ", ".join(f"{n.replace('+', ' + ')} {v:.2f} %" for n, v in c["probe_top1"].items())
+        r2 = ", ".join(f"{k} {v:.2f}" for k, v in c["r2"].items())
+        spread = ", ".join(f"{n} {v['total_variance']:.3g}" for n, v in c["raw_spread"].items())
+        lines.append(f"The priors' own rows ({priors.replace('+', ' and ')}): linear probe {probes}; R^2 of one "
+                     f"prior's rows predicted linearly from the other's: {r2}; total variance of the raw rows: "
+                     f"{spread}.")
     return "\n".join(lines)
 
 
