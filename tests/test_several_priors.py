@@ -82,7 +82,7 @@ def test_each_prior_has_its_own_head_and_standardisation_and_equal_weights():
         net(xb)
         alone[name] = float(single.wrap(torch.zeros(()), index=idx).detach())
     net = student()
-    both = ReLA({"a": a, "b": b}, net, feature_dim=D_F, schedule=Constant(1.0))
+    both = ReLA({"a": a, "b": b}, net, feature_dim=D_F, schedule=Constant(1.0), balance="equal")
     net(xb)
     loss = both.wrap(torch.zeros(()), index=idx)
     assert abs(float(loss.detach()) - (alone["a"] + alone["b"]) / 2) < 1e-6
