@@ -49,6 +49,18 @@ def _trainer(**kwargs):
                       enable_model_summary=False, **kwargs)
 
 
+class StopAfter(pl.Callback):
+    """Interrupts the fit at the end of epoch ``epochs`` (None: runs to ``max_epochs``): the first part of a run that a
+    checkpoint then resumes."""
+
+    def __init__(self, epochs=None):
+        self.epochs = epochs
+
+    def on_train_epoch_end(self, trainer, module):
+        if self.epochs is not None and trainer.current_epoch + 1 == self.epochs:
+            trainer.should_stop = True
+
+
 def test_single_process_a_fresh_loader_with_workers_every_epoch_and_accumulation():
     Student = make_module(pl, head_in_user_optimizer=False)
 
@@ -151,13 +163,8 @@ def test_checkpoint_resume_continues_lambda_and_the_head_exactly(tmp_path):
         torch.manual_seed(0)
         model = Student()
 
-        class Stop(pl.Callback):
-            def on_train_epoch_end(self, trainer, module):
-                if stop_after is not None and trainer.current_epoch + 1 == stop_after:
-                    trainer.should_stop = True  # the run is interrupted here
-
         callback = ReLACallback(target_rows(), dataset=IndexImages(), schedule="epochs:0.7", n_components=None)
-        trainer = _trainer(max_epochs=max_epochs, callbacks=[callback, Stop()])
+        trainer = _trainer(max_epochs=max_epochs, callbacks=[callback, StopAfter(stop_after)])
         trainer.fit(model, DataLoader(IndexImages(), batch_size=8), ckpt_path=ckpt_path)
         return trainer, model
 
@@ -203,13 +210,8 @@ def test_several_priors_are_logged_each_and_resume_exactly(tmp_path):
         torch.manual_seed(0)
         model = Two()
 
-        class Stop(pl.Callback):
-            def on_train_epoch_end(self, trainer, module):
-                if stop_after is not None and trainer.current_epoch + 1 == stop_after:
-                    trainer.should_stop = True
-
         callback = ReLACallback(priors, dataset=IndexImages(), schedule="epochs:0.7", n_components=None, balance="drop")
-        trainer = _trainer(max_epochs=2, callbacks=[callback, Stop()])
+        trainer = _trainer(max_epochs=2, callbacks=[callback, StopAfter(stop_after)])
         trainer.fit(model, DataLoader(IndexImages(), batch_size=8), ckpt_path=ckpt_path)
         return trainer, model
 
@@ -367,15 +369,10 @@ def test_from_prior_makes_the_targets_of_the_loader_lightning_iterates_and_resum
         torch.manual_seed(0)
         model = Module()
 
-        class Stop(pl.Callback):
-            def on_train_epoch_end(self, trainer, module):
-                if stop_after is not None and trainer.current_epoch + 1 == stop_after:
-                    trainer.should_stop = True
-
         callback = ReLACallback.from_prior("random:convnet", cache_dir=tmp_path / "cache", progress=False,
                                            schedule="epochs:0.7", n_components=None)
         assert callback.rela is None  # nothing is built before Lightning hands over the loader
-        trainer = _trainer(max_epochs=max_epochs, callbacks=[callback, Stop()])
+        trainer = _trainer(max_epochs=max_epochs, callbacks=[callback, StopAfter(stop_after)])
         trainer.fit(model, DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
         return trainer, model
 

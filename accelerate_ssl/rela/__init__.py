@@ -69,8 +69,9 @@ Several priors at once (RADIO, Theia and UNIC learn from several teachers): ``Re
 backbone, ...)`` (or a list) gives each prior its own transport head, its own standardisation (its store's Eq. 41 PCA)
 and its own checks (:mod:`.term`); one ``wrap`` mixes ``lambda * L_rela + (1 - lambda) * L_user`` with ``L_rela``
 the priors' losses under UNIC's teacher dropping (``balance="drop"``, the default: ahead of equal weights on every seed
-measured) or their mean (``balance="equal"``), under one schedule that reads the priors' mean loss. Rows carried by the batch come as ``wrap(loss, targets={"dino": t_a, "clip": t_b})``;
-``rela.stats["priors"]`` gives each prior's loss, weight and lambda.
+measured) or their mean (``balance="equal"``), under one schedule that reads the priors' mean loss. Rows carried by
+the batch come as ``wrap(loss, targets={"dino": t_a, "clip": t_b})``; ``rela.stats["priors"]`` gives each prior's
+loss, weight and lambda.
 
 The parts, one module each: :mod:`.term` (one prior's targets, head and checks; how several priors' losses combine),
 :mod:`.capture` (which forward outputs are the student features),
