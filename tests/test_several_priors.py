@@ -49,17 +49,23 @@ def train(targets, steps, seed=0, **rela_kwargs):
     kwargs = {"schedule": Constant(1.0), "feature_dim": D_F, **rela_kwargs}
     rela = ReLA(targets, net, **kwargs)
     opt = torch.optim.AdamW([*net.parameters(), *rela.parameters()], lr=3e-3)
-    losses = []
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always", MisalignmentWarning)
-        for xb, idx in batches(x, steps, seed):
-            net(xb)
-            loss = rela.wrap(torch.zeros(()), index=idx)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(float(loss))
+        losses = run_steps(net, rela, opt, batches(x, steps, seed))
     return rela, net, losses, [w for w in seen if issubclass(w.category, MisalignmentWarning)]
+
+
+def run_steps(net, rela, opt, steps) -> list[float]:
+    """One optimiser step of ReLA's loss alone per ``(x, index)`` of ``steps``; the per-step losses."""
+    losses = []
+    for xb, idx in steps:
+        net(xb)
+        loss = rela.wrap(torch.zeros(()), index=idx)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses
 
 
 # ---------------------------------------------------------------------------------------------- heads, standardisation
@@ -165,25 +171,14 @@ def test_a_resumed_run_continues_exactly():
     x, a, b = data()
     steps = list(batches(x, 8))
 
-    def run(net, rela, opt, part):
-        out = []
-        for xb, idx in part:
-            net(xb)
-            loss = rela.wrap(torch.zeros(()), index=idx)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            out.append(float(loss))
-        return out
-
     net = student()
     rela = ReLA({"a": a, "b": b}, net, feature_dim=D_F, schedule="decay", total_steps=8, balance="drop")
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)  # the heads: ReLA's own optimisers
-    whole = run(net, rela, opt, steps)
+    whole = run_steps(net, rela, opt, steps)
     net = student()
     rela = ReLA({"a": a, "b": b}, net, feature_dim=D_F, schedule="decay", total_steps=8, balance="drop")
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
-    head = run(net, rela, opt, steps[:5])
+    head = run_steps(net, rela, opt, steps[:5])
     saved = (rela.state_dict(), net.state_dict(), opt.state_dict())
     net = student()
     net.load_state_dict(saved[1])
@@ -191,7 +186,7 @@ def test_a_resumed_run_continues_exactly():
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
     opt.load_state_dict(saved[2])
     rela.load_state_dict(saved[0])
-    assert head + run(net, rela, opt, steps[5:]) == whole
+    assert head + run_steps(net, rela, opt, steps[5:]) == whole
     assert rela.head_mode == "own"
 
 
