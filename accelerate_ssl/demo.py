@@ -42,6 +42,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -199,8 +200,9 @@ def _uint8_tensor(image):
 
 
 def train_byol(args, train, probe, steps: int, checkpoints: list[int], store=None, desc: str = "BYOL",
-               seed: int = 0) -> dict:
-    """BYOL for ``steps`` steps (ReLA when ``store`` is given), probing at ``checkpoints``.
+               seed: int = 0, rela_options: Optional[dict] = None) -> dict:
+    """BYOL for ``steps`` steps (ReLA when ``store`` is given: a store, or several priors' as ``ReLA`` takes them),
+    probing at ``checkpoints``; ``rela_options`` are more ``ReLA`` arguments (they win over the recipe's).
 
     Both runs seed the same way, so they share the initial weights and the order of the batches; the
     only difference is ``rela.wrap`` around the BYOL loss. Returns the curve and per-step lambda.
@@ -221,9 +223,9 @@ def train_byol(args, train, probe, steps: int, checkpoints: list[int], store=Non
     if store is not None:
         from .rela import ReLA
 
-        rela = ReLA(store, backbone, dataloader=loader, schedule=parse_schedule(args.schedule, args.budget),
-                    feature_dim=backbone.feature_dim, n_components=args.components or "auto",
-                    head_init=args.head_init)
+        options = {"schedule": parse_schedule(args.schedule, args.budget), "feature_dim": backbone.feature_dim,
+                   "n_components": args.components or "auto", "head_init": args.head_init, **(rela_options or {})}
+        rela = ReLA(store, backbone, dataloader=loader, **options)
         params += list(rela.parameters())  # the transport head trains with the model (same AdamW)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
     try:

@@ -26,6 +26,8 @@ this module holds the glue:
    ``state_dict``/``load_state_dict``) and ``save_state``/``load_state`` restore lambda, step count,
    controller and head exactly; a run killed after a mid-epoch checkpoint and resumed with ``load_state`` and
    ``skip_first_batches`` trains the rows of an uninterrupted one (``tests/test_integration_accelerate.py``).
+   Several priors (``ReLA({name: store, ...})``) take the same lines: every prior reads the rows of the batch the
+   prepared loader yields, every head is averaged and checkpointed.
 
 Targets are precomputed sharded over the same processes: :meth:`ReLA.from_prior <accelerate_ssl.rela.ReLA.from_prior>`
 after ``accelerator.prepare`` does it (the README's recipe), as do :func:`accelerate_ssl.open_or_precompute` and

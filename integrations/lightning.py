@@ -13,7 +13,8 @@ data or the Trainer changes::
 ``ReLACallback.from_prior(prior)`` makes the targets itself, on the data set of the loader Lightning iterates (its
 clean view; the store opened under ``cache_dir`` or precomputed once, the DDP processes sharing the work), when
 Lightning hands that loader over. ``ReLACallback(targets, dataset=clean_train_set)`` takes ready targets: a
-TargetStore, its path, a float Tensor ``[N, d]`` (row i = dataset item i), or a ready
+TargetStore, its path, a float Tensor ``[N, d]`` (row i = dataset item i), several priors' targets (a mapping
+``{name: store}`` or a list, as :class:`~accelerate_ssl.rela.ReLA` takes them), or a ready
 :class:`~accelerate_ssl.rela.ReLA`; it builds ReLA at ``fit`` set-up. Either builds ReLA on the module's ``backbone``
 (``backbone=`` names another attribute, or is a function of the module) and sets it as ``module.rela``;
 every other keyword goes to :class:`~accelerate_ssl.rela.ReLA`. Then:
@@ -39,7 +40,8 @@ every other keyword goes to :class:`~accelerate_ssl.rela.ReLA`. Then:
 - **Run length**: a schedule given by name is planned for ``trainer.estimated_stepping_batches`` (this
   process's optimiser steps, after the distributed sampler's split) unless you passed ``total_steps``.
 - **Logging**: ``rela/lambda``, ``rela/loss_rela``, ``rela/loss_ssl`` through ``module.log`` each step
-  ReLA ran (tensors: no host read).
+  ReLA ran (tensors: no host read); with several priors also ``rela/<name>/loss_rela``, ``rela/<name>/weight`` and
+  ``rela/<name>/lambda`` for each prior.
 - **Checkpoints**: ReLA's state (lambda's controller, step count, head, its optimiser) is the callback's
   state in the Lightning checkpoint, so ``trainer.fit(..., ckpt_path=...)`` continues lambda and the head
   exactly; a checkpoint without it warns that ReLA starts over.
@@ -122,7 +124,8 @@ class _ReLACallback:
     and ``loss = self.rela.wrap(loss)`` in ``training_step``.
 
     Args:
-        targets: a TargetStore, a path to one, a float Tensor ``[N, d]``, or a ready :class:`ReLA`.
+        targets: a TargetStore, a path to one, a float Tensor ``[N, d]``, several priors' targets (a mapping
+            ``{name: targets}`` or a list), or a ready :class:`ReLA`.
         backbone: the student's feature extractor: the name of the module's attribute (dotted names work;
             default ``"backbone"``, lightly's and solo-learn's) or a function ``module -> nn.Module``.
         dataset: the training set without augmentation, in the same order: the store's fingerprint is checked
@@ -358,6 +361,12 @@ class _ReLACallback:
         for key in ("loss_rela", "loss_ssl"):
             if last[key] is not None:
                 pl_module.log(f"rela/{key}", last[key], on_step=True, on_epoch=False)
+        per_prior = last.get("priors")
+        if per_prior is not None and len(self.rela.priors) > 1:  # several priors: each one's loss, weight and lambda
+            for i, name in enumerate(self.rela.priors):
+                pl_module.log(f"rela/{name}/loss_rela", per_prior["loss_rela"][i], on_step=True, on_epoch=False)
+                pl_module.log(f"rela/{name}/weight", per_prior["weight"][i], on_step=True, on_epoch=False)
+                pl_module.log(f"rela/{name}/lambda", float(last["lambda"]), on_step=True, on_epoch=False)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

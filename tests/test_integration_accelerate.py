@@ -245,6 +245,45 @@ def test_rela_can_be_registered_for_checkpointing(accelerator, tmp_path):
         accelerator._custom_objects.remove(rela)
 
 
+def test_several_priors_read_the_prepared_batchs_rows_and_are_checkpointed(accelerator, tmp_path):
+    """Two priors under a prepared (read-ahead) loader: both read exactly the rows of the batch the loop holds; save_state
+    / load_state restore both heads."""
+
+    class Reads:
+        def __init__(self, lookup):
+            self.lookup, self.index = lookup, []
+
+        def __call__(self, index, device):
+            self.index.append(torch.as_tensor(index).clone())
+            return self.lookup(index, device)
+
+        def __getattr__(self, name):
+            return getattr(self.lookup, name)
+
+    rela = ReLA({"a": torch.randn(40, 4), "b": 10 * torch.randn(40, 6)}, nn.Linear(3, 5), feature_dim=3,
+                schedule="constant:1", alignment_check=False)
+    for term in rela.priors.values():
+        term.targets = Reads(term.targets)
+    loader = rela.track(accelerator.prepare(DataLoader(IndexIsLabel(), batch_size=4, shuffle=True)))
+    labels = []
+    for x, label in loader:
+        rela.wrap(torch.tensor(0.0), features=x.clone().requires_grad_())
+        labels.append(label)
+    for term in rela.priors.values():
+        assert len(term.targets.index) == 10 and all(torch.equal(i, lab) for i, lab in zip(term.targets.index, labels))
+    accelerator.register_for_checkpointing(rela)
+    try:
+        accelerator.save_state(str(tmp_path / "state"))
+        want = {n: t.head.weight.detach().clone() for n, t in rela.priors.items()}
+        with torch.no_grad():
+            for t in rela.priors.values():
+                t.head.weight.add_(1.0)
+        accelerator.load_state(str(tmp_path / "state"))
+        assert all(torch.equal(t.head.weight, want[n]) for n, t in rela.priors.items())
+    finally:
+        accelerator._custom_objects.remove(rela)
+
+
 def test_rela_track_of_a_prepared_loader_publishes_at_its_yield(accelerator):
     rela = _rela()
     prepared = accelerator.prepare(DataLoader(IndexIsLabel(), batch_size=4))

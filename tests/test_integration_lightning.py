@@ -49,6 +49,18 @@ def _trainer(**kwargs):
                       enable_model_summary=False, **kwargs)
 
 
+class StopAfter(pl.Callback):
+    """Interrupts the fit at the end of epoch ``epochs`` (None: runs to ``max_epochs``): the first part of a run that a
+    checkpoint then resumes."""
+
+    def __init__(self, epochs=None):
+        self.epochs = epochs
+
+    def on_train_epoch_end(self, trainer, module):
+        if self.epochs is not None and trainer.current_epoch + 1 == self.epochs:
+            trainer.should_stop = True
+
+
 def test_single_process_a_fresh_loader_with_workers_every_epoch_and_accumulation():
     Student = make_module(pl, head_in_user_optimizer=False)
 
@@ -151,13 +163,8 @@ def test_checkpoint_resume_continues_lambda_and_the_head_exactly(tmp_path):
         torch.manual_seed(0)
         model = Student()
 
-        class Stop(pl.Callback):
-            def on_train_epoch_end(self, trainer, module):
-                if stop_after is not None and trainer.current_epoch + 1 == stop_after:
-                    trainer.should_stop = True  # the run is interrupted here
-
         callback = ReLACallback(target_rows(), dataset=IndexImages(), schedule="epochs:0.7", n_components=None)
-        trainer = _trainer(max_epochs=max_epochs, callbacks=[callback, Stop()])
+        trainer = _trainer(max_epochs=max_epochs, callbacks=[callback, StopAfter(stop_after)])
         trainer.fit(model, DataLoader(IndexImages(), batch_size=8), ckpt_path=ckpt_path)
         return trainer, model
 
@@ -171,6 +178,54 @@ def test_checkpoint_resume_continues_lambda_and_the_head_exactly(tmp_path):
     assert [s["lambda"] for s in resumed.steps_seen] == [s["lambda"] for s in whole.steps_seen[5:]] == [1.0, 1.0, 0.0, 0.0, 0.0]
     for a, b in zip(resumed.rela.parameters(), whole.rela.parameters()):
         assert torch.equal(a, b)
+    assert resumed.rela.schedule.state_dict() == whole.rela.schedule.state_dict()
+
+
+def test_several_priors_are_logged_each_and_resume_exactly(tmp_path):
+    """Two priors through one callback: each prior's loss, weight and lambda logged; the checkpoint holds both heads and
+    the dropping draws, so a resumed run continues both exactly."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from _lightning_ddp_worker import DIM, SIDE
+
+    class Two(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Flatten(), nn.Linear(SIDE * SIDE, DIM), nn.Tanh())
+            self.projection = nn.Linear(DIM, 4)
+
+        def training_step(self, batch, batch_idx):
+            (x0, x1), _ = batch
+            loss = -F.cosine_similarity(self.projection(self.backbone(x0)), self.projection(self.backbone(x1))).mean()
+            return self.rela.wrap(loss)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD([*self.parameters(), *self.rela.parameters()], lr=0.1)
+
+    rows = target_rows()
+    priors = {"a": rows, "b": 10 * torch.stack([rows[:, 1] * rows[:, 2], rows[:, 3] - rows[:, 4]], 1) + 3}
+
+    def run(stop_after=None, ckpt_path=None):
+        torch.manual_seed(0)
+        model = Two()
+
+        callback = ReLACallback(priors, dataset=IndexImages(), schedule="epochs:0.7", n_components=None, balance="drop")
+        trainer = _trainer(max_epochs=2, callbacks=[callback, StopAfter(stop_after)])
+        trainer.fit(model, DataLoader(IndexImages(), batch_size=8), ckpt_path=ckpt_path)
+        return trainer, model
+
+    trainer, whole = run()
+    metrics = trainer.callback_metrics
+    assert {f"rela/{n}/{k}" for n in "ab" for k in ("loss_rela", "weight", "lambda")} <= set(metrics)
+    assert abs(float(metrics["rela/a/weight"]) + float(metrics["rela/b/weight"]) - 1) < 1e-6
+    trainer, first = run(stop_after=1)
+    trainer.save_checkpoint(tmp_path / "epoch1.ckpt")
+    _, resumed = run(ckpt_path=str(tmp_path / "epoch1.ckpt"))
+    assert resumed.rela.steps == whole.rela.steps == 10
+    for name in "ab":
+        for p, q in zip(resumed.rela.priors[name].head.parameters(), whole.rela.priors[name].head.parameters()):
+            assert torch.equal(p, q)
     assert resumed.rela.schedule.state_dict() == whole.rela.schedule.state_dict()
 
 
@@ -314,15 +369,10 @@ def test_from_prior_makes_the_targets_of_the_loader_lightning_iterates_and_resum
         torch.manual_seed(0)
         model = Module()
 
-        class Stop(pl.Callback):
-            def on_train_epoch_end(self, trainer, module):
-                if stop_after is not None and trainer.current_epoch + 1 == stop_after:
-                    trainer.should_stop = True
-
         callback = ReLACallback.from_prior("random:convnet", cache_dir=tmp_path / "cache", progress=False,
                                            schedule="epochs:0.7", n_components=None)
         assert callback.rela is None  # nothing is built before Lightning hands over the loader
-        trainer = _trainer(max_epochs=max_epochs, callbacks=[callback, Stop()])
+        trainer = _trainer(max_epochs=max_epochs, callbacks=[callback, StopAfter(stop_after)])
         trainer.fit(model, DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
         return trainer, model
 

@@ -134,6 +134,21 @@ def test_bad_arguments_are_refused_naming_the_fix(tmp_path):
         _run(tmp_path / "d", prior=prior, spatial=True)
 
 
+
+def test_several_priors_write_spatial_stores_in_one_pass_each_as_it_would_alone(tmp_path):
+    priors = {"a": create_prior("random:convnet"), "b": create_prior("random:convnet", seed=1)}
+    both = _run({n: tmp_path / n for n in priors}, prior=priors, spatial=6)
+    assert list(both) == ["a", "b"]
+    for name, prior in priors.items():  # each its own grid and its own PCA, the same files as a run of it alone
+        alone = _run(tmp_path / f"alone-{name}", prior=prior, spatial=6)
+        assert both[name].metadata["file_sha256"] == alone.metadata["file_sha256"]
+        grid = {k: v for k, v in both[name].spatial.items() if k != "pca_sha256"}
+        assert grid == {k: v for k, v in alone.spatial.items() if k != "pca_sha256"} and grid["grid"] == [2, 2]
+        # the same fit (not compared by the file's sha256: safetensors may write its header's metadata in either order)
+        assert all(torch.equal(a, b) for a, b in zip(both[name].written_pca().state_dict().values(),
+                                                     alone.written_pca().state_dict().values()))
+    assert not torch.equal(both["a"].written_pca().components, both["b"].written_pca().components)
+
 def test_nan_maps_are_refused_at_write_naming_the_rows(tmp_path):
     prior = create_prior("random:convnet")
     real = prior.feature_map

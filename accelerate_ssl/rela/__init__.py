@@ -65,7 +65,16 @@ What ReLA does behind those two lines:
   ``targets_on_device=True``, except for the loss read every ``sync_every`` steps. The step also runs
   under ``torch.compile`` (the feature hook is traced into the student's graph) and on ``channels_last``.
 
-The parts, one module each: :mod:`.capture` (which forward outputs are the student features),
+Several priors at once (RADIO, Theia and UNIC learn from several teachers): ``ReLA({"dino": store_a, "clip": store_b},
+backbone, ...)`` (or a list) gives each prior its own transport head, its own standardisation (its store's Eq. 41 PCA)
+and its own checks (:mod:`.term`); one ``wrap`` mixes ``lambda * L_rela + (1 - lambda) * L_user`` with ``L_rela``
+the priors' losses under UNIC's teacher dropping (``balance="drop"``, the default: ahead of equal weights on every seed
+measured) or their mean (``balance="equal"``), under one schedule that reads the priors' mean loss. Rows carried by
+the batch come as ``wrap(loss, targets={"dino": t_a, "clip": t_b})``; ``rela.stats["priors"]`` gives each prior's
+loss, weight and lambda.
+
+The parts, one module each: :mod:`.term` (one prior's targets, head and checks; how several priors' losses combine),
+:mod:`.capture` (which forward outputs are the student features),
 :mod:`.lookup` (the batch's targets from the store, placeholder indexes refused), :mod:`.head` (the
 transport head, its least-squares start, the cosine loss, who trains it), :mod:`.distributed`
 (averaging across processes). This module is the step logic: lambda, the loss mix, what is skipped.
@@ -87,38 +96,12 @@ from .capture import MAX_CAPTURED, FeatureCapture, check_hooked_module, flatten_
 from .distributed import average_gradients, is_distributed, mean_over_processes
 from .guard import AlignmentGuard, MisalignmentWarning
 from .head import TransportHead, fit_transport_head, full_precision, rela_loss
-from .lookup import INDEX_CHECK_STEPS, TargetLookup, as_index, check_trained_dataset, open_targets
+from .lookup import INDEX_CHECK_STEPS, as_index, check_trained_dataset
+from .term import BALANCES, PriorTerm, combine_losses, term_names
 from .witness import MisalignmentError, Witness, WitnessWarning, create_witness
 
 __all__ = ["ReLA", "fit_transport_head", "rela_loss", "full_precision", "INDEX_CHECK_STEPS", "MAX_CAPTURED",
            "MisalignmentWarning", "MisalignmentError", "Witness", "WitnessWarning"]
-
-
-# ---------------------------------------------------------------------------------------------- store identity
-def store_identity(store) -> dict:
-    """What a checkpoint records of the targets its head was trained on: rows, dim, the targets file's sha256, the
-    prior and its weights, the data set's fingerprint (a TargetStore), or the rows' sha256 (in-memory targets)."""
-    if hasattr(store, "identity"):
-        return store.identity()
-    return {"rows": len(store), "dim": int(store.dim)}
-
-
-def check_store_identity(saved: Optional[dict], current: dict) -> None:
-    """Refuse a checkpoint whose head was trained on other targets (a head maps into its own store's space)."""
-    if saved is None:
-        warnings.warn("ReLA: this checkpoint does not record which target store it was trained on (an older "
-                      "accelerate-ssl), so it cannot be checked against this store; make sure it is the same one.",
-                      UserWarning, stacklevel=3)
-        return
-    differ = [k for k in sorted(set(saved) & set(current)) if saved[k] is not None and current[k] is not None
-              and saved[k] != current[k]]
-    if differ:
-        shown = "; ".join(f"{k}: checkpoint {str(saved[k])[:24]!s}, this store {str(current[k])[:24]!s}" for k in differ)
-        raise ValueError(
-            f"This ReLA checkpoint was trained on another target store ({shown}): its transport head maps into that "
-            "store's target space, so resuming on this one would train toward the wrong targets. Open the store the "
-            "run started with, or start a fresh ReLA (do not load this state) for a new store."
-        )
 
 
 # ---------------------------------------------------------------------------------------------- ReLA
@@ -126,7 +109,10 @@ class ReLA:
     """ReLA for an existing training loop (see the module docstring for everything it does).
 
     Args:
-        targets: a TargetStore, a path to one, or a float Tensor ``[N, d]`` (row i = dataset item i).
+        targets: a TargetStore, a sidecar folder, a path to either, or a float Tensor ``[N, d]`` (row i = dataset
+            item i); or several priors' targets, a mapping ``{name: targets}`` or a list (named ``"0"``, ``"1"``, ...
+            by position): each prior gets its own transport head, its own standardisation (its store's Eq. 41 PCA)
+            and its own checks, all under one schedule (:mod:`accelerate_ssl.rela.term`).
         backbone: the student module whose output are the features ``phi(x)`` (e.g. ``model.backbone``).
         dataset: the training dataset; the store's fingerprint is checked against it, and its first item
             gives the feature dim by one dry forward (eval mode, no grad, state restored).
@@ -184,7 +170,17 @@ class ReLA:
             when their rows are confidently not theirs: independent of indexes, keys, sidecars and the head
             (:mod:`accelerate_ssl.rela.witness`). ``True`` (default), ``False`` (off), or a
             :class:`~accelerate_ssl.rela.witness.Witness` with other settings (``on_misalignment="warn"``, a prior
-            given explicitly, ``input=`` the module that takes the images when ``capture="input"``).
+            given explicitly, ``input=`` the module that takes the images when ``capture="input"``). With several
+            priors each has its own witness (its own prior re-embeds the inputs): ``True``, ``False``, a ``Witness``
+            whose settings every prior's witness copies (with no ``prior=``), or a mapping ``{name: Witness | bool}``.
+        balance: how several priors' losses make ReLA's loss (:func:`~accelerate_ssl.rela.term.combine_losses`):
+            ``"drop"`` (default: UNIC's teacher dropping, per sample every prior but the one with the highest loss
+            dropped with probability ``drop``) or ``"equal"`` (the mean of the priors' losses, each a cosine over its
+            own standardised rows). Measured on the demo's recipe (``benchmarks/README.md``, "Several priors at
+            once"), dropping was ahead of equal weights on each of 3 seeds (by 0.10-0.26 points); one prior is the
+            same either way.
+        drop: the dropping probability of ``balance="drop"``.
+        seed: seeds the draws of ``balance="drop"`` (their generator is part of :meth:`state_dict`).
     """
 
     def __init__(
@@ -209,17 +205,32 @@ class ReLA:
         capture: str = "output",
         alignment_check: bool = True,
         prefetch: bool = False,
-        witness: Union[Witness, bool] = True,
+        witness: Union[Witness, bool, dict] = True,
+        balance: str = "drop",
+        drop: float = 0.5,
+        seed: int = 0,
     ):
         if not isinstance(backbone, nn.Module):
             raise TypeError(f"backbone must be an nn.Module (the student's feature extractor), got {type(backbone).__name__}.")
         check_hooked_module(backbone, capture)
-        self.transport = TransportHead(init=head_init, optimizer=head_optimizer,
-                                       lr=1e-3 if head_lr is None else head_lr,
-                                       weight_decay=0.01 if head_weight_decay is None else head_weight_decay)
         if not (n_components in ("auto", None) or (isinstance(n_components, int) and n_components >= 0)):
             raise ValueError(f"n_components must be 'auto', None, 0 or a positive int, got {n_components!r}.")
-        self.store = open_targets(targets)
+        if balance not in BALANCES:
+            raise ValueError(f"balance must be one of {BALANCES} (how several priors' losses are combined), got {balance!r}.")
+        if not 0.0 <= float(drop) < 1.0:
+            raise ValueError(f"drop must be in [0, 1) (the probability of dropping a prior for a sample), got {drop!r}.")
+        self.balance, self.drop = balance, float(drop)
+        self._drop_generator = torch.Generator().manual_seed(int(seed))
+
+        def term(name, t):
+            transport = TransportHead(init=head_init, optimizer=head_optimizer, lr=1e-3 if head_lr is None else head_lr,
+                                      weight_decay=0.01 if head_weight_decay is None else head_weight_decay)
+            guard = AlignmentGuard(enabled=alignment_check, warmup=2 if head_init == "fit" else 10)
+            return PriorTerm(name, t, transport, guard, targets_on_device=targets_on_device, prefetch=prefetch)
+
+        #: each prior's targets, head and checks, by name (:class:`~accelerate_ssl.rela.term.PriorTerm`), in order
+        self.priors: dict[str, PriorTerm] = {name: term(name, t) for name, t in term_names(targets)}
+        self._several = len(self.priors) > 1  # (one prior, however given, is ReLA exactly as with a bare store)
         #: the data sets checked against the store, by id, held weakly (an id reused by a new object is checked again)
         self._checked_datasets: dict[int, Callable[[], Any]] = {}
         self._warned_unchecked = False
@@ -227,7 +238,6 @@ class ReLA:
             self.check_dataset(dataset, "dataset=")
         if getattr(dataloader, "dataset", None) is not None:
             self.check_dataset(dataloader.dataset, "the DataLoader's dataset")
-        self.targets = TargetLookup(self.store, targets_on_device=targets_on_device, prefetch=prefetch)
         self.backbone = backbone
         self._schedule_name = None if isinstance(schedule, Schedule) else str(schedule or "decay")
         self._end_step = end_step
@@ -243,7 +253,6 @@ class ReLA:
         else:
             self.schedule = self._plan(total_steps)
         self.head_in_ddp = bool(head_in_ddp)
-        self.guard = AlignmentGuard(enabled=alignment_check, warmup=2 if head_init == "fit" else 10)
         #: whether a by-name schedule knows the run length (warned about at the first wrap otherwise)
         self._planned = self._schedule_name is None or total_steps is not None or not takes_run_length(self._schedule_name)
         if not isinstance(sync_every, int) or sync_every < 1:
@@ -257,7 +266,7 @@ class ReLA:
         self._trackers: list[IndexTracker] = []
         self._window_sum: Optional[torch.Tensor] = None
         self._window_count = 0
-        self._last: dict[str, Any] = {"lambda": self.schedule.value, "loss_rela": None, "loss_ssl": None}
+        self._last: dict[str, Any] = self._no_wrap()
         self.steps = 0
         self._backbone_param_ids = {id(p) for p in backbone.parameters()}
 
@@ -284,13 +293,12 @@ class ReLA:
             if r is not None:
                 r._after_optimizer_step(opt)
 
-        self.witness = create_witness(witness)
-        if self.witness is not None:
-            self.witness.attach(self.store, backbone, capture)
+        for name, w in self._witnesses(witness).items():
+            self.priors[name].attach_witness(w, backbone, capture, name if self._several else None)
         handles = [self.capture.handle, register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
-        witness_ref = self.witness
+        witnesses = [t.witness for t in self.priors.values() if t.witness is not None]
         self._finalizer = weakref.finalize(
-            self, lambda hs, w: ([h.remove() for h in hs], w is not None and w.close()), handles, witness_ref)
+            self, lambda hs, ws: ([h.remove() for h in hs], [w.close() for w in ws]), handles, witnesses)
         guard_timm_mixers(self)  # timm's mixers follow this ReLA's mixing_policy() (a mixed image has no stored target)
         if dataloader is not None and self.track(dataloader) is not dataloader:
             raise ValueError(
@@ -367,25 +375,88 @@ class ReLA:
 
     # ------------------------------------------------------------------ setup
     def _build(self, student_dim: int, device) -> None:
-        n = self.n_components
-        if n == "auto":
-            n = min(student_dim, self.store.dim)
-        self.transport.build(student_dim, self.targets.reduce_to(n), device)
+        for t in self.priors.values():
+            t.build(student_dim, self.n_components, device)
+
+    def _witnesses(self, witness) -> dict[str, Optional[Witness]]:
+        """``witness=`` as one Witness (or None) per prior: with several priors each needs its own (its prior embeds,
+        its statistics), so a Witness is copied per prior, unless it names a prior (then a mapping is needed)."""
+        names = list(self.priors)
+        if isinstance(witness, dict):
+            unknown, missing = sorted(set(witness) - set(names)), [n for n in names if n not in witness]
+            if unknown or missing:
+                raise ValueError(f"witness= names the priors {sorted(witness)} but ReLA holds {names}: give one entry "
+                                 "(a Witness, True or False) per prior.")
+            return {n: create_witness(witness[n]) for n in names}
+        if len(names) == 1:
+            return {names[0]: create_witness(witness)}
+        if isinstance(witness, Witness):
+            if witness.prior is not None:
+                raise ValueError("witness=Witness(prior=...) with several priors: each prior's witness needs its own "
+                                 "prior. Pass witness={name: Witness(prior=...), ...}, one per prior.")
+            import copy
+
+            return {n: copy.deepcopy(witness) for n in names}
+        return {n: create_witness(witness) for n in names}
+
+    def _one(self, what: str) -> PriorTerm:
+        """The lone prior's term, for the attributes that exist once per prior (``rela.head``, ``rela.store``, ...)."""
+        if self._several:
+            raise AttributeError(f"ReLA holds {len(self.priors)} priors ({', '.join(map(repr, self.priors))}), each with "
+                                 f"its own {what}: use rela.priors[name].{what}.")
+        return next(iter(self.priors.values()))
+
+    @property
+    def store(self):
+        """The opened targets (one prior; several: ``rela.priors[name].store``)."""
+        return self._one("store").store
+
+    @property
+    def targets(self):
+        """The lookup of a batch's rows (:class:`~accelerate_ssl.rela.lookup.TargetLookup`; one prior)."""
+        return self._one("targets").targets
+
+    @targets.setter
+    def targets(self, lookup) -> None:
+        self._one("targets").targets = lookup
+
+    @property
+    def transport(self) -> TransportHead:
+        """The transport head and its optimiser policy (one prior)."""
+        return self._one("transport").transport
+
+    @property
+    def guard(self) -> AlignmentGuard:
+        """The alignment check (one prior)."""
+        return self._one("guard").guard
+
+    @guard.setter
+    def guard(self, guard: AlignmentGuard) -> None:
+        self._one("guard").guard = guard
+
+    @property
+    def witness(self) -> Optional[Witness]:
+        """The witness, or None when off (one prior)."""
+        return self._one("witness").witness
 
     @property
     def head(self) -> Optional[nn.Linear]:
-        """The transport head ``nn.Linear(student_dim, target_dim)`` (None until the feature dim is known)."""
-        return self.transport.linear
+        """The transport head ``nn.Linear(student_dim, target_dim)`` (None until the feature dim is known; one prior)."""
+        return self._one("head").head
 
     @property
     def head_mode(self) -> Optional[str]:
-        """Who trains the head: ``"user"`` / ``"own"``; None until decided at your optimiser's first step."""
-        return self.transport.mode
+        """Who trains the head(s): ``"user"`` / ``"own"``; None until decided at your optimiser's first step."""
+        modes = {t.transport.mode for t in self.priors.values()}
+        return modes.pop() if len(modes) == 1 else "mixed"
 
     @property
     def pca(self):
-        """The targets' PCA (None: raw targets)."""
-        return self.targets.pca
+        """The targets' PCA (None: raw targets; one prior)."""
+        return self._one("pca").targets.pca
+
+    def _heads(self) -> list[nn.Linear]:
+        return [t.head for t in self.priors.values() if t.head is not None]
 
     def track(self, dataloader, *, inner: Optional[DataLoader] = None):
         """Record the dataset indices of every batch ``dataloader`` yields (it yields exactly what it did) and
@@ -417,18 +488,29 @@ class ReLA:
                 r.publish_index(idx, source=(id(tracker), tracker.iteration))
 
             tracker.add_listener(listener)
-            tracker.add_upcoming_listener(lambda idx, ref=ref: (r := ref()) is not None and r.targets.announce(idx))
+            tracker.add_upcoming_listener(lambda idx, ref=ref: (r := ref()) is not None and r._announce(idx))
             self._trackers.append(tracker)
         return dataloader
 
+    def _announce(self, index) -> None:
+        for t in self.priors.values():
+            t.targets.announce(index)
+
     def check_dataset(self, dataset, which: str = "the dataset") -> None:
-        """Refuse ``dataset`` unless the targets were computed on it (once per data set object): ReLA does this for
-        ``dataset=``, ``dataloader=`` and every tracked loader; integrations call it for the loaders they find."""
+        """Refuse ``dataset`` unless the targets (every prior's) were computed on it (once per data set object): ReLA
+        does this for ``dataset=``, ``dataloader=`` and every tracked loader; integrations call it for the loaders
+        they find."""
         ref = self._checked_datasets.get(id(dataset))
         if ref is not None and ref() is dataset:
             return
         checked = [d for d in (r() for r in self._checked_datasets.values()) if d is not None]
-        check_trained_dataset(self.store, dataset, which, checked)
+        for name, t in self.priors.items():
+            try:
+                check_trained_dataset(t.store, dataset, which, checked)
+            except (ValueError, TypeError) as err:
+                if not self._several:
+                    raise
+                raise type(err)(f"Prior {name!r} of this ReLA: {err}") from err
         try:
             self._checked_datasets[id(dataset)] = weakref.ref(dataset)
         except TypeError:  # not weakly referenceable: hold it
@@ -480,25 +562,32 @@ class ReLA:
         self._planned = True
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """The transport head's parameters (add them to your optimiser, or leave them to ReLA's own)."""
-        if self.head is None:
+        """The transport heads' parameters, every prior's (add them to your optimiser, or leave them to ReLA's own)."""
+        if not self._heads():
             raise RuntimeError(
                 "ReLA does not know the student feature dim yet, so the transport head does not exist. Pass "
                 "feature_dim=, dataset= or dataloader= to ReLA(...), or create your optimiser after the first wrap()."
             )
-        return self.head.parameters()
+        return (p for h in self._heads() for p in h.parameters())
 
     def to(self, device) -> "ReLA":
-        """Move the head (and its own optimiser's state) to ``device``."""
-        self.transport.to(device)
+        """Move the heads (and their own optimisers' state) to ``device``."""
+        for t in self.priors.values():
+            t.transport.to(device)
         return self
 
     # ------------------------------------------------------------------ the loss
-    def _rela_term(self, features: Sequence[torch.Tensor], index, rows: Optional[torch.Tensor] = None,
+    def _rela_term(self, features: Sequence[torch.Tensor], index: dict, rows: Optional[dict] = None,
                    path: Optional[str] = None) -> torch.Tensor:
-        n = len(rows) if rows is not None else len(torch.as_tensor(index).reshape(-1))
+        """ReLA's loss over every prior (:func:`~accelerate_ssl.rela.term.combine_losses`); ``index`` / ``rows``: each
+        prior's row indices / carried rows, by name. Records each prior's loss and weight for :attr:`stats`."""
+        first = next(iter((rows or index).values()))
+        n = len(first) if rows is not None else len(torch.as_tensor(first).reshape(-1))
         if n == 0:
             raise ValueError("ReLA.wrap got an empty batch (no sample indices / target rows).")
+        if rows is not None and any(len(r) != n for r in rows.values()):
+            raise ValueError(f"ReLA.wrap(targets=): the priors' rows cover different numbers of samples "
+                             f"({ {k: len(r) for k, r in rows.items()} }); pass each prior's rows of this batch.")
         for f in features:
             if f.shape[0] % n:
                 raise ValueError(
@@ -507,23 +596,27 @@ class ReLA:
                     "training mode with grad (run it under torch.no_grad()), or is index= wrong? Or pass features=."
                 )
         feats = torch.cat(list(features)) if len(features) > 1 else features[0]
-        if self.head is None:
+        if not self._heads():
             self._build(feats.shape[1], feats.device)
-        if feats.shape[1] != self.head.in_features:
+        head = self._heads()[0]
+        if feats.shape[1] != head.in_features:
             raise ValueError(
-                f"ReLA: features have dim {feats.shape[1]} but the transport head expects {self.head.in_features}. "
+                f"ReLA: features have dim {feats.shape[1]} but the transport head expects {head.in_features}. "
                 "Pass feature_dim= matching the backbone output, or the right backbone."
             )
-        if self.head.weight.device != feats.device:
+        if head.weight.device != feats.device:
             self.to(feats.device)
-        target = self.targets(index, feats.device) if rows is None else self.targets.reduce_rows(rows, feats.device)
-        if self.witness is not None:  # the prior re-embeds some of this batch's inputs (on its witnessed steps)
-            self.witness.observe(target, n, lambda e: self.targets.reduce_raw(e, feats.device), path)
-        target = target.repeat(feats.shape[0] // n, 1)  # views are stacked blocks of n, all share a target
-        if self.transport.needs_fit:  # fitted on this batch: its loss is not observed by the guard (fitted rows align)
-            self.transport.fit(feats, target)
-            return self.transport.loss(feats, target)
-        return self.transport.loss(feats, target, observe=lambda p, t: self.guard.observe(p, t, n, path))
+        losses = []
+        for name, t in self.priors.items():
+            target = t.rows(feats.device, index=None if index is None else index[name],
+                            carried=None if rows is None else rows[name])
+            losses.append(t.losses(feats, target, n, path))
+        losses = torch.stack(losses)
+        loss, weights = combine_losses(losses, n, self.balance, self.drop, self._drop_generator)
+        per_prior = losses.detach().mean(dim=1)
+        self._per_prior = {"loss_rela": per_prior, "weight": weights}
+        self._schedule_loss = per_prior.mean()  # the schedule reads the priors' mean loss, whatever the balance
+        return loss
 
     def wrap(
         self,
@@ -531,10 +624,11 @@ class ReLA:
         *,
         index=None,
         features: Union[torch.Tensor, Sequence[torch.Tensor], None] = None,
-        targets: Optional[torch.Tensor] = None,
+        targets: Union[torch.Tensor, dict, None] = None,
         keys=None,
     ) -> torch.Tensor:
-        """``lambda * L_rela + (1 - lambda) * loss`` for this micro-batch.
+        """``lambda * L_rela + (1 - lambda) * loss`` for this micro-batch (with several priors ``L_rela`` combines
+        theirs, ``balance=``).
 
         Args:
             loss: your loss tensor, or a zero-argument callable returning it (then it is not computed at
@@ -542,10 +636,12 @@ class ReLA:
             index: the batch's dataset indices (default: from the tracked DataLoader).
             targets: the batch's raw prior targets ``[B, dim]``, carried by the batch itself (a sidecar field of a
                 WebDataset sample, a ``datasets`` column): no index is needed, so nothing can misalign them. They get
-                the same checks (width, finite) and the same PCA / z-scoring as the store's rows.
+                the same checks (width, finite) and the same PCA / z-scoring as the store's rows. With several
+                priors, a mapping ``{name: rows}`` with every prior's rows (each checked against its own folder).
             keys: the batch's sample keys (file names, WebDataset ``__key__`` s, an id column: a list of str or an int
                 tensor), mapped to rows through the keys recorded in the store at precompute; a key the store does
-                not hold stops training with its name (:meth:`TargetStore.key_rows`).
+                not hold stops training with its name (:meth:`TargetStore.key_rows`). With several priors each store
+                maps the keys through its own key list.
             features: the student features of this batch, one tensor per view or views stacked as
                 blocks of B rows (default: the backbone calls captured since the last wrap).
         """
@@ -564,7 +660,7 @@ class ReLA:
         captured, capture_error = self.capture.take()
         if self.schedule.finished:  # ReLA is over for good: the user's loss, untouched
             out = loss() if callable(loss) else loss
-            self._last = {"lambda": 0.0, "loss_rela": None, "loss_ssl": out.detach()}
+            self._last = {**self._no_wrap(0.0), "loss_ssl": out.detach()}
             self._window_count += 1
             return out
 
@@ -586,27 +682,28 @@ class ReLA:
                              "(rows carried by the batch), not both.")
         path = "targets=" if targets is not None else "keys=" if keys is not None else "index=" if index is not None \
             else "tracked loader"
+        rows = None
         if index is None and keys is None and targets is None:
             index = self._take_published_index()
         else:
             self._index_fresh = False  # the loop said which samples it holds: a tracked batch is used up too
             if keys is not None:
-                if not hasattr(self.store, "key_rows"):
-                    held = ("sidecars of streamed data: let the rows ride in the batch (ShardedTargets.join / .column) "
-                            "and pass wrap(targets=)" if hasattr(self.store, "shards") else
-                            "an in-memory tensor: pass index= instead")
-                    raise ValueError("ReLA.wrap(keys=) needs a TargetStore with recorded keys (precompute_targets(..., "
-                                     f"keys=...)); these targets are {held}.")
-                index = self.store.key_rows(keys)
-            elif index is not None:
+                index = {name: self._key_rows(t, keys) for name, t in self.priors.items()}
+            elif targets is not None:
+                rows = self._carried(targets)
+            else:
                 index = as_index(index)
-                self.targets.check_not_placeholder(index)
-                if not self._checked_datasets and not self._warned_unchecked and hasattr(self.store, "check_dataset"):
+                for t in self.priors.values():
+                    t.targets.check_not_placeholder(index)
+                if not self._checked_datasets and not self._warned_unchecked and any(
+                        hasattr(t.store, "check_dataset") for t in self.priors.values()):
                     self._warned_unchecked = True
                     warnings.warn("ReLA.wrap(index=): no data set was checked against this target store, so nothing "
                                   "proves row i belongs to your item i. Pass ReLA(..., dataset=clean_train_set) (or call "
                                   "rela.check_dataset(train_set)).", UserWarning, stacklevel=2)
-        l_rela = self._rela_term(feats, index, rows=targets, path=path)
+        if index is not None and not isinstance(index, dict):
+            index = {name: index for name in self.priors}  # one batch: the same positions in every prior's store
+        l_rela = self._rela_term(feats, index, rows=rows, path=path)
 
         if lam >= 1.0:
             l_ssl = None if callable(loss) else loss
@@ -614,11 +711,45 @@ class ReLA:
         else:
             l_ssl = loss() if callable(loss) else loss
             out = lam * l_rela + (1.0 - lam) * l_ssl
-        d = l_rela.detach()
-        self._window_sum = d if self._window_sum is None else self._window_sum + d
+        d, fed = l_rela.detach(), self._schedule_loss
+        self._window_sum = fed if self._window_sum is None else self._window_sum + fed
         self._window_count += 1
-        self._last = {"lambda": lam, "loss_rela": d, "loss_ssl": None if l_ssl is None else l_ssl.detach()}
+        self._last = {"lambda": lam, "loss_rela": d, "loss_ssl": None if l_ssl is None else l_ssl.detach(),
+                      "priors": self._per_prior}
         return out
+
+    def _key_rows(self, term: PriorTerm, keys) -> torch.Tensor:
+        if not hasattr(term.store, "key_rows"):
+            held = ("sidecars of streamed data: let the rows ride in the batch (ShardedTargets.join / .column) and pass "
+                    "wrap(targets=)" if hasattr(term.store, "shards") else "an in-memory tensor: pass index= instead")
+            raise ValueError("ReLA.wrap(keys=) needs a TargetStore with recorded keys (precompute_targets(..., keys=...))"
+                             + (f"; prior {term.name!r}'s" if self._several else "; these") + f" targets are {held}.")
+        try:
+            return term.store.key_rows(keys)
+        except (KeyError, ValueError) as err:
+            if not self._several:
+                raise
+            raise type(err)(f"Prior {term.name!r} of this ReLA: {err}") from err
+
+    def _carried(self, targets) -> dict:
+        """``wrap(targets=)`` as each prior's carried rows: a tensor for one prior, ``{name: rows}`` for several."""
+        names = list(self.priors)
+        if isinstance(targets, dict):
+            if sorted(targets) != sorted(names):
+                raise ValueError(f"ReLA.wrap(targets=) got rows for {sorted(targets)} but ReLA holds the priors "
+                                 f"{names}: pass targets={{name: rows}} with every prior's rows of this batch (the "
+                                 "field each prior's sidecar join added).")
+            return {name: targets[name] for name in names}
+        if self._several:
+            raise ValueError(f"ReLA.wrap(targets=) got one tensor but ReLA holds {len(names)} priors ({names}): pass "
+                             "targets={name: rows, ...}, each prior's rows as its sidecar folder's join / column hands "
+                             "them (e.g. ShardedTargets.join(field=name) per folder).")
+        return {names[0]: targets}
+
+    def _no_wrap(self, lam: Optional[float] = None) -> dict[str, Any]:
+        """:attr:`last_wrap` before any wrap, after a load, or once ReLA is over: no loss computed."""
+        return {"lambda": self.schedule.value if lam is None else lam, "loss_rela": None, "loss_ssl": None,
+                "priors": None}
 
     def _take_published_index(self) -> torch.Tensor:
         """The tracked batch's indices, consumed: a second wrap on the same published batch is refused, since it
@@ -650,7 +781,7 @@ class ReLA:
 
     # ------------------------------------------------------------------ optimiser steps
     def _is_user_optimizer(self, opt) -> bool:
-        return opt is not self.transport.own_optimizer and any(
+        return all(opt is not t.transport.own_optimizer for t in self.priors.values()) and any(
             id(p) in self._backbone_param_ids for g in opt.param_groups for p in g["params"])
 
     def _before_optimizer_step(self, opt, args: tuple, kwargs: dict):
@@ -695,12 +826,12 @@ class ReLA:
         """Average the head's gradients across processes, once per backward: a second call before the next ``wrap``
         or optimiser step does nothing (the Lightning callback averages in ``on_before_optimizer_step``, before
         gradient clipping reads them; the closure wrapper or pre-hook of the same step then finds them averaged)."""
-        if self.head is None or self.head_in_ddp or not is_distributed():
+        if not self._heads() or self.head_in_ddp or not is_distributed():
             return
         mark = (self.steps, self._window_count)  # changes with every wrap (a new backward) and every counted step
         if self._head_synced_at == mark:
             return
-        average_gradients(self.head.parameters())
+        average_gradients([p for h in self._heads() for p in h.parameters()])
         self._head_synced_at = mark
 
     def _after_optimizer_step(self, opt) -> None:
@@ -713,7 +844,8 @@ class ReLA:
         self._step(user_optimizer=None)
 
     def _step(self, user_optimizer) -> None:
-        self.transport.after_user_step(user_optimizer, trained=self._window_count > 0)
+        for t in self.priors.values():
+            t.transport.after_user_step(user_optimizer, trained=self._window_count > 0)
         if not self._window_count:
             return  # an optimiser step without any wrap (e.g. another phase of the loop)
         if not self.schedule.needs_loss:
@@ -724,13 +856,15 @@ class ReLA:
                 self._feed_schedule()
         self.steps += 1
         self._window_sum, self._window_count = None, 0
-        self.targets.end_step()
-        if self.witness is not None:
-            self.witness.after_step()
+        for t in self.priors.values():
+            t.targets.end_step()
+            if t.witness is not None:
+                t.witness.after_step()
         if self.schedule.finished:
             self.capture.clear()
-            if self.witness is not None:
-                self.witness.close()  # nothing left to check: the input hook goes
+            for t in self.priors.values():
+                if t.witness is not None:
+                    t.witness.close()  # nothing left to check: the input hook goes
 
     def _feed_schedule(self) -> None:
         """Read the pending per-step losses on the host (one synchronisation; one all-reduce across processes)
@@ -752,30 +886,43 @@ class ReLA:
     @property
     def stats(self) -> dict[str, Any]:
         """``{"lambda", "loss_rela", "loss_ssl", "step", "finished"}``: lambda and losses of the last wrap
-        (None where a loss was not computed), optimiser steps counted so far."""
+        (None where a loss was not computed), optimiser steps counted so far. With several priors also ``"priors"``:
+        ``{name: {"loss_rela", "weight", "lambda"}}``, each prior's ReLA loss, its weight in ``loss_rela`` (1 / K with
+        ``balance="equal"``; its share of the kept samples with ``"drop"``) and the lambda it was trained under (one
+        schedule: the same for every prior; the prior's part of your total loss is ``lambda * weight``)."""
         as_float = lambda t: None if t is None else float(t)  # noqa: E731
-        return {
+        out = {
             "lambda": float(self._last["lambda"]),
             "loss_rela": as_float(self._last["loss_rela"]),
             "loss_ssl": as_float(self._last["loss_ssl"]),
             "step": self.steps,
             "finished": bool(self.schedule.finished),
         }
+        if self._several:
+            per = self._last.get("priors")
+            out["priors"] = {name: {"loss_rela": None if per is None else float(per["loss_rela"][i]),
+                                    "weight": None if per is None else float(per["weight"][i]),
+                                    "lambda": out["lambda"]}
+                             for i, name in enumerate(self.priors)}
+        return out
 
     def state_dict(self) -> dict[str, Any]:
+        """lambda's controller, the step count and each prior's head, its optimiser, its store's identity and its
+        checks. One prior: these at the top level (the format of a single-store ReLA). Several: ``"priors"``, one
+        such entry per prior by name, and the draws of ``balance="drop"``."""
         self._feed_schedule()  # a checkpoint holds the controller with every step's loss read
-        return {
-            **self.transport.state_dict(),
-            "schedule": {"type": type(self.schedule).__name__, **self.schedule.state_dict()},
-            "steps": self.steps,
-            "n_components": self.n_components,
-            "store_rows": len(self.store),
-            "store": store_identity(self.store),
-            "alignment_check": self.guard.state_dict(),
-            "witness": None if self.witness is None else self.witness.state_dict(),
-        }
+        common = {"schedule": {"type": type(self.schedule).__name__, **self.schedule.state_dict()},
+                  "steps": self.steps, "n_components": self.n_components}
+        if not self._several:
+            return {**next(iter(self.priors.values())).state_dict(), **common}
+        return {**common, "priors": {name: t.state_dict() for name, t in self.priors.items()},
+                "balance": {"method": self.balance, "drop": self.drop,
+                            "generator": self._drop_generator.get_state()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s state; refused, before anything is loaded, when it was trained on another
+        set of priors (other names, another store for a name: each prior's store identity is checked) or another
+        controller."""
         if not self._planned and needs_run_length(self._schedule_name):  # the stand-in: the checkpoint has the plan
             self.schedule, self._planned = self._plan(1), True
         sched = dict(state["schedule"])
@@ -785,38 +932,46 @@ class ReLA:
                 f"This checkpoint's ReLA used the {kind} controller but this ReLA has {type(self.schedule).__name__}; "
                 f"create ReLA with schedule={kind.lower()!r}."
             )
-        check_store_identity(state.get("store"), store_identity(self.store))
-        if state.get("store_rows") not in (None, len(self.store)):
-            raise ValueError(
-                f"This checkpoint was trained with a {state['store_rows']}-row target store, this ReLA has "
-                f"{len(self.store)} rows; open the same store."
-            )
-        if state["head"] is not None:
-            in_dim, out_dim = state["dims"]
-            if self.head is None:
-                self._build(in_dim, next((p.device for p in self.backbone.parameters()), torch.device("cpu")))
-            if (self.head.in_features, self.head.out_features) != (in_dim, out_dim):
-                raise ValueError(
-                    f"Checkpoint head is {in_dim}->{out_dim}, this ReLA's is {self.head.in_features}->"
-                    f"{self.head.out_features}; use the same backbone and n_components."
-                )
-        self.transport.load_state_dict(state)
+        saved = state.get("priors")
+        if saved is None and self._several:
+            raise ValueError(f"This checkpoint is of a ReLA over one target store, but this ReLA holds "
+                             f"{len(self.priors)} priors ({list(self.priors)}): its head belongs to one prior only. "
+                             "Resume with ReLA(<that store>, ...), or start a fresh ReLA (do not load this state).")
+        if saved is not None and not self._several:
+            raise ValueError(f"This checkpoint is of a ReLA over {len(saved)} priors ({list(saved)}), but this ReLA "
+                             "holds one target store. Create ReLA({name: store, ...}) with the same priors to resume.")
+        if saved is not None and list(saved) != list(self.priors):
+            raise ValueError(f"This checkpoint's ReLA held the priors {list(saved)}, this one holds {list(self.priors)}: "
+                             "each head maps into its own prior's space. Pass the same priors under the same names, "
+                             "in the same order.")
+        per_prior = saved if saved is not None else {name: state for name in self.priors}
+        for name, t in self.priors.items():  # every check before anything is loaded
+            t.check_state(per_prior[name])
+        device = next((p.device for p in self.backbone.parameters()), torch.device("cpu"))
+        for name, t in self.priors.items():
+            t.load_state_dict(per_prior[name], lambda in_dim, t=t: t.build(in_dim, self.n_components, device))
+        if saved is not None and state.get("balance") is not None:
+            self._drop_generator.set_state(state["balance"]["generator"])
         self.schedule.load_state_dict(sched)
         self.steps = int(state["steps"])
-        self.guard.load_state_dict(state.get("alignment_check"))
-        if self.witness is not None:
-            self.witness.load_state_dict(state.get("witness"))
         self._window_sum, self._window_count = None, 0
         self.capture.clear()
-        self.targets.reset_checks()
         self._pending_losses = []
         # rela.stats describes the loaded state (the lambda of the next step), not the last wrap before the load
-        self._last = {"lambda": self.schedule.value, "loss_rela": None, "loss_ssl": None}
+        self._last = self._no_wrap()
 
     def close(self) -> None:
         """Remove the forward hook and the optimiser hooks (also done when ReLA is garbage-collected)."""
         self._finalizer()
 
     def __repr__(self) -> str:
-        head = "unbuilt" if self.head is None else f"{self.head.in_features}->{self.head.out_features}"
-        return f"ReLA(rows={len(self.store)}, head={head}, schedule={self.schedule!r}, head_mode={self.transport.mode!r})"
+        def one(t):
+            head = "unbuilt" if t.head is None else f"{t.head.in_features}->{t.head.out_features}"
+            return f"rows={len(t.store)}, head={head}"
+
+        if self._several:
+            priors = ", ".join(f"{name!r}: ({one(t)})" for name, t in self.priors.items())
+            return (f"ReLA(priors={{{priors}}}, balance={self.balance!r}, schedule={self.schedule!r}, "
+                    f"head_mode={self.head_mode!r})")
+        t = next(iter(self.priors.values()))
+        return f"ReLA({one(t)}, schedule={self.schedule!r}, head_mode={t.transport.mode!r})"

@@ -92,6 +92,8 @@ class AlignmentGuard:
         if not isinstance(window, int) or window < 2 or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"alignment check: window must be an int >= 2 and warmup an int >= 0, got {window!r}, {warmup!r}.")
         self.enabled, self.warmup, self.window, self.z, self.tau = bool(enabled), warmup, window, float(z), float(tau)
+        #: the prior this check watches, named in its warning when ReLA holds several (None: the only one)
+        self.label: Optional[str] = None
         self.observed = 0  # batches observed so far (the fitted first batch excluded)
         self.alarm: Optional[dict] = None  # the window that warned: {"batch", "gap", "t", ...}
         self.last: Optional[dict] = None  # the latest tested window
@@ -144,13 +146,13 @@ class AlignmentGuard:
         if upper < self.tau * spread and t < self.z and self.alarm is None:
             self.alarm = dict(self.last)
             warnings.warn(MisalignmentWarning(
-                f"ReLA alignment check: over the {count} batches up to batch {batch}, the transport head's predictions "
+                f"ReLA alignment check{'' if self.label is None else f' of prior {self.label!r}'}: over the {count} batches up to batch {batch}, the transport head's predictions "
                 f"were no closer to each sample's own target than to another sample's of the same batch: mean cosine "
                 f"gap {mean:+.4f} +- {se:.4f}, at most {max(upper, 0.0) / spread:.0%} of what tells the batch's targets "
                 f"apart ({spread:.3f}). The target rows are most likely not this batch's samples. "
                 f"{likely_causes(self._path)} (If the rows are right, the targets carry nothing the student can "
                 "predict, e.g. identical rows, or its features have collapsed.) "
-                "ReLA(..., alignment_check=False) turns this check off."), stacklevel=9)  # the caller of wrap (tested)
+                "ReLA(..., alignment_check=False) turns this check off."), stacklevel=10)  # the caller of wrap (tested)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -29,11 +29,12 @@ def full_precision(device: torch.device):
     return torch.autocast(device_type=kind, enabled=False) if torch.amp.is_autocast_available(kind) else contextlib.nullcontext()
 
 
-def rela_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``mean(1 - cos(prediction, target))`` over rows, computed in float32 (ReLA v2 Eq. 9)."""
+def rela_loss(prediction: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """``mean(1 - cos(prediction, target))`` over rows, computed in float32 (ReLA v2 Eq. 9); ``reduction="none"``:
+    each row's ``1 - cos``."""
     with full_precision(prediction.device):
         cos = F.cosine_similarity(prediction.float(), target.float(), dim=1, eps=1e-8)
-        return (1.0 - cos).mean()
+        return (1.0 - cos).mean() if reduction == "mean" else 1.0 - cos
 
 
 @torch.no_grad()
@@ -129,14 +130,15 @@ class TransportHead:
                     if isinstance(v, torch.Tensor) and v.ndim > 0:
                         st[k] = v.to(device)
 
-    def loss(self, feats: torch.Tensor, target: torch.Tensor, observe=None) -> torch.Tensor:
-        """``mean(1 - cos(W feats + b, target))``, the head and the loss in float32 (the least-squares start is
-        :meth:`fit`, done by the caller first). ``observe(prediction, target)`` sees the predictions."""
+    def loss(self, feats: torch.Tensor, target: torch.Tensor, observe=None, reduction: str = "mean") -> torch.Tensor:
+        """``mean(1 - cos(W feats + b, target))`` (``reduction="none"``: per row), the head and the loss in float32
+        (the least-squares start is :meth:`fit`, done by the caller first). ``observe(prediction, target)`` sees the
+        predictions."""
         with full_precision(feats.device):
             pred = self.linear(feats.float())
         if observe is not None:
             observe(pred.detach(), target)
-        return rela_loss(pred, target)
+        return rela_loss(pred, target, reduction)
 
     def holds(self, opt) -> bool:
         ids = {id(p) for p in self.linear.parameters()}

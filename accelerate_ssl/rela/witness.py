@@ -95,6 +95,8 @@ class Witness:
         self.prior, self.every, self.burst, self.samples = prior, every, burst, samples
         self.on_misalignment, self.input = on_misalignment, input
         self.status = "not attached"
+        #: the prior's name in ReLA, said in the messages when ReLA holds several priors (None: the only one)
+        self.label: Optional[str] = None
         self.alarm: Optional[dict] = None
         self.last: Optional[dict] = None  # the latest verdict's statistics
         self.steps = 0  # optimiser steps seen
@@ -275,7 +277,8 @@ class Witness:
             self.alarm = dict(self.last)
             self._inputs = []
             message = (
-                f"ReLA's witness: the prior that made the targets ({getattr(self.prior, 'spec', 'the prior')}) re-embedded "
+                f"ReLA's witness{self._of()}: the prior that made the targets ({getattr(self.prior, 'spec', 'the prior')}) "
+                f"re-embedded "
                 f"{int(n_u)} of the recent training inputs, and their own rows ranked {mean_u:.2f} +- {se_u:.2f} on "
                 f"average among their batch's rows (0 = first, 0.5 = chance), while another view of the same image "
                 f"ranks {mean_v:.2f} among the witnessed views: the rows are not these samples' own. "
@@ -302,9 +305,14 @@ class Witness:
                                   "rows but not refute them (nothing calibrates how well the prior recognises a view); "
                                   "it judges once the backbone sees two views of the batch in a step.")
 
+    def _of(self) -> str:
+        return "" if self.label is None else f" of prior {self.label!r}"
+
     def _say(self, what: str, message: str) -> None:
         if what not in self._said:
             self._said.add(what)
+            if self.label is not None:
+                message = message.replace("ReLA's witness", f"ReLA's witness{self._of()}", 1)
             warnings.warn(WitnessWarning(message), stacklevel=4)
 
     # ------------------------------------------------------------------ checkpoints

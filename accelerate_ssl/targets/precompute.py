@@ -38,6 +38,7 @@ the reduction (:meth:`TargetStore.spatial <accelerate_ssl.targets.store.TargetSt
 (``store[i]``) are then the map's mean over its grid, and :mod:`accelerate_ssl.targets.views` pools a view's box.
 Under ``accelerate launch`` the main process fits and every process writes in that one basis; the store then equals a
 one-process store to float rounding (the fit's float64 Gram product may round differently in another process).
+Several priors with ``spatial=`` are each a spatial job: each its own grid and its own fit, then the shared pass.
 
 **Keys.** One key per row (the data set's file names, or ``keys=``) is recorded with the store
 (:mod:`accelerate_ssl.targets.keys`); duplicated keys are refused before anything is computed.
@@ -114,18 +115,26 @@ def _python_command(prior, dataset, path, image_key=None) -> str:
 def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, num_workers: int = 0, precision: str = "fp32",
                        chunk_size: int = DEFAULT_CHUNK_SIZE, progress: bool = True,
                        command: Optional[str] = None, dtype: str = "float32", components: Optional[int] = None,
-                       keys=None, image_key=None, spatial=False) -> "TargetStore":
+                       keys=None, image_key=None, spatial=False):
     """Compute ``prior(preprocess(image))`` for every item of ``dataset`` in order and write a TargetStore.
 
+    Several priors in one pass: ``prior`` a list of priors and ``path`` a list of as many folders, or both mappings
+    with the same names (``{"dino": prior_a, "clip": prior_b}`` and ``{"dino": "targets/dino", "clip":
+    "targets/clip"}``). Each batch of items is then read, decoded and identified once, and each prior preprocesses it
+    its own way and writes its own store: the same rows, files and checks as a run of that prior alone (each store
+    resumes, is refused or is returned finished on its own). Returns the stores in the same shape (a list or a dict).
+    Streamed data is precomputed one prior after another (one sidecar folder each).
+
     Args:
-        prior: a :class:`~accelerate_ssl.priors.Prior` (``create_prior(...)``). A random prior
+        prior: a :class:`~accelerate_ssl.priors.Prior` (``create_prior(...)``), or several (above). A random prior
             with default statistics is normalised with ``dataset.mean``/``dataset.std`` when present.
         dataset: map-style, yields ``image``, ``(image, label)`` or a dict holding the image (PIL, ndarray or
             tensor), untransformed (:func:`~accelerate_ssl.data.items.clean_view` removes a data set's transform); or
             streamed data, ``"wds:<shard pattern>"`` / ``"hf:<path or name>"`` / an ``open_stream(...)`` source: then
             one sidecar per data shard is written and a :class:`~accelerate_ssl.targets.sidecar.ShardedTargets` returned
             (:func:`~accelerate_ssl.targets.sidecar.precompute_sidecars` has the sidecar options).
-        path: the store folder (created; resumed if it holds an unfinished run with the same settings).
+        path: the store folder (created; resumed if it holds an unfinished run with the same settings); one per
+            prior for several priors.
         batch_size: images per forward of the prior; ``None`` (default): 256 on a GPU, 32 on CPU
             (:data:`~accelerate_ssl.targets.write.DEFAULT_BATCH_SIZE`). It changes the rows by float rounding at most, so a run resumes with any
             batch size.
@@ -145,18 +154,20 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
             channel); an int ``k``: the map with each location reduced to ``k`` PCA components (fitted before
             writing; module docstring, "Spatial stores"). The store's rows are then the map's mean over its grid and
             :func:`~accelerate_ssl.targets.views.view_targets` pools a view's crop box from it. Map-style data only.
+            With several priors every store is spatial alike, each on its own prior's grid with its own PCA (fitted
+            on its own map before the shared pass); ``k`` must then be below every prior's channels.
         chunk_size: rows per resumable chunk file.
         progress: show a tqdm bar (main process only).
         command: how to reproduce this store, recorded in the metadata (the CLI fills it in).
 
     Returns:
-        The opened :class:`TargetStore` (on every process).
+        The opened :class:`TargetStore` (on every process); for several priors, the stores as a list or a dict.
     """
     from tqdm.auto import tqdm
 
     from .. import __version__
-    from ..data import ReplayViews, dataset_fingerprint
 
+    named = _named_priors(prior, path)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}.")
     if dtype not in DTYPES:
@@ -188,8 +199,10 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
         if keys is not None or num_workers or chunk_size != DEFAULT_CHUNK_SIZE:
             raise ValueError("keys=, num_workers= and chunk_size= are for map-style data sets: a stream's rows are "
                              "keyed by each sample's __key__ and written one sidecar per shard. Leave them out.")
-        return precompute_sidecars(prior, dataset, path, batch_size=batch_size, precision=precision, dtype=dtype,
-                                   components=components, progress=progress, command=command)
+        done = {name: precompute_sidecars(p, dataset, out, batch_size=batch_size, precision=precision, dtype=dtype,
+                                          components=components, progress=progress, command=command)
+                for name, p, out in named}
+        return _shaped(prior, done)
     module = type(dataset).__module__.split(".")[0]
     if module in ("datasets", "webdataset"):
         spec = "hf:<path or name>" if module == "datasets" else "wds:<shard pattern>"
@@ -206,10 +219,106 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
     if n == 0:
         raise ValueError("The dataset is empty; pass a dataset with at least one sample.")
     given, image_key = image_key, check_first_item(dataset, image_key)
-    path = Path(path)
     state = process_state()
-    device = state.device
-    batch_size = batch_size or default_batch_size(device)
+    batch_size = batch_size or default_batch_size(state.device)
+    from .keys import TargetKeys, resolve_keys
+
+    key_list, key_kind = resolve_keys(keys, dataset)
+    row_keys = None if key_list is None else TargetKeys.from_keys(key_list, key_kind)  # duplicates refused here
+    wanted_keys = None if row_keys is None else TargetKeys.digest(key_list)
+    options = dict(dataset=dataset, n=n, given=given, image_key=image_key, state=state, batch_size=batch_size,
+                   precision=precision, chunk_size=chunk_size, dtype=dtype, components=components, command=command,
+                   key_kind=key_kind, wanted_keys=wanted_keys, progress=progress, spatial=spatial)
+    stores, jobs = {}, []
+    for name, p, out in named:
+        planned = _plan(name, p, Path(out), **options)
+        if isinstance(planned, TargetStore):
+            stores[name] = planned
+        else:
+            jobs.append(planned)
+
+    # ---- compute: one pass over the data per fingerprint definition (all of them, unless a store resumes an older one)
+    ranges = _chunk_ranges(n, chunk_size)
+    groups: dict[str, list] = {}
+    for job in jobs:
+        groups.setdefault(json.dumps(job.fingerprint, sort_keys=True), []).append(job)
+    for group in groups.values():
+        if any(job.todo for job in group):
+            _compute_chunks([job for job in group if job.todo], dataset, ranges, batch_size, num_workers, precision,
+                            state.device, progress and state.is_main_process, tqdm, image_key, group[0].fingerprint)
+    state.wait_for_everyone()
+
+    # ---- consolidate (main process), metadata.json last
+    if state.is_main_process:
+        for job in jobs:
+            metadata = {
+                "format": FORMAT, "format_version": FORMAT_VERSION, **job.settings, "file": TARGETS,
+                "preprocess": job.pre.config,
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "library_version": __version__, "torch_version": torch.__version__,
+                "num_processes": state.num_processes, "command": job.command,
+            }
+            if job.geometry is not None:  # rows are flattened maps; the PCA (if any) was applied as chunks were written
+                metadata.update(dim=job.width, source_dim=job.dim)
+                if job.reduce_map is not None:
+                    metadata["pca_file"] = f"{PCA_DIR}/{AT_WRITE_PCA}"
+                    metadata["spatial"]["pca_sha256"] = file_sha256(job.path / PCA_DIR / AT_WRITE_PCA)
+            _consolidate(job.path, ranges, job.width, metadata, dtype=dtype,
+                         components=None if job.geometry is not None else components, keys=row_keys)
+    state.wait_for_everyone()
+    for job in jobs:
+        stores[job.name] = TargetStore.open(job.path)
+    return _shaped(prior, stores)
+
+
+def _named_priors(prior, path) -> list[tuple[Any, Any, Any]]:
+    """``(name, prior, path)`` of each prior to precompute: one, a list with a list of paths, or a mapping with a
+    mapping of paths under the same names; several priors must write distinct folders."""
+    if isinstance(prior, dict) or isinstance(prior, (list, tuple)):
+        if isinstance(prior, dict) != isinstance(path, dict) or not isinstance(path, (dict, list, tuple)):
+            raise TypeError("precompute_targets with several priors needs one folder per prior: a list of priors with "
+                            "a list of paths, or a mapping name -> prior with a mapping name -> path.")
+        names = list(prior) if isinstance(prior, dict) else list(range(len(prior)))
+        if not names or (sorted(map(str, names)) != sorted(map(str, path)) if isinstance(prior, dict)
+                         else len(path) != len(prior)):
+            raise ValueError(f"precompute_targets: {len(prior)} priors but the paths "
+                             f"{list(path) if isinstance(path, dict) else len(path)} do not match them one to one; give "
+                             "one folder per prior (the same names for mappings).")
+        outs = [Path(path[k]).resolve() for k in names]
+        if len(set(outs)) != len(outs):
+            raise ValueError("precompute_targets: several priors must write distinct folders, got the same path twice.")
+        return [(k, prior[k], path[k]) for k in names]
+    return [(None, prior, path)]
+
+
+def _shaped(prior, stores: dict):
+    """The finished stores in the shape the priors were given: one, a list, or a mapping."""
+    if isinstance(prior, dict):
+        return {k: stores[k] for k in prior}
+    if isinstance(prior, (list, tuple)):
+        return [stores[i] for i in range(len(prior))]
+    return stores[None]
+
+
+def _chunk_ranges(n: int, chunk_size: int) -> list[tuple[int, int]]:
+    return [(k * chunk_size, min((k + 1) * chunk_size, n)) for k in range(math.ceil(n / chunk_size))]
+
+
+class _Job:
+    """One prior's store to compute: its settings, preprocessing and the chunks this process still owes; ``dim`` the
+    prior's output dim, ``width`` a chunk row's (``dim``, or a spatial store's flattened map), ``geometry`` a spatial
+    store's map (:func:`_map_geometry`; None: pooled rows) and ``reduce_map`` its map's PCA (None: not reduced)."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+def _plan(name, prior, path: Path, *, dataset, n, given, image_key, state, batch_size, precision, chunk_size, dtype,
+          components, command, key_kind, wanted_keys, progress, spatial=False):
+    """A prior's store at ``path``: the finished store when it is this very computation (refused when it is another),
+    else a :class:`_Job` (its manifest written, its stale files removed, the chunks this process computes)."""
+    from ..data import ReplayViews, dataset_fingerprint
+
     pre = resolve_preprocess(prior, dataset)
     prior_info = {**prior.describe(), "preprocess": pre.config}
     # a store (or an unfinished run) already at `path` continues under the fingerprint definition it was made with
@@ -221,13 +330,9 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
                                    or not 1 <= components <= dim):
         raise ValueError(f"components must be an int in [1, {dim}] (the prior's output dim is {dim}), got {components!r}.")
     geometry = None
-    if spatial:
+    if spatial:  # this prior's map: its grid, stride and channels (and k for a reduced map)
         geometry = _map_geometry(prior, dataset, pre, image_key, spatial, n)
         components = geometry.get("components")
-    from .keys import TargetKeys, resolve_keys
-
-    key_list, key_kind = resolve_keys(keys, dataset)
-    row_keys = None if key_list is None else TargetKeys.from_keys(key_list, key_kind)  # duplicates refused here
     command = command or _python_command(prior, dataset, path, given)
     settings = {
         "prior": prior_info,
@@ -252,8 +357,7 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
         if _identity(old) != _identity(settings):
             raise ValueError(settings_diff(path, old, settings, finished=True))
         recorded = (store.metadata.get("keys") or {}).get("sha256")
-        wanted = None if row_keys is None else TargetKeys.digest(key_list)
-        if recorded != wanted and (key_kind == "user" or recorded is not None):
+        if recorded != wanted_keys and (key_kind == "user" or recorded is not None):
             raise ValueError(f"{str(path)!r} holds a finished store with {'other' if recorded else 'no'} sample keys than "
                              f"the ones given now. Use another --out / path, or delete {str(path)!r} to recompute it.")
         return store
@@ -272,12 +376,12 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
     state.wait_for_everyone()
     reduce_map = None
     if geometry is not None and geometry["reduction"] == "pca":  # fitted once, before any chunk is written
-        reduce_map = _spatial_pca(prior, dataset, pre, path, state, geometry, batch_size, precision, device, image_key,
-                                  progress and state.is_main_process)
+        reduce_map = _spatial_pca(prior, dataset, pre, path, state, geometry, batch_size, precision, state.device,
+                                  image_key, progress and state.is_main_process)
 
     # ---- this process's contiguous shard of chunks; skip the complete ones
-    num_chunks = math.ceil(n / chunk_size)
-    ranges = [(k * chunk_size, min((k + 1) * chunk_size, n)) for k in range(num_chunks)]
+    ranges = _chunk_ranges(n, chunk_size)
+    num_chunks = len(ranges)
     first, last = num_chunks * state.process_index // state.num_processes, num_chunks * (state.process_index + 1) // state.num_processes
     todo = []
     for k in range(first, last):
@@ -293,30 +397,8 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
     if state.is_main_process and progress and last - first > len(todo):
         print(f"precompute: resuming {path}: {last - first - len(todo)} of {last - first} chunk(s) of this process "
               "already done", file=sys.stderr)
-
-    if todo:
-        _compute_chunks(prior, dataset, pre, path, todo, ranges, width, batch_size, num_workers, precision, device,
-                        progress and state.is_main_process, tqdm, image_key, fingerprint, spatial=geometry is not None,
-                        reduce_map=reduce_map)
-    state.wait_for_everyone()
-
-    # ---- consolidate (main process), metadata.json last
-    if state.is_main_process:
-        metadata = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, **settings, "file": TARGETS,
-            "preprocess": pre.config, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "library_version": __version__, "torch_version": torch.__version__, "num_processes": state.num_processes,
-            "command": command,
-        }
-        if geometry is not None:  # rows are flattened maps; the PCA (if any) was applied as the chunks were written
-            metadata.update(dim=width, source_dim=dim)
-            if reduce_map is not None:
-                metadata["pca_file"] = f"{PCA_DIR}/{AT_WRITE_PCA}"
-                metadata["spatial"]["pca_sha256"] = file_sha256(path / PCA_DIR / AT_WRITE_PCA)
-        _consolidate(path, ranges, width, metadata, dtype=dtype, components=None if geometry else components,
-                     keys=row_keys)
-    state.wait_for_everyone()
-    return TargetStore.open(path)
+    return _Job(name=name, prior=prior, path=path, pre=pre, dim=dim, settings=settings, fingerprint=fingerprint,
+                command=command, todo=todo, geometry=geometry, reduce_map=reduce_map, width=width)
 
 
 def _map_geometry(prior, dataset, pre, image_key, spatial, n: int) -> dict:
@@ -373,33 +455,43 @@ def _spatial_pca(prior, dataset, pre, path: Path, state, geometry: dict, batch_s
     return TargetPCA.from_state_dict(load_file(str(file)))
 
 
-def _compute_chunks(prior, dataset, pre, path, todo, ranges, dim, batch_size, num_workers, precision, device, show, tqdm,
-                    image_key=None, fingerprint=None, spatial: bool = False, reduce_map=None):
-    prior = prior.to(device).eval()
-    loader = input_batches(dataset, pre, batch_size, num_workers, device.type == "cuda", [ranges[k] for k in todo],
-                           image_key, fingerprint)
-    bar = tqdm(total=sum(ranges[k][1] - ranges[k][0] for k in todo), desc=f"precompute {prior.spec}", unit="img",
-               disable=not show, dynamic_ncols=True)
+def _compute_chunks(jobs, dataset, ranges, batch_size, num_workers, precision, device, show, tqdm, image_key=None,
+                    fingerprint=None):
+    """Every job's missing chunks in one pass over the data: each batch of items is read, decoded and identified
+    once, preprocessed once per prior (in the loader workers) and embedded by each prior whose chunk it is: its pooled
+    rows, or for a spatial job its feature map (channels last, each location reduced by the job's PCA if any)."""
+    todo = sorted(set().union(*(job.todo for job in jobs)))
+    for job in jobs:
+        job.prior = job.prior.to(device).eval()
+    loader = input_batches(dataset, [job.pre for job in jobs], batch_size, num_workers, device.type == "cuda",
+                           [ranges[k] for k in todo], image_key, fingerprint)
+    bar = tqdm(total=sum(ranges[k][1] - ranges[k][0] for k in todo),
+               desc="precompute " + " + ".join(job.prior.spec for job in jobs), unit="img", disable=not show,
+               dynamic_ncols=True)
     batches = iter(loader)
     try:
         for k in todo:
             a, b = ranges[k]
-            rows = np.empty((b - a, dim), dtype=np.float32)
+            mine = [i for i, job in enumerate(jobs) if k in job.todo]
+            rows = {i: np.empty((b - a, jobs[i].width), dtype=np.float32) for i in mine}
             ids = np.empty(b - a, dtype=np.int64)
             done = 0
             while done < b - a:
-                x, digests = next(batches)
+                xs, digests = next(batches)
                 ids[done : done + len(digests)] = digests.numpy()
-                out = embed(prior, x, precision, device,
-                            lambda bad, first=a + done: f"dataset indices {[first + i for i in bad]} (chunk {k})",
-                            spatial=spatial)
-                if reduce_map is not None:  # every location of the map [B, h, w, C] -> k components
-                    out = reduce_map.transform(out.reshape(-1, out.shape[-1])).reshape(*out.shape[:-1], -1)
-                rows[done : done + len(out)] = out.reshape(len(out), -1).cpu().numpy()
-                done += len(out)
-                bar.update(len(out))
-            _write_chunk(ids_path(path, k), ids)
-            _write_chunk(chunk_path(path, k), rows)
+                for i in mine:
+                    job = jobs[i]
+                    out = embed(job.prior, xs[i], precision, device,
+                                lambda bad, first=a + done: f"dataset indices {[first + j for j in bad]} (chunk {k})",
+                                spatial=job.geometry is not None)
+                    if job.reduce_map is not None:  # every location of the map [B, h, w, C] -> k components
+                        out = job.reduce_map.transform(out.reshape(-1, out.shape[-1])).reshape(*out.shape[:-1], -1)
+                    rows[i][done : done + len(out)] = out.reshape(len(out), -1).cpu().numpy()
+                done += len(digests)
+                bar.update(len(digests))
+            for i in mine:
+                _write_chunk(ids_path(jobs[i].path, k), ids)
+                _write_chunk(chunk_path(jobs[i].path, k), rows[i])
     finally:
         bar.close()
 

@@ -107,19 +107,24 @@ def check_first_item(dataset, image_key=None):
 
 class _Collate:
     """Stacks images and applies the prior's preprocessing as one batched tensor op (in the loader
-    workers when ``num_workers > 0``); images of different sizes are preprocessed one by one."""
+    workers when ``num_workers > 0``); images of different sizes are preprocessed one by one. Given a list of
+    preprocessings (several priors reading one pass), the batch holds a list of tensors, one per preprocessing."""
 
     def __init__(self, preprocess):
         self.preprocess = preprocess
 
-    def __call__(self, items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, items: list[tuple[torch.Tensor, int]]) -> tuple[Any, torch.Tensor]:
         images = [im for im, _ in items]
-        return self._images(images), torch.tensor([digest for _, digest in items], dtype=torch.int64)
+        digests = torch.tensor([digest for _, digest in items], dtype=torch.int64)
+        if isinstance(self.preprocess, (list, tuple)):
+            return [self._images(images, pre) for pre in self.preprocess], digests
+        return self._images(images, self.preprocess), digests
 
-    def _images(self, images: list[torch.Tensor]) -> torch.Tensor:
+    @staticmethod
+    def _images(images: list[torch.Tensor], preprocess) -> torch.Tensor:
         if all(im.shape == images[0].shape and im.dtype == images[0].dtype for im in images):
-            return self.preprocess.batch(torch.stack(images))
-        out = [self.preprocess.batch(im.unsqueeze(0))[0] for im in images]
+            return preprocess.batch(torch.stack(images))
+        out = [preprocess.batch(im.unsqueeze(0))[0] for im in images]
         if any(o.shape != out[0].shape for o in out):
             raise ValueError("Images of different sizes give different input sizes for this prior: create it with "
                              "size=<pixels> (e.g. create_prior(spec, size=224)) so they are resized and cropped.")
@@ -206,7 +211,8 @@ def input_batches(dataset, preprocess, batch_size: int, num_workers: int = 0, pi
                   fingerprint: Optional[dict] = None) -> torch.utils.data.DataLoader:
     """The loader precompute reads: ``(images preprocessed for the prior, each row's identity digest)`` batches over
     the rows ``[a, b)`` of each of ``ranges`` (default: every row), a batch never crossing a range; the images are
-    stacked and preprocessed in the loader workers. ``image_key``: where each item's image is; ``fingerprint``: the
+    stacked and preprocessed in the loader workers. ``preprocess`` may be a list (several priors in one pass): each
+    batch's images are read once and preprocessed once per entry, ``([tensor per entry], digests)``. ``image_key``: where each item's image is; ``fingerprint``: the
     data set's, whose definition the identity digests follow. (``benchmarks/gpu.py`` times it alone.)"""
     return torch.utils.data.DataLoader(
         _Images(dataset, image_key, fingerprint), batch_sampler=_ChunkBatches(ranges or [(0, len(dataset))], batch_size),
