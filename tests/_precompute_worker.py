@@ -1,5 +1,5 @@
 """Helper for tests/test_precompute.py: one precompute run, launched as a script (plain or under
-`accelerate launch`). Usage: python _precompute_worker.py OUT [--n N] [--chunk-size C] [--sleep S]."""
+`accelerate launch`). Usage: python _precompute_worker.py OUT [--n N] [--chunk-size C] [--sleep S] [--spatial K]."""
 
 import argparse
 import time
@@ -36,10 +36,11 @@ if __name__ == "__main__":
     parser.add_argument("--chunk-size", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--spatial", type=int, default=None, help="a spatial store, each location reduced to K values")
     args = parser.parse_args()
     torch.set_num_threads(1)
     prior = create_prior("random:convnet")
     if args.sleep:
         prior.model = _Slow(prior.model, args.sleep)
     precompute_targets(prior, tiny_dataset(args.n), args.out, batch_size=args.batch_size, chunk_size=args.chunk_size,
-                       progress=False)
+                       progress=False, **({"spatial": args.spatial} if args.spatial else {}))

@@ -238,3 +238,15 @@ def test_a_witness_that_cannot_embed_turns_itself_off_and_says_so(fmnist):
     assert len(said) == 1 and re.search(r"witness is off: re-embedding the training inputs failed \(ValueError: .*have "
                                         r"dim 784 but the targets ReLA was opened on have dim 128", said[0])
     assert rela.witness.status.startswith("off:") and rela.steps == 2 and rela.witness._handle is None
+
+
+def test_a_spatial_stores_rows_are_witnessed_as_the_mean_of_the_priors_map(fmnist, tmp_path):
+    """A spatial store's rows are its maps' means: the witness re-embeds with the prior's map, not its forward (here a
+    forward that differs from the map's mean, negated, would rank every own row last)."""
+    train, _ = fmnist
+    store = precompute_targets(create_prior(PRIOR), train, tmp_path / "spatial", spatial=16, progress=False)
+    prior = create_prior(PRIOR)
+    prior.forward = lambda x: -prior.feature_map(x).mean((2, 3))  # not what the store's rows are
+    rela, seen = _run(train, store, 12, witness=Witness(prior=prior, every=4))
+    assert rela.witness.status == "aligned" and rela.witness.alarm is None
+    assert rela.witness.last["rows_rank"] < 0.1

@@ -214,6 +214,17 @@ class Prior(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x).flatten(1)
 
+    def feature_map(self, x: torch.Tensor) -> torch.Tensor:
+        """The prior's last spatial feature map of preprocessed images ``x``: ``[B, C, h, w]``, the map before the
+        pooling that makes ``forward``'s rows (:func:`feature_map_of`; cell ``(i, j)`` covers the input pixels
+        ``[i s, (i + 1) s) x [j s, (j + 1) s)`` with ``s`` = :attr:`map_stride`). Spatial targets store it."""
+        return feature_map_of(self.model, x)[0]
+
+    @property
+    def map_stride(self) -> int:
+        """Input pixels per cell of :meth:`feature_map` (a ViT's patch size, a CNN's total down-sampling)."""
+        return feature_map_of(self.model, None)[1]
+
     def describe(self) -> dict:
         """JSON-able description recorded in a TargetStore's metadata."""
         return {"spec": self.spec, **self.info, "preprocess": self.preprocess_config}
@@ -433,6 +444,62 @@ class _Features(nn.Module):
     def forward(self, x):
         f = getattr(self.net, "forward_features", None)
         return f(x) if f is not None and not hasattr(self.net, "reset_classifier") else self.net(x)
+
+
+NO_FEATURE_MAP = ("spatial targets need the prior's feature map before pooling, which accelerate-ssl reads from timm "
+                  "models (a ViT's patch tokens, a CNN's last map), torchvision ResNets and the ConvNet / ResNetSmall "
+                  "backbones (random:, shipped:, checkpoint: priors); use one of those, or global targets")
+
+
+def feature_map_of(model: nn.Module, x: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], int]:
+    """``(map [B, C, h, w], stride)`` of a prior's network for preprocessed images ``x`` (``x=None``: the stride only),
+    the map being the one its pooled features are the average of (or, for a ViT, the patch tokens beside its pooled
+    token):
+
+    - a timm ViT (``forward_features`` gives tokens ``[B, T, C]``): the tokens without the ``num_prefix_tokens``
+      prefix (class / register tokens), after the final norm, reshaped to the patch grid; stride = the patch size;
+    - a timm CNN (``forward_features`` gives ``[B, C, h, w]``): that map; stride = ``feature_info[-1]["reduction"]``;
+    - a torchvision ResNet: the output of ``layer4`` (stride 32);
+    - the backbones :class:`~accelerate_ssl.backbones.ConvNet` (its conv blocks before the global pool; stride
+      2^blocks) and :class:`~accelerate_ssl.backbones.ResNetSmall` (its last stage; stride 2^(stages - 1)).
+
+    Anything else is refused, naming the priors that have a map."""
+    from .. import backbones
+
+    net = model.net if isinstance(model, _Features) else model
+    if isinstance(net, backbones.ConvNet):
+        return (None if x is None else net.features(x)), 2 ** len(net.config["widths"])
+    if isinstance(net, backbones.ResNetSmall):
+        return (None if x is None else net.stages(net.stem(x))), 2 ** (len(net.config["widths"]) - 1)
+    if hasattr(net, "forward_features") and hasattr(net, "reset_classifier"):  # timm
+        patch = getattr(getattr(net, "patch_embed", None), "patch_size", None)
+        if patch is not None:  # a ViT: tokens
+            ph, pw = (patch, patch) if isinstance(patch, int) else tuple(patch)
+            if ph != pw:
+                raise ValueError(f"a ViT with non-square patches ({ph}x{pw}) is not supported for spatial targets")
+            if x is None:
+                return None, int(ph)
+            tokens = net.forward_features(x)
+            h, w = x.shape[-2] // ph, x.shape[-1] // pw
+            if tokens.ndim != 3 or tokens.shape[1] - int(getattr(net, "num_prefix_tokens", 0)) != h * w:
+                raise ValueError(f"the ViT's forward_features gave {tuple(tokens.shape)}, not the {h}x{w} patch "
+                                 "tokens (plus its prefix tokens) its patch size implies")
+            grid = tokens[:, int(getattr(net, "num_prefix_tokens", 0)):]
+            return grid.reshape(len(x), h, w, -1).permute(0, 3, 1, 2), int(ph)
+        info = getattr(net, "feature_info", None)
+        if info:
+            if x is None:
+                return None, int(info[-1]["reduction"])
+            out = net.forward_features(x)
+            if out.ndim == 4 and out.shape[1] == net.num_features:
+                return out, int(info[-1]["reduction"])
+            raise ValueError(f"the timm model's forward_features gave {tuple(out.shape)}, not a [B, C, h, w] map")
+    if all(hasattr(net, name) for name in ("conv1", "bn1", "relu", "maxpool", "layer1", "layer4")):  # torchvision
+        if x is None:
+            return None, 32
+        y = net.maxpool(net.relu(net.bn1(net.conv1(x))))
+        return net.layer4(net.layer3(net.layer2(net.layer1(y)))), 32
+    raise ValueError(f"{type(net).__name__} gives no feature map: {NO_FEATURE_MAP}")
 
 
 def prior_info(family: str, arch: str, weights, output_dim: int, **extra) -> dict:

@@ -109,6 +109,7 @@ class Witness:
         self._handle = None
         self._module_ref: Optional[Callable[[], Any]] = None
         self._on = False
+        self._spatial = False  # the store holds maps: re-embed as their mean (attach)
 
     # ------------------------------------------------------------------ set-up
     def attach(self, store, backbone: nn.Module, capture: str) -> None:
@@ -130,6 +131,8 @@ class Witness:
             self.status = "off: these targets record no prior (an in-memory tensor)"
             return
         self.prior.eval()
+        # a spatial store's rows are its maps' means over the grid: the re-embedding is the same mean of the live map
+        self._spatial = getattr(store, "spatial", None) is not None
         ref = weakref.ref(self)
         self._module_ref = weakref.ref(module)
 
@@ -222,7 +225,8 @@ class Witness:
         device = rows.device
         if next(self.prior.parameters(), torch.empty(0)).device != device:
             self.prior.to(device)
-        e = self.prior(self.prior.preprocess.batch(self._to_unit_range(x.to(device))))
+        x = self.prior.preprocess.batch(self._to_unit_range(x.to(device)))
+        e = self.prior.feature_map(x).mean((2, 3)) if self._spatial else self.prior(x)
         e = F.normalize(reduce_rows(e.float()).float(), dim=1, eps=1e-8)
         y = F.normalize(rows.float(), dim=1, eps=1e-8)
         sim = e @ y.T  # [V k, n]

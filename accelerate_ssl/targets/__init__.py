@@ -1,5 +1,6 @@
 """Prior-model targets (ReLA-D): what the rows are (format), how they are written (write, precompute, sidecar) and read
-(store, sidecar, keys), the batch PCA, and ``accelerate-ssl store verify``. The priors themselves live in
+(store, sidecar, keys), the batch PCA, targets for a view pooled from a spatial store's maps (views), and
+``accelerate-ssl store verify``. The priors themselves live in
 :mod:`accelerate_ssl.priors`.
 
 Submodules are imported lazily by ``accelerate_ssl`` (``precompute_targets``, ``TargetStore``); import them directly:

@@ -26,6 +26,20 @@ advice); ``components=k`` fits the batch PCA of :mod:`accelerate_ssl.targets.pca
 and stores them projected and z-scored, ``k`` values per row. Chunks are float32 either way, so both only change
 the consolidation: a run interrupted (or refused for float16 overflow) resumes with another ``dtype``.
 
+**Spatial stores.** ``spatial=True`` keeps the prior's feature map instead of its pooled row
+(:meth:`~accelerate_ssl.priors.Prior.feature_map`: a ViT's patch tokens on their grid, a CNN's last map), row i being
+item i's map flattened channels last (``[h, w, C]``); ``spatial=k`` reduces every location of it to ``k`` values: the
+batch PCA of :mod:`accelerate_ssl.targets.pca` (Eq. 41, z-scored columns) is fitted over the locations of up to
+:data:`SPATIAL_FIT_IMAGES` evenly spaced items **before** any chunk is written, saved in ``pca/`` (its sha256 recorded),
+and each chunk is written reduced, so no full-width map ever reaches the disk (a DINOv2 ViT-S/14 map at 224 px: 256
+locations x 384 values, 393 KB per image in float32; at ``k=32`` in float16, 16 KB). A resumed run reuses that fit.
+Metadata ``spatial`` records the grid, the stride (input pixels per cell), the prior's input size, the channels and
+the reduction (:meth:`TargetStore.spatial <accelerate_ssl.targets.store.TargetStore.spatial>`); the store's rows
+(``store[i]``) are then the map's mean over its grid, and :mod:`accelerate_ssl.targets.views` pools a view's box.
+Under ``accelerate launch`` the main process fits and every process writes in that one basis; the store then equals a
+one-process store to float rounding (the fit's float64 Gram product may round differently in another process).
+Several priors with ``spatial=`` are each a spatial job: each its own grid and its own fit, then the shared pass.
+
 **Keys.** One key per row (the data set's file names, or ``keys=``) is recorded with the store
 (:mod:`accelerate_ssl.targets.keys`); duplicated keys are refused before anything is computed.
 """
@@ -55,9 +69,11 @@ from .format import (AT_WRITE_PCA, CHUNKS, DTYPES, FORMAT, FORMAT_VERSION, IDENT
                      encode_rows, read_json)
 from .store import TargetStore
 from .write import (PRECISIONS, check_first_item, default_batch_size, embed, image_channels, image_tensor, input_batches,
-                    process_state, resolve_preprocess, settings_diff)
+                    process_state, resolve_preprocess, sample_batches, settings_diff)
 
 DEFAULT_CHUNK_SIZE = 8192
+#: items whose feature-map locations a spatial store's PCA is fitted on (evenly spaced over the data set)
+SPATIAL_FIT_IMAGES = 256
 
 def chunk_path(path: Path, k: int) -> Path:
     return Path(path) / CHUNKS / f"chunk-{k:05d}.npy"
@@ -79,6 +95,7 @@ def _complete_array(file: Path, shape: tuple, dtype) -> bool:
 
 
 def _chunk_is_complete(path: Path, k: int, rows: int, dim: int) -> bool:
+    """Chunk ``k``'s identity digests and its ``[rows, dim]`` float32 rows are both on disk, whole."""
     return (_complete_array(ids_path(path, k), (rows,), np.int64)
             and _complete_array(chunk_path(path, k), (rows, dim), np.float32))
 
@@ -98,7 +115,7 @@ def _python_command(prior, dataset, path, image_key=None) -> str:
 def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, num_workers: int = 0, precision: str = "fp32",
                        chunk_size: int = DEFAULT_CHUNK_SIZE, progress: bool = True,
                        command: Optional[str] = None, dtype: str = "float32", components: Optional[int] = None,
-                       keys=None, image_key=None):
+                       keys=None, image_key=None, spatial=False):
     """Compute ``prior(preprocess(image))`` for every item of ``dataset`` in order and write a TargetStore.
 
     Several priors in one pass: ``prior`` a list of priors and ``path`` a list of as many folders, or both mappings
@@ -133,6 +150,12 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
         image_key: where each item's image is: the field of dict items (default: the first of ``image``, ``img``,
             ``pixel_values``, ``png``, ``jpg``, ... present; the choice is printed), the position in tuple items
             (default: the first image); for streamed data given as a spec, its image field / column.
+        spatial: ``False`` (default): one pooled row per item. ``True``: the prior's feature map per item (every
+            channel); an int ``k``: the map with each location reduced to ``k`` PCA components (fitted before
+            writing; module docstring, "Spatial stores"). The store's rows are then the map's mean over its grid and
+            :func:`~accelerate_ssl.targets.views.view_targets` pools a view's crop box from it. Map-style data only.
+            With several priors every store is spatial alike, each on its own prior's grid with its own PCA (fitted
+            on its own map before the shared pass); ``k`` must then be below every prior's channels.
         chunk_size: rows per resumable chunk file.
         progress: show a tqdm bar (main process only).
         command: how to reproduce this store, recorded in the metadata (the CLI fills it in).
@@ -154,6 +177,15 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
     from ..data.streams import StreamSource, is_stream_spec
 
+    if not (spatial is None or isinstance(spatial, bool) or (isinstance(spatial, int) and spatial >= 1)):
+        raise ValueError(f"spatial must be False, True (the whole feature map) or an int k >= 1 (each location reduced "
+                         f"to k PCA components), got {spatial!r}.")
+    if spatial and components is not None:
+        raise ValueError("components= reduces pooled rows; a spatial store is reduced by spatial=k (each location of "
+                         "its map to k PCA components): pass one of them.")
+    if spatial and (is_stream_spec(dataset) or isinstance(dataset, StreamSource)):
+        raise ValueError("spatial targets are written to map-style stores; sidecars of streamed data hold pooled rows "
+                         "only. Precompute without spatial=, or from a map-style data set.")
     if is_stream_spec(dataset) or isinstance(dataset, StreamSource):  # streamed data: one sidecar per shard
         from ..data.streams import open_stream
         from .sidecar import precompute_sidecars
@@ -196,7 +228,7 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
     wanted_keys = None if row_keys is None else TargetKeys.digest(key_list)
     options = dict(dataset=dataset, n=n, given=given, image_key=image_key, state=state, batch_size=batch_size,
                    precision=precision, chunk_size=chunk_size, dtype=dtype, components=components, command=command,
-                   key_kind=key_kind, wanted_keys=wanted_keys, progress=progress)
+                   key_kind=key_kind, wanted_keys=wanted_keys, progress=progress, spatial=spatial)
     stores, jobs = {}, []
     for name, p, out in named:
         planned = _plan(name, p, Path(out), **options)
@@ -219,13 +251,20 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
     # ---- consolidate (main process), metadata.json last
     if state.is_main_process:
         for job in jobs:
-            _consolidate(job.path, ranges, job.dim, {
+            metadata = {
                 "format": FORMAT, "format_version": FORMAT_VERSION, **job.settings, "file": TARGETS,
                 "preprocess": job.pre.config,
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "library_version": __version__, "torch_version": torch.__version__,
                 "num_processes": state.num_processes, "command": job.command,
-            }, dtype=dtype, components=components, keys=row_keys)
+            }
+            if job.geometry is not None:  # rows are flattened maps; the PCA (if any) was applied as chunks were written
+                metadata.update(dim=job.width, source_dim=job.dim)
+                if job.reduce_map is not None:
+                    metadata["pca_file"] = f"{PCA_DIR}/{AT_WRITE_PCA}"
+                    metadata["spatial"]["pca_sha256"] = file_sha256(job.path / PCA_DIR / AT_WRITE_PCA)
+            _consolidate(job.path, ranges, job.width, metadata, dtype=dtype,
+                         components=None if job.geometry is not None else components, keys=row_keys)
     state.wait_for_everyone()
     for job in jobs:
         stores[job.name] = TargetStore.open(job.path)
@@ -266,14 +305,16 @@ def _chunk_ranges(n: int, chunk_size: int) -> list[tuple[int, int]]:
 
 
 class _Job:
-    """One prior's store to compute: its settings, preprocessing and the chunks this process still owes."""
+    """One prior's store to compute: its settings, preprocessing and the chunks this process still owes; ``dim`` the
+    prior's output dim, ``width`` a chunk row's (``dim``, or a spatial store's flattened map), ``geometry`` a spatial
+    store's map (:func:`_map_geometry`; None: pooled rows) and ``reduce_map`` its map's PCA (None: not reduced)."""
 
     def __init__(self, **fields):
         self.__dict__.update(fields)
 
 
 def _plan(name, prior, path: Path, *, dataset, n, given, image_key, state, batch_size, precision, chunk_size, dtype,
-          components, command, key_kind, wanted_keys, progress):
+          components, command, key_kind, wanted_keys, progress, spatial=False):
     """A prior's store at ``path``: the finished store when it is this very computation (refused when it is another),
     else a :class:`_Job` (its manifest written, its stale files removed, the chunks this process computes)."""
     from ..data import ReplayViews, dataset_fingerprint
@@ -288,6 +329,10 @@ def _plan(name, prior, path: Path, *, dataset, n, given, image_key, state, batch
     if components is not None and (not isinstance(components, int) or isinstance(components, bool)
                                    or not 1 <= components <= dim):
         raise ValueError(f"components must be an int in [1, {dim}] (the prior's output dim is {dim}), got {components!r}.")
+    geometry = None
+    if spatial:  # this prior's map: its grid, stride and channels (and k for a reduced map)
+        geometry = _map_geometry(prior, dataset, pre, image_key, spatial, n)
+        components = geometry.get("components")
     command = command or _python_command(prior, dataset, path, given)
     settings = {
         "prior": prior_info,
@@ -299,6 +344,9 @@ def _plan(name, prior, path: Path, *, dataset, n, given, image_key, state, batch
         "num_rows": n, "dim": dim, "dtype": dtype, "components": components, "precision": precision,
         "batch_size": batch_size, "chunk_size": chunk_size,
     }
+    if geometry is not None:  # (a key only spatial stores have: global stores' settings are unchanged)
+        settings["spatial"] = {k: v for k, v in geometry.items() if k != "components"}
+    width = dim if geometry is None else int(np.prod(geometry["grid"])) * geometry["channels"]
     settings = json.loads(json.dumps(settings))  # as it reads back from JSON (lists, not tuples)
 
     # ---- a finished store at `path`: return it if it is this very computation, refuse otherwise
@@ -326,6 +374,10 @@ def _plan(name, prior, path: Path, *, dataset, n, given, image_key, state, batch
         if not manifest_file.is_file():
             atomic_write_text(manifest_file, json.dumps({"settings": settings, "command": command}, indent=1))
     state.wait_for_everyone()
+    reduce_map = None
+    if geometry is not None and geometry["reduction"] == "pca":  # fitted once, before any chunk is written
+        reduce_map = _spatial_pca(prior, dataset, pre, path, state, geometry, batch_size, precision, state.device,
+                                  image_key, progress and state.is_main_process)
 
     # ---- this process's contiguous shard of chunks; skip the complete ones
     ranges = _chunk_ranges(n, chunk_size)
@@ -337,7 +389,7 @@ def _plan(name, prior, path: Path, *, dataset, n, given, image_key, state, batch
         for file in files:
             for stale in file.parent.glob(f"{file.name}.*tmp*"):  # left by a write that was interrupted
                 stale.unlink(missing_ok=True)
-        if _chunk_is_complete(path, k, ranges[k][1] - ranges[k][0], dim):
+        if _chunk_is_complete(path, k, ranges[k][1] - ranges[k][0], width):
             continue
         for file in files:
             file.unlink(missing_ok=True)
@@ -346,13 +398,68 @@ def _plan(name, prior, path: Path, *, dataset, n, given, image_key, state, batch
         print(f"precompute: resuming {path}: {last - first - len(todo)} of {last - first} chunk(s) of this process "
               "already done", file=sys.stderr)
     return _Job(name=name, prior=prior, path=path, pre=pre, dim=dim, settings=settings, fingerprint=fingerprint,
-                command=command, todo=todo)
+                command=command, todo=todo, geometry=geometry, reduce_map=reduce_map, width=width)
+
+
+def _map_geometry(prior, dataset, pre, image_key, spatial, n: int) -> dict:
+    """What a spatial store records of its maps (module docstring), read off the prior's map of item 0: ``grid``
+    ``[h, w]``, ``stride`` (input pixels per cell), ``input_size`` ``[H, W]`` (the preprocessed image), the prior's
+    ``source_channels`` and the stored ``channels``, ``layout`` (``"hwc"``), ``reduction`` (``"pca"`` with its
+    ``fit_images``, or ``"none"``); ``components`` = k for a reduced map."""
+    x = next(sample_batches(dataset, pre, [0], 1, image_key))
+    try:
+        stride = int(prior.map_stride)
+        with torch.inference_mode():
+            fmap = prior.feature_map(x)
+    except (ValueError, AttributeError) as err:
+        raise ValueError(f"Prior {prior.spec}: {err}") from None
+    _, channels, h, w = fmap.shape
+    geometry = {"grid": [int(h), int(w)], "stride": stride, "input_size": [int(x.shape[-2]), int(x.shape[-1])],
+                "source_channels": int(channels), "layout": "hwc"}
+    if spatial is True:
+        return {**geometry, "channels": int(channels), "reduction": "none"}
+    if spatial >= channels:
+        raise ValueError(f"spatial={spatial} components but the prior's map has {channels} channels: pass k < "
+                         f"{channels}, or spatial=True to keep every channel.")
+    fit = min(n, SPATIAL_FIT_IMAGES)
+    if fit * h * w < 2:
+        raise ValueError(f"The map's PCA needs at least 2 locations; {fit} item(s) of a {h}x{w} map give {fit * h * w}.")
+    return {**geometry, "channels": int(spatial), "reduction": "pca", "fit_images": fit, "components": int(spatial)}
+
+
+def _spatial_pca(prior, dataset, pre, path: Path, state, geometry: dict, batch_size, precision, device, image_key, show):
+    """The PCA every location of a spatial store's maps is reduced with (Eq. 41, z-scored columns), fitted by the main
+    process over the locations of ``geometry["fit_images"]`` evenly spaced items and saved in ``pca/`` before any chunk
+    is written; a resumed run loads it (chunks whose basis is gone are deleted first, so no chunk mixes two fits)."""
+    from safetensors.torch import load_file, save_file
+
+    from .pca import TargetPCA
+
+    file = path / PCA_DIR / AT_WRITE_PCA
+    if state.is_main_process and not file.is_file():
+        for stale in (path / CHUNKS).glob("*.npy"):  # written in a basis that is gone: recompute them
+            stale.unlink()
+        rows = np.unique(np.linspace(0, len(dataset) - 1, geometry["fit_images"]).round().astype(np.int64))
+        model = prior.to(device).eval()
+        maps = [embed(model, x, precision, device, lambda bad: f"the PCA fit's items {bad}", spatial=True)
+                .reshape(-1, geometry["source_channels"]).cpu() for x in sample_batches(dataset, pre, rows, batch_size,
+                                                                                         image_key)]
+        if show:
+            print(f"precompute: fitted the map's PCA over {len(rows)} items", file=sys.stderr)
+        fitted = TargetPCA.fit(torch.cat(maps), geometry["channels"], standardize=True)
+        file.parent.mkdir(exist_ok=True)
+        with atomic_path(file, suffix=".safetensors") as tmp:
+            save_file(fitted.state_dict(), str(tmp), metadata={"n_components": str(geometry["channels"]),
+                                                               "standardize": "True"})
+    state.wait_for_everyone()
+    return TargetPCA.from_state_dict(load_file(str(file)))
 
 
 def _compute_chunks(jobs, dataset, ranges, batch_size, num_workers, precision, device, show, tqdm, image_key=None,
                     fingerprint=None):
     """Every job's missing chunks in one pass over the data: each batch of items is read, decoded and identified
-    once, preprocessed once per prior (in the loader workers) and embedded by each prior whose chunk it is."""
+    once, preprocessed once per prior (in the loader workers) and embedded by each prior whose chunk it is: its pooled
+    rows, or for a spatial job its feature map (channels last, each location reduced by the job's PCA if any)."""
     todo = sorted(set().union(*(job.todo for job in jobs)))
     for job in jobs:
         job.prior = job.prior.to(device).eval()
@@ -366,16 +473,20 @@ def _compute_chunks(jobs, dataset, ranges, batch_size, num_workers, precision, d
         for k in todo:
             a, b = ranges[k]
             mine = [i for i, job in enumerate(jobs) if k in job.todo]
-            rows = {i: np.empty((b - a, jobs[i].dim), dtype=np.float32) for i in mine}
+            rows = {i: np.empty((b - a, jobs[i].width), dtype=np.float32) for i in mine}
             ids = np.empty(b - a, dtype=np.int64)
             done = 0
             while done < b - a:
                 xs, digests = next(batches)
                 ids[done : done + len(digests)] = digests.numpy()
                 for i in mine:
-                    out = embed(jobs[i].prior, xs[i], precision, device,
-                                lambda bad, first=a + done: f"dataset indices {[first + j for j in bad]} (chunk {k})")
-                    rows[i][done : done + len(out)] = out.cpu().numpy()
+                    job = jobs[i]
+                    out = embed(job.prior, xs[i], precision, device,
+                                lambda bad, first=a + done: f"dataset indices {[first + j for j in bad]} (chunk {k})",
+                                spatial=job.geometry is not None)
+                    if job.reduce_map is not None:  # every location of the map [B, h, w, C] -> k components
+                        out = job.reduce_map.transform(out.reshape(-1, out.shape[-1])).reshape(*out.shape[:-1], -1)
+                    rows[i][done : done + len(out)] = out.reshape(len(out), -1).cpu().numpy()
                 done += len(digests)
                 bar.update(len(digests))
             for i in mine:
@@ -457,6 +568,8 @@ def _identity(settings: dict) -> dict:
     sha256), not by the descriptive fields added to it for error messages (stores written before them stay valid);
     the batch size changes rows by float rounding at most, not which sample they describe."""
     settings = {k: v for k, v in settings.items() if k != "batch_size"}
+    if isinstance(settings.get("spatial"), dict):  # the fit's checksum is recorded at the end, not a setting
+        settings["spatial"] = {k: v for k, v in settings["spatial"].items() if k != "pca_sha256"}
     fp = (settings.get("dataset") or {}).get("fingerprint")
     if not isinstance(fp, dict):
         return settings
@@ -507,6 +620,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="store the rows reduced to their top K principal components, z-scored (batch PCA, ReLA "
                              "v2 Eq. 41, fitted over every row at the end): K values per row; ReLA then uses at most "
                              "K components")
+    parser.add_argument("--spatial", type=_spatial_arg, default=None, metavar="K|all",
+                        help="store each image's feature map instead of its pooled row (a ViT's patch tokens on their "
+                             "grid, a CNN's last map), every location reduced to its top K principal components (PCA "
+                             "fitted over the locations of up to %d evenly spaced images before writing), or 'all' "
+                             "channels; the rows are then the maps' means, and a view's crop box can be pooled from the "
+                             "map (accelerate_ssl.targets.views). Map-style data only" % SPATIAL_FIT_IMAGES)
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="rows per resumable chunk file")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -519,6 +638,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     streams.add_argument("--view-seed", type=int, default=0, help="the seed every stored view derives from")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (path, rows, dim, prior, sha256) instead of the sentence")
+
+
+def _spatial_arg(text: str):
+    """``--spatial``: ``all`` -> True (every channel), a positive int -> k components."""
+    if text == "all":
+        return True
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of components or 'all', got {text!r}")
+    return k
 
 
 def _command_line(args: argparse.Namespace) -> str:
@@ -539,6 +671,8 @@ def _command_line(args: argparse.Namespace) -> str:
         parts += ["--dtype", args.dtype]
     if args.components is not None:
         parts += ["--components", str(args.components)]
+    if args.spatial is not None:
+        parts += ["--spatial", "all" if args.spatial is True else str(args.spatial)]
     if args.image_field is not None:
         parts += ["--image-field", args.image_field]
     return shlex.join(parts)
@@ -562,7 +696,8 @@ def run(args: argparse.Namespace) -> int:
         store = precompute_targets(prior, dataset, args.out, batch_size=args.batch_size, num_workers=args.num_workers,
                                    precision=args.precision, chunk_size=args.chunk_size,
                                    progress=not args.no_progress, command=_command_line(args), dtype=args.dtype,
-                                   components=args.components, image_key=args.image_field)
+                                   components=args.components, image_key=args.image_field,
+                                   spatial=args.spatial or False)
     except (ValueError, FileNotFoundError, TypeError) as err:
         print(f"accelerate-ssl precompute: error: {err}", file=sys.stderr)
         return 2
@@ -570,10 +705,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"path": str(store.path), "rows": len(store), "dim": store.dim, "prior": prior.spec,
                           "precision": args.precision, "dtype": store.dtype, "components": store.components,
                           "keys": len(store.keys) if store.keys is not None else 0,
+                          "spatial": store.spatial,
                           "file_sha256": store.metadata.get("file_sha256")}))
     else:
         how = "" if store.dtype == "float32" else f", stored as {store.dtype}"
         how += "" if store.components is None else f", reduced to {store.components} PCA components"
+        how += "" if store.spatial is None else f", maps on a {store.grid[0]}x{store.grid[1]} grid"
         print(f"wrote {store.path}: {len(store)} rows x {store.dim} ({prior.spec}, {args.precision}{how})")
     return 0
 
@@ -586,6 +723,10 @@ def _run_stream(args: argparse.Namespace) -> int:
     from ..priors import create_prior
     from .sidecar import SidecarError, precompute_sidecars
 
+    if args.spatial is not None:
+        print("accelerate-ssl precompute: error: --spatial writes a map-style store; sidecars of streamed data (wds:, "
+              "hf:) hold pooled rows only. Drop --spatial, or precompute a map-style data set.", file=sys.stderr)
+        return 2
     try:
         source = open_stream(args.data, args.split, image_field=args.image_field, key_field=args.key_field,
                              shard_rows=args.shard_rows)

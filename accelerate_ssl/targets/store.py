@@ -12,6 +12,14 @@ A store is a folder::
                          were PCA-reduced at write (``precompute_targets(components=k)``: rows are already
                          ``V_k^T (y - mu) / sigma``, Eq. 41, and metadata ``components`` says so)
 
+A **spatial** store (``precompute_targets(spatial=True | k)``) keeps the prior's feature map per item in the same
+files: row i of ``targets.npy`` is item i's ``[h, w, C]`` map flattened (``dim`` in metadata.json is ``h * w * C``),
+and metadata ``spatial`` records the ``grid``, the ``stride`` (input pixels per cell), the prior's ``input_size``, the
+stored ``channels`` and the ``reduction`` (``"pca"``: every location reduced with ``pca/at-write.safetensors``, whose
+sha256 is recorded; ``"none"``). Every check above applies to it unchanged. Its ``store[idx]`` rows are the maps'
+means over the grid (``[C]`` per item: the whole-image target), :meth:`TargetStore.maps` gives the maps, and
+:func:`accelerate_ssl.targets.views.view_targets` pools a view's box from them.
+
 While a precompute runs the folder holds ``manifest.json`` (the run's settings) and
 ``chunks/chunk-XXXXX.npy`` instead (see :mod:`accelerate_ssl.targets.precompute`).
 
@@ -37,6 +45,10 @@ from ..checksum import file_sha256
 from .format import (AT_WRITE_PCA, CHUNKS, DTYPES, FORMAT, FORMAT_VERSION, IDENTITY, MANIFEST, METADATA, PCA_DIR,
                      TARGETS, TargetStoreCorruptError, TargetStoreIncompleteError, TargetStoreMismatchError, decode_rows,
                      encode_rows, read_json, refuse_float16_overflow)
+
+#: decoded map values a spatial store's ``store[idx]`` holds at a time (float32: 16 MB)
+MAP_BLOCK_VALUES = 1 << 22
+
 
 class TargetStore:
     """Memory-mapped prior targets with their provenance (contract: ``accelerate_ssl.targets.store``).
@@ -104,6 +116,8 @@ class TargetStore:
             raise TargetStoreCorruptError(f"{data_path} holds {array.dtype} {tuple(array.shape)} but {METADATA} says "
                                           f"{metadata['dtype']} {expected}; recompute the store.")
         store = cls(path, metadata, array)
+        if metadata.get("spatial") is not None:
+            store._check_spatial()
         if metadata.get("keys"):
             from .keys import TargetKeys
 
@@ -113,6 +127,26 @@ class TargetStore:
         return store
 
     # ------------------------------------------------------------------ checks
+    def _check_spatial(self) -> None:
+        """A spatial store's metadata agrees with its rows, and its PCA file is the one the rows were reduced with."""
+        meta, where = self.metadata["spatial"], self.path / METADATA
+        try:
+            h, w = (int(v) for v in meta["grid"])
+            channels, layout, reduction = int(meta["channels"]), meta["layout"], meta["reduction"]
+        except (KeyError, TypeError, ValueError) as err:
+            raise TargetStoreCorruptError(f"{where}: its 'spatial' entry is incomplete ({err!r}); recompute the store.") from None
+        if layout != "hwc" or reduction not in ("pca", "none") or h * w * channels != self._array.shape[1]:
+            raise TargetStoreCorruptError(
+                f"{where}: 'spatial' says a {h}x{w} grid of {channels} channels ({layout}, reduction {reduction!r}) but "
+                f"each row holds {self._array.shape[1]} values; recompute the store (or upgrade accelerate-ssl).")
+        if reduction == "pca":
+            file = self.path / PCA_DIR / AT_WRITE_PCA
+            if not file.is_file() or file_sha256(file) != meta.get("pca_sha256"):
+                raise TargetStoreCorruptError(
+                    f"{file} (the PCA every location of the maps was reduced with) is "
+                    f"{'missing' if not file.is_file() else 'not the file the rows were written with (sha256 differs)'}: "
+                    "the rows cannot be read without it. Recompute the store.")
+
     def verify(self, block_rows: int = 65536, progress: bool = False) -> dict:
         """Read the whole store once: the file's sha256 against the one recorded at precompute, and every row
         finite. Raises :class:`TargetStoreCorruptError` naming what is wrong (and the rows); returns a summary
@@ -134,6 +168,7 @@ class TargetStore:
                 + ").")
         bad: list[int] = []
         n = len(self)
+        block_rows = max(1, min(block_rows, (1 << 24) // max(1, self._array.shape[1])))  # <= 64 MB of float32 a block
         for a in tqdm(range(0, n, block_rows), desc="verify rows", unit="block", disable=not progress):
             rows = decode_rows(self._array[a : a + block_rows], self.dtype)
             ok = np.isfinite(rows).all(axis=1)
@@ -150,8 +185,11 @@ class TargetStore:
             if TargetKeys.digest(self._keys.in_row_order()) != self.metadata["keys"].get("sha256"):
                 raise TargetStoreCorruptError(f"The sample keys of {str(self.path)!r} differ from the ones recorded when "
                                               "the store was written (a copy error or an edited file); recompute it.")
+        if self.spatial is not None:
+            self._check_spatial()
         return {"rows": n, "dim": self.dim, "dtype": self.dtype, "sha256": actual,
-                "checksum": "ok" if recorded else "not recorded", "keys": len(self._keys) if self._keys else 0}
+                "checksum": "ok" if recorded else "not recorded", "keys": len(self._keys) if self._keys else 0,
+                **({"grid": list(self.grid)} if self.spatial is not None else {})}
 
     def verify_rows(self, dataset, progress: bool = False) -> dict:
         """Check, item by item, that row i belongs to ``dataset[i]``: every row's identity digest (its file name,
@@ -220,6 +258,7 @@ class TargetStore:
             "prior_weights_sha256": prior.get("weights_sha256") or prior.get("checkpoint_sha256"),
             "dataset_sha256": (self.metadata.get("dataset") or {}).get("fingerprint", {}).get("sha256"),
             "dtype": self.dtype, "components": self.components,
+            **({"spatial": {k: v for k, v in self.spatial.items() if k != "fit_images"}} if self.spatial else {}),
         }
 
     # ------------------------------------------------------------------ access
@@ -228,7 +267,19 @@ class TargetStore:
 
     @property
     def dim(self) -> int:
-        return int(self._array.shape[1])
+        """The width of a row ``store[i]`` (a spatial store's: its map's channels)."""
+        return int(self._array.shape[1] if self.spatial is None else self.spatial["channels"])
+
+    @property
+    def spatial(self) -> Optional[dict]:
+        """What a spatial store records of its maps (``grid``, ``stride``, ``input_size``, ``channels``,
+        ``source_channels``, ``reduction``, ...; module docstring), or None for a store of pooled rows."""
+        return self.metadata.get("spatial")
+
+    @property
+    def grid(self) -> Optional[tuple[int, int]]:
+        """``(h, w)`` of a spatial store's maps, else None."""
+        return None if self.spatial is None else tuple(int(v) for v in self.spatial["grid"])
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -248,7 +299,7 @@ class TargetStore:
 
     @property
     def source_dim(self) -> int:
-        """The prior's output dim (= :attr:`dim` unless the rows were reduced at write)."""
+        """The prior's output dim (= :attr:`dim` unless the rows were reduced at write or hold maps)."""
         return int(self.metadata.get("source_dim", self.dim))
 
     @property
@@ -275,8 +326,10 @@ class TargetStore:
 
     def decoded(self):
         """The rows as a float32 array-like (``shape``, ``[a:b]``), decoded block by block (for streaming readers
-        such as the batch PCA); the memmap itself when the rows are float32."""
-        return self._array if self.dtype == "float32" else _DecodedRows(self._array, self.dtype)
+        such as the batch PCA); the memmap itself when the rows are float32 (a spatial store's: the maps' means)."""
+        if self.dtype == "float32" and self.spatial is None:
+            return self._array
+        return _DecodedRows(self._array, self.dtype, None if self.spatial is None else self.dim)
 
     def written_pca(self):
         """The PCA the rows were reduced with at write (:class:`~accelerate_ssl.targets.pca.TargetPCA`), or None."""
@@ -313,6 +366,32 @@ class TargetStore:
         return self._random_rows
 
     def __getitem__(self, idx: Any) -> torch.Tensor:
+        """float32 rows of ``idx`` (a spatial store's: each map's mean over its grid, the whole-image target, read a
+        block of maps at a time so that a long index, such as ReLA's table of every row, never holds all the maps)."""
+        if self.spatial is None:
+            return torch.from_numpy(self._read(idx))
+        if isinstance(idx, slice):
+            idx = np.arange(len(self))[idx]
+        if isinstance(idx, (list, tuple, np.ndarray, torch.Tensor)) and len(idx) > 0:
+            flat = idx.reshape(-1) if isinstance(idx, (np.ndarray, torch.Tensor)) else idx
+            block = max(1, MAP_BLOCK_VALUES // self._array.shape[1])
+            means = [self._read(flat[a : a + block]).reshape(-1, self._array.shape[1] // self.dim, self.dim).mean(axis=1)
+                     for a in range(0, len(flat), block)]
+            return torch.from_numpy(np.concatenate(means).reshape(*np.shape(idx), self.dim))
+        rows = self._read(idx)
+        return torch.from_numpy(rows.reshape(*rows.shape[:-1], -1, self.dim).mean(axis=-2))
+
+    def maps(self, idx: Any) -> torch.Tensor:
+        """A spatial store's maps of ``idx`` as float32 ``[B, C, h, w]`` (``[C, h, w]`` for an int)."""
+        if self.spatial is None:
+            raise ValueError(f"Target store {str(self.path)!r} holds pooled rows, not feature maps: precompute it with "
+                             "spatial=True or spatial=k (`accelerate-ssl precompute --spatial K`).")
+        h, w = self.grid
+        rows = self._read(idx)
+        return torch.from_numpy(np.ascontiguousarray(rows.reshape(*rows.shape[:-1], h, w, self.dim))).movedim(-1, -3)
+
+    def _read(self, idx: Any) -> np.ndarray:
+        """The stored rows of ``idx``, decoded to float32 and checked finite."""
         if isinstance(idx, torch.Tensor):
             idx = idx.detach().cpu().numpy()
         if isinstance(idx, (list, tuple)):
@@ -332,7 +411,7 @@ class TargetStore:
                 f"Target store {str(self.path)!r} has NaN/Inf values in row(s) {bad_rows[:10].tolist()}"
                 f"{'...' if len(bad_rows) > 10 else ''} (prior {self.metadata.get('prior', {}).get('spec')!r}). The stored "
                 "targets are damaged: recompute the store (delete the folder and rerun its precompute command).")
-        return torch.from_numpy(rows)
+        return rows
 
     # ------------------------------------------------------------------ PCA
     def pca(self, n_components: Optional[int] = None, standardize: bool = True, block_size: int = 4096,
@@ -373,19 +452,25 @@ class TargetStore:
     def __repr__(self) -> str:
         extra = "" if self.dtype == "float32" else f", dtype={self.dtype!r}"
         extra += "" if self.components is None else f", components={self.components}"
+        extra += "" if self.spatial is None else f", grid={self.grid}"
         return (f"TargetStore({str(self.path)!r}, rows={len(self)}, dim={self.dim}{extra}, "
                 f"prior={self.metadata.get('prior', {}).get('spec')!r})")
 
 
 class _DecodedRows:
-    def __init__(self, array: np.ndarray, dtype: str):
-        self.array, self.dtype, self.shape = array, dtype, array.shape
+    """Stored rows decoded to float32 block by block; ``channels``: a spatial store's, whose rows are then the maps'
+    means over the grid."""
+
+    def __init__(self, array: np.ndarray, dtype: str, channels: Optional[int] = None):
+        self.array, self.dtype, self.channels = array, dtype, channels
+        self.shape = array.shape if channels is None else (array.shape[0], channels)
 
     def __len__(self) -> int:
         return int(self.shape[0])
 
     def __getitem__(self, idx) -> np.ndarray:
-        return decode_rows(self.array[idx], self.dtype)
+        rows = decode_rows(self.array[idx], self.dtype)
+        return rows if self.channels is None else rows.reshape(*rows.shape[:-1], -1, self.channels).mean(axis=-2)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         note = "checksum matches" if summary["checksum"] == "ok" else "no checksum recorded (an older store): rows only"
         rows = (f", every row belongs to its item of {args.data} (compared by {summary['kind']})"
                 if args.data is not None else "")
-        print(f"{args.path}: ok, {summary['rows']} rows x {summary['dim']}, every row finite, {note}{rows}")
+        maps = f" (maps on a {summary['grid'][0]}x{summary['grid'][1]} grid)" if "grid" in summary else ""
+        print(f"{args.path}: ok, {summary['rows']} rows x {summary['dim']}{maps}, every row finite, {note}{rows}")
     return 0
 
 

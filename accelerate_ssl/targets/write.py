@@ -221,6 +221,17 @@ def input_batches(dataset, preprocess, batch_size: int, num_workers: int = 0, pi
 
 
 
+def sample_batches(dataset, preprocess, rows, batch_size: int, image_key=None):
+    """The images of ``dataset``'s items ``rows`` (any order, not contiguous), preprocessed, ``batch_size`` at a time
+    (the sample a spatial store's PCA is fitted on)."""
+    from ..data.items import dataset_name
+
+    collate, name = _Collate(preprocess), dataset_name(dataset)
+    for a in range(0, len(rows), batch_size):
+        images = [image_tensor(dataset[int(i)], image_key, f"item {int(i)} of {name}") for i in rows[a : a + batch_size]]
+        yield collate([(im, 0) for im in images])[0]
+
+
 def settings_diff(path: Path, old: dict, new: dict, finished: bool) -> str:
     """Which settings differ, down to the leaf keys, with the stored and the requested value of each."""
 
@@ -243,24 +254,32 @@ def _short(value, limit: int = 80) -> str:
 
 
 def embed(prior, x: torch.Tensor, precision: str, device: torch.device,
-          where: Callable[[list[int]], str] = lambda rows: f"rows {rows}") -> torch.Tensor:
+          where: Callable[[list[int]], str] = lambda rows: f"rows {rows}", spatial: bool = False) -> torch.Tensor:
     """``prior(x)`` for one batch of preprocessed images, in inference mode (under ``precision``'s autocast), as float32
-    rows ``[B, prior.output_dim]`` on ``device``; a wrong output shape or NaN/Inf rows are refused, ``where(positions)``
-    naming those rows for the message (dataset indices, keys)."""
+    rows ``[B, prior.output_dim]`` on ``device``; ``spatial=True``: the prior's feature map instead
+    (:meth:`~accelerate_ssl.priors.Prior.feature_map`), channels last, ``[B, h, w, C]``. A wrong output shape or
+    NaN/Inf rows are refused, ``where(positions)`` naming those rows for the message (dataset indices, keys)."""
     amp = PRECISIONS[precision]
     x = x.to(device, non_blocking=True)
+    forward = prior.feature_map if spatial else prior
     with torch.inference_mode():
         if amp is None:
-            out = prior(x)
+            out = forward(x)
         else:
             with torch.autocast(device_type=torch.device(device).type, dtype=amp):
-                out = prior(x)
+                out = forward(x)
     out = out.float()
-    dim = int(prior.output_dim)
-    if out.shape != (x.shape[0], dim):
-        raise ValueError(f"Prior {prior.spec} returned shape {tuple(out.shape)}, expected ({x.shape[0]}, {dim}); its "
-                         "output_dim is wrong.")
-    bad = (~torch.isfinite(out).all(dim=1)).nonzero().flatten()
+    if spatial:
+        if out.ndim != 4 or out.shape[0] != x.shape[0]:
+            raise ValueError(f"Prior {prior.spec} returned a feature map of shape {tuple(out.shape)}, expected "
+                             f"({x.shape[0]}, C, h, w).")
+        out = out.permute(0, 2, 3, 1).contiguous()
+    else:
+        dim = int(prior.output_dim)
+        if out.shape != (x.shape[0], dim):
+            raise ValueError(f"Prior {prior.spec} returned shape {tuple(out.shape)}, expected ({x.shape[0]}, {dim}); "
+                             "its output_dim is wrong.")
+    bad = (~torch.isfinite(out).flatten(1).all(dim=1)).nonzero().flatten()
     if len(bad):
         cause = ("fp16 overflow is the usual cause: rerun with --precision bf16 or fp32" if precision == "fp16" else
                  "check the prior's weights and these samples")

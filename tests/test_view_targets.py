@@ -1,0 +1,179 @@
+"""Targets for a view: geometry recorded by the crop/flip wrapper, boxes mapped onto a spatial store's map, RoIAlign
+pooling (flip mirrored), and the pooled rows through rela.wrap(targets=)."""
+
+import numpy as np
+import pytest
+import torch
+from torchvision import transforms as T
+from torchvision.transforms import v2
+
+import accelerate_ssl.targets.precompute as pc
+from _precompute_worker import tiny_dataset
+from accelerate_ssl import ReLA
+from accelerate_ssl.priors import create_prior
+from accelerate_ssl.targets.views import RecordGeometry, grid_boxes, pool_boxes, view_targets, whole_image
+
+N = 24
+
+
+@pytest.fixture(autouse=True)
+def _cpu_one_thread(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """16 px images, random ConvNet 64/128/256: a 2x2 map of stride 8, reduced to 5 components."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        return pc.precompute_targets(create_prior("random:convnet"), tiny_dataset(N),
+                                     tmp_path_factory.mktemp("views") / "s", batch_size=8, progress=False, spatial=5)
+
+
+def _geometry(boxes, flips, size=16):
+    return torch.tensor([[*b, float(f), size, size] for b, f in zip(boxes, flips)], dtype=torch.float32)
+
+
+def test_a_whole_image_view_is_the_stores_own_row(store):
+    idx = torch.tensor([3, 0, 17, 23])
+    views = torch.stack([whole_image(16, 16, flip=bool(i % 2)) for i in range(4)])
+    torch.testing.assert_close(view_targets(store, idx, views), store[idx], rtol=0, atol=1e-5)
+
+
+def test_a_box_on_one_cell_is_that_cell_and_rows_are_the_indexed_ones(store):
+    """Each box covering exactly map cell (r, c) (8x8 image pixels at stride 8) pools to that cell of that row's map."""
+    cells = [(r, c) for r in range(2) for c in range(2)]
+
+    def check(pool):
+        idx = torch.tensor([5, 2, 11, 20])
+        boxes = [(8 * c, 8 * r, 8 * c + 8, 8 * r + 8) for r, c in cells]
+        got = pool(store, idx, _geometry(boxes, [0, 1, 0, 1]))
+        want = torch.stack([store.maps(int(i))[:, r, c] for i, (r, c) in zip(idx, cells)])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+    check(view_targets)
+    # the same check catches a hand-made off-by-one row and an off-by-one cell
+    with pytest.raises(AssertionError):
+        check(lambda s, idx, g: view_targets(s, idx + 1, g))
+    def next_column(g):  # the box one cell to the right (wrapping round)
+        g = g.clone()
+        g[:, [0, 2]] = (g[:, [0, 2]] + 8) % 16
+        g[:, 2] = torch.where(g[:, 2] == 0, torch.full_like(g[:, 2], 16.0), g[:, 2])
+        return g
+
+    with pytest.raises(AssertionError):
+        check(lambda s, idx, g: view_targets(s, idx, next_column(g)))
+
+
+def test_a_flipped_box_pools_as_the_mirrored_box_of_the_mirrored_map():
+    g = torch.Generator().manual_seed(0)
+    maps = torch.randn(3, 4, 5, 7, generator=g)
+    boxes = torch.tensor([[0.5, 1.0, 4.0, 4.5], [2.0, 0.0, 7.0, 5.0], [1.2, 2.2, 3.7, 4.1]])
+    mirrored = torch.stack([7 - boxes[:, 2], boxes[:, 1], 7 - boxes[:, 0], boxes[:, 3]], 1)
+    flipped = pool_boxes(maps, boxes, flips=[True, True, True], output_size=3)
+    torch.testing.assert_close(flipped, pool_boxes(maps.flip(-1), mirrored, flips=None, output_size=3))
+    plain = pool_boxes(maps, boxes, flips=[False, False, False], output_size=3)
+    assert not torch.allclose(plain, flipped)  # the grid of a flipped view is mirrored ...
+    torch.testing.assert_close(plain.mean((2, 3)), flipped.mean((2, 3)))  # ... its mean is not
+    whole = pool_boxes(maps, torch.tensor([[0.0, 0.0, 7.0, 5.0]] * 3))
+    torch.testing.assert_close(whole, maps.mean((2, 3)))  # a box equal to the map is the map's mean
+
+
+def test_boxes_follow_the_priors_resize_and_centre_crop():
+    # a 32x48 image, resized to a 16 px shorter side (16x24) and centre-cropped to 16x16 (4 px off each side),
+    # seen by a 4x4 map of stride 4
+    spatial, pre = {"grid": [4, 4], "stride": 4}, {"resize": 16, "crop": 16}
+    geometry = torch.tensor([[8.0, 0.0, 40.0, 32.0, 0, 32, 48],  # the crop's region: the whole map
+                             [8.0, 8.0, 16.0, 16.0, 0, 32, 48],  # pixels 4..8 of the input: cell 0..1
+                             [0.0, 0.0, 8.0, 8.0, 1, 32, 48]])  # left of the crop: clamped to the map's edge
+    boxes = grid_boxes(geometry, spatial, pre)
+    torch.testing.assert_close(boxes[0], torch.tensor([0.0, 0.0, 4.0, 4.0]))
+    torch.testing.assert_close(boxes[1], torch.tensor([0.0, 1.0, 1.0, 2.0]))
+    assert boxes[2, 0] == 0 and boxes[2, 2] > 0  # a sliver at the edge, never an empty box
+    native = grid_boxes(torch.tensor([[4.0, 8.0, 12.0, 16.0, 0, 28, 28]]), {"grid": [3, 3], "stride": 8}, {})
+    torch.testing.assert_close(native[0], torch.tensor([0.5, 1.0, 1.5, 2.0]))  # a 28 px ConvNet map: 8 px a cell
+    with pytest.raises(ValueError, match="not inside its 16x16 image"):
+        grid_boxes(_geometry([(4, 4, 20, 8)], [0]), spatial, pre)
+    with pytest.raises(ValueError, match=r"geometry is \[B, 7\]"):
+        grid_boxes(torch.zeros(2, 5), spatial, pre)
+
+
+@pytest.mark.parametrize("api", [T, v2])
+def test_record_geometry_does_what_the_transforms_do_and_says_where(api):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, size=(30, 40, 3), dtype=np.uint8))
+    crop, flip = api.RandomResizedCrop(12, scale=(0.1, 0.6)), api.RandomHorizontalFlip()
+    to_tensor = T.PILToTensor()
+    recorder = RecordGeometry(crop, flip, to_tensor)
+    for seed in range(6):
+        torch.manual_seed(seed)
+        view, geometry = recorder(image)
+        x1, y1, x2, y2, flipped, height, width = geometry.tolist()
+        assert (height, width) == (30, 40) and 0 <= x1 < x2 <= 40 and 0 <= y1 < y2 <= 30
+        # the pixels: the recorded box resized, flipped as recorded
+        region = to_tensor(image)[:, int(y1):int(y2), int(x1):int(x2)][None].float()
+        expected = torch.nn.functional.interpolate(region, size=(12, 12), mode="bilinear", antialias=True,
+                                                   align_corners=False)[0]
+        expected = expected.flip(-1) if flipped else expected
+        assert view.shape == (3, 12, 12) and (view.float() - expected).abs().mean() < 2.0
+        if api is T:  # the same random numbers and pixels as the transforms themselves
+            torch.manual_seed(seed)
+            assert torch.equal(view, T.Compose([crop, flip, to_tensor])(image))
+    with pytest.raises(TypeError, match="RandomResizedCrop"):
+        RecordGeometry(T.CenterCrop(8))
+
+
+def test_pooled_view_rows_train_through_wrap_targets(store):
+    """A user's loop: two recorded views per image, their pooled targets stacked as the views' features are."""
+    data = tiny_dataset(N)
+    recorder = RecordGeometry(T.RandomResizedCrop(16, scale=(0.2, 1.0)), T.RandomHorizontalFlip(), T.PILToTensor())
+    backbone = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(256, 12))
+    rela = ReLA(store, backbone, feature_dim=12, n_components=4, total_steps=4)
+    idx = torch.tensor([1, 6, 9, 14])
+    from PIL import Image
+
+    views = [[recorder(Image.fromarray(np.asarray(data[int(i)][0]))) for i in idx] for _ in range(2)]
+    images = [torch.stack([v for v, _ in vs]).float() / 255 for vs in views]
+    geometry = [torch.stack([g for _, g in vs]) for vs in views]
+    backbone(torch.cat(images))  # both views in one call: rows [view 1's batch; view 2's batch], as the targets
+    targets = torch.cat([view_targets(store, idx, g) for g in geometry])
+    assert targets.shape == (8, 5)
+    loss = rela.wrap(torch.tensor(0.0), targets=targets)
+    assert torch.isfinite(loss) and loss.requires_grad
+    with pytest.raises(ValueError, match="needs a spatial store"):
+        view_targets(object(), idx, geometry[0])  # a store of pooled rows has no spatial metadata
+
+
+def test_the_readme_block_is_lines_of_a_loop_that_runs(tmp_path, monkeypatch, fashion_mnist_available):
+    """Every code line of the README's spatial-store block is a line of tests/recipes/spatial_views.py, which trains a
+    few steps on real images: each step's carried targets are the stored maps pooled over that step's recorded boxes."""
+    import runpy
+    from pathlib import Path
+
+    from recipe_check import README, code
+
+    script = Path(__file__).with_name("recipes") / "spatial_views.py"
+    text = README.read_text()
+    block = text[text.index("**Spatial stores: a target for any crop.**"):].split("```python\n", 1)[1].split("```")[0]
+    lines = [code(line) for line in block.splitlines()]
+    lines = [line for line in lines if line and not line.startswith(("#", "..."))]
+    script_lines = {code(line) for line in script.read_text().splitlines()}
+    assert len(lines) == 8 and [line for line in lines if line not in script_lines] == []
+    monkeypatch.chdir(tmp_path)
+    run = runpy.run_path(str(script), run_name="__main__")
+    assert len(run["losses"]) == 4 and all(np.isfinite(run["losses"]))
+    store = run["store"]
+    assert store.spatial["grid"] == [3, 3] and store.components == 32 and store.dtype == "float16"
+    for index, g1, g2, targets in run["carried"]:
+        maps = store.maps(index)
+        assert targets.shape == (2 * len(index), 32)
+        # each view's target is its own image's stored map pooled over its own recorded box
+        for g, rows in ((g1, targets[: len(index)]), (g2, targets[len(index):])):
+            torch.testing.assert_close(rows, pool_boxes(maps, grid_boxes(g, store.spatial, store.metadata["preprocess"])))
+        assert not torch.allclose(targets[: len(index)], store[index], atol=1e-3)  # not the whole-image rows
