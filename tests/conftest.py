@@ -26,3 +26,14 @@ def fashion_mnist_available():
     except FileNotFoundError as err:
         pytest.fail(f"Fashion-MNIST is required for this test (run `make data`): {err}")
     return True
+
+
+@pytest.fixture
+def cpu_one_thread(monkeypatch):
+    """The CPU path with one thread, for tests that compare stored bytes (a CUDA device, or another thread count,
+    rounds differently): ``pytestmark = pytest.mark.usefixtures("cpu_one_thread")``."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

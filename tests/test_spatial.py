@@ -19,13 +19,7 @@ from accelerate_ssl.targets.store import TargetStore
 N, CHUNK, BATCH = 40, 16, 8
 
 
-@pytest.fixture(autouse=True)
-def _cpu_one_thread(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("cpu_one_thread")
 
 
 def _run(path, n=N, prior=None, **kwargs):

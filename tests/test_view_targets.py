@@ -16,13 +16,7 @@ from accelerate_ssl.targets.views import RecordGeometry, grid_boxes, pool_boxes,
 N = 24
 
 
-@pytest.fixture(autouse=True)
-def _cpu_one_thread(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("cpu_one_thread")
 
 
 @pytest.fixture(scope="module")
