@@ -253,3 +253,17 @@ def test_online_teacher_embeds_every_view_until_the_schedule_finishes():
     assert calls == [16, 16, 16, 16]  # two views on each of the two ReLA steps; none once ReLA has finished
     with pytest.raises(ValueError, match="teacher"):
         train_ssl(model, iter(()), 1, optimizer=opt, view_generator=torch.Generator(), teacher=teacher)
+
+
+def test_prior_teacher_gives_the_prior_its_own_normalisation():
+    from accelerate_ssl.recipes import images_to_tensor, prior_teacher
+
+    class Stub(nn.Module):
+        preprocess_config = {"mean": [0.5], "std": [0.25]}
+
+        def forward(self, x):
+            return x.flatten(1)
+
+    pixels = torch.randint(0, 256, (3, 5, 5), dtype=torch.uint8)
+    got = prior_teacher(Stub())(images_to_tensor(pixels))
+    torch.testing.assert_close(got, ((pixels.float() / 255 - 0.5) / 0.25).flatten(1), rtol=1e-5, atol=1e-5)
