@@ -14,9 +14,9 @@ __version__ = "0.1.0"
 
 # public name -> defining module; resolved on first access so `import accelerate_ssl` stays fast.
 _LAZY: dict[str, str] = {
-    "create_prior": "accelerate_ssl.targets.priors",
-    "list_priors": "accelerate_ssl.targets.priors",
-    "precompute_targets": "accelerate_ssl.targets.precompute",
+    "create_prior": "accelerate_ssl.priors",
+    "list_priors": "accelerate_ssl.priors",
+    "precompute_targets": "accelerate_ssl.targets.precompute", "open_or_precompute": "accelerate_ssl.targets.cache",
     "TargetStore": "accelerate_ssl.targets.store",
     "precompute_sidecars": "accelerate_ssl.targets.sidecar", "ShardedTargets": "accelerate_ssl.targets.sidecar",
     "open_stream": "accelerate_ssl.data.streams", "decode_images": "accelerate_ssl.data.streams",

@@ -2,22 +2,26 @@
 
 Every subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``; only the module
 of the command being run is imported, so ``accelerate-ssl --help`` stays fast. Runs under
-``accelerate launch -m accelerate_ssl.cli <command> ...`` as well.
+``accelerate launch -m accelerate_ssl.cli <command> ...`` as well: every process runs the command (precompute shares
+its work among them), and what a command prints on stdout (its result: ``wrote ...``, ``ok``, the ``--json`` object)
+is printed by the main process only; errors and warnings (stderr) come from every process.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
 from typing import Optional, Sequence
 
 # name -> (module that implements it, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "compact": ("accelerate_ssl.compact.cli", "distil unlabelled images into a compact parameterized store (Yu et al. (2025)), or inspect one"),
-    "priors": ("accelerate_ssl.targets.catalog", "list recommended priors, show what a prior spec names, fetch its weights into the cache"),
+    "priors": ("accelerate_ssl.priors.catalog", "list recommended priors, show what a prior spec names, fetch its weights into the cache"),
     "precompute": ("accelerate_ssl.targets.precompute", "run a prior model over a data set once and write a TargetStore"),
-    "store": ("accelerate_ssl.targets.store", "check a TargetStore: `store verify <path>` reads every row and the file's checksum"),
+    "store": ("accelerate_ssl.targets.verify", "check a TargetStore: `store verify <path>` reads every row and the file's checksum"),
     "demo": ("accelerate_ssl.demo", "ReLA's speed-up over plain BYOL on Fashion-MNIST, on CPU (table + PNG + JSON)"),
     "distill": ("accelerate_ssl.distill.cli", "synthesise a distilled warm-start set (SRe2L / DWA / FADRM) from a BatchNorm teacher"),
 }
@@ -50,7 +54,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    from .launch import is_main_process
+
+    if is_main_process():
+        return int(args._run(args) or 0)
+    # another process of `accelerate launch` / torchrun: the same result as the main process's, printed once, there
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        return int(args._run(args) or 0)
 
 
 if __name__ == "__main__":

@@ -308,10 +308,14 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def write_png(result: dict, path: Path) -> None:
+def demo_figure(result: dict):
+    """The demo's figure: both accuracy curves (mean +- std over the seeds), where ReLA's accuracy is reached, and
+    lambda per step; its title wrapped to the figure's width."""
     from .optional import require
 
     require("matplotlib", "the demo's plot")
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -331,17 +335,26 @@ def write_png(result: dict, path: Path) -> None:
     ax.axvline(budget, color="k", ls="--", lw=0.8)
     ax.set_ylabel("linear probe top-1 (%)")
     over = f" (mean ± std of {len(seeds)} seeds)" if len(seeds) > 1 else ""
-    ax.set_title(f"Fashion-MNIST, BYOL vs BYOL + ReLA ({result['settings']['prior_spec']}): speed-up "
-                 f"{result['speedup_wall']['text'].split(' (')[0]} wall-clock, {sp['text'].split(' (')[0]} in steps{over}",
-                 fontsize=9)
+    title = (f"Fashion-MNIST, BYOL vs BYOL + ReLA ({result['settings']['prior_spec']}): speed-up "
+             f"{result['speedup_wall']['text'].split(' (')[0]} wall-clock, {sp['text'].split(' (')[0]} in steps{over}")
     ax.legend(loc="lower right")
     lam = result["rela"]["lambda_per_step"]
     axl.plot(range(1, len(lam) + 1), lam, color="C1")
     axl.set_ylabel("lambda")
     axl.set_xlabel("training steps")
     axl.set_ylim(-0.05, 1.05)
-    fig.tight_layout()
-    save_figure(fig, path, dpi=110)
+    renderer = fig.canvas.get_renderer()
+    for width in range(100, 19, -10):  # the widest wrap whose lines, as drawn, stay inside the figure
+        ax.set_title("\n".join(textwrap.wrap(title, width, break_on_hyphens=False)), fontsize=9)
+        fig.tight_layout()
+        extent = ax.title.get_window_extent(renderer)
+        if extent.x0 >= 0 and extent.x1 <= fig.bbox.width and extent.y1 <= fig.bbox.height:
+            break
+    return fig
+
+
+def write_png(result: dict, path: Path) -> None:
+    save_figure(demo_figure(result), path, dpi=110)
 
 
 
@@ -354,7 +367,7 @@ def run(args) -> int:
     from .data import FashionMNIST
     from .recipes import Probe, images_to_tensor, mean_run
     from .targets.precompute import precompute_targets
-    from .targets.priors import create_prior
+    from .priors import create_prior
     from .targets.store import TargetStore
 
     out = Path(args.out)

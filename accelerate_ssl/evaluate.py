@@ -36,7 +36,7 @@ def _split_batch(batch):
 
 def _to_image_tensor(image) -> torch.Tensor:
     """A PIL image / ndarray / tensor as a float tensor ``[C, H, W]`` (uint8 scaled to [0, 1])."""
-    from .targets.priors import Preprocess
+    from .priors import Preprocess
 
     x = Preprocess.to_tensor(image)
     return x.float().div_(255.0) if x.dtype == torch.uint8 else x.float()

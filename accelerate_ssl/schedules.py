@@ -7,6 +7,9 @@ same interface:
   micro-batches and processes by :class:`accelerate_ssl.ReLA`), get lambda for the next step;
 - ``value``: the current lambda; ``finished``: True once lambda is 0 for good (ReLA then stops
   computing its term and stops capturing features);
+- ``end_step``: every controller takes it: after that many optimiser steps its term is over for good (lambda 0,
+  ``finished``), whatever its rule says; ``ends_by`` is the step by which it is over for sure (``end_step``, an
+  ``Epochs`` switch, or None when only the losses can end it);
 - ``state_dict()`` / ``load_state_dict()``.
 
 Controllers (see the table in the README):
@@ -22,6 +25,8 @@ name               rule                                                     sour
 
 Use :func:`create_schedule` to build one from a spec (``"decay"``, ``"switch"``, ``"constant:<lambda>"``,
 ``"epochs:<fraction>"``), planned for ``total_steps``; ReLA, the CLI and the solo-learn mixin all take that spec.
+``Decay`` only approaches 0 (unless ``finish_below``) and ``Switch`` ends when the ReLA loss converges, so neither has a
+planned end of its own: ``end_step`` gives them one (e.g. to hand the run over to timm's mixup at a chosen epoch).
 """
 
 from __future__ import annotations
@@ -36,18 +41,41 @@ class Schedule:
     #: state entries saved by ``state_dict`` (subclasses extend).
     _state_keys: tuple[str, ...] = ("value", "steps", "finished")
 
-    def __init__(self) -> None:
+    def __init__(self, end_step: Optional[int] = None) -> None:
         self.value: float = 1.0
         self.steps: int = 0
         self.finished: bool = False
+        if end_step is not None and (isinstance(end_step, bool) or not isinstance(end_step, int) or end_step < 0):
+            raise ValueError(f"end_step must be an int >= 0 (the optimiser step after which ReLA's term is over), got "
+                             f"{end_step!r}.")
+        #: after this many optimiser steps the term is over for good, whatever the rule says (None: the rule decides)
+        self.end_step = end_step
+        if end_step == 0:
+            self.value, self.finished = 0.0, True
 
     @property
     def needs_loss(self) -> bool:
         """Whether ``step`` reads its ``loss_rela`` argument (False once finished, or for time-based rules)."""
         return not self.finished
 
+    @property
+    def ends_by(self) -> Optional[int]:
+        """The optimiser step by which the term is over for sure (``end_step``), or None when only the losses can end
+        it."""
+        return self.end_step
+
     def step(self, loss_rela: Optional[float] = None) -> float:
-        """Advance by one optimiser step given that step's ReLA loss; return the new lambda."""
+        """Advance by one optimiser step given that step's ReLA loss; return the new lambda (0 for good from
+        ``end_step`` on)."""
+        self.steps += 1
+        if not self.finished:
+            self._advance(loss_rela)
+        if self.end_step is not None and self.steps >= self.end_step:
+            self.value, self.finished = 0.0, True
+        return self.value
+
+    def _advance(self, loss_rela: Optional[float]) -> None:
+        """The rule: update ``value`` (and ``finished``) from one more step's loss (``steps`` already counts it)."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -62,9 +90,12 @@ class Schedule:
             )
         for k in self._state_keys:
             setattr(self, k, state[k])
+        if self.end_step is not None and self.steps >= self.end_step:  # resumed past this run's end
+            self.value, self.finished = 0.0, True
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(value={self.value:.4f}, steps={self.steps}, finished={self.finished})"
+        end = "" if self.end_step is None else f", end_step={self.end_step}"
+        return f"{type(self).__name__}(value={self.value:.4f}, steps={self.steps}, finished={self.finished}{end})"
 
 
 def _check_loss(loss_rela: Optional[float], name: str) -> float:
@@ -89,7 +120,8 @@ class Decay(Schedule):
     lambda starts at ``max_lambda`` and falls toward 0 once the ReLA loss stops improving on its EMA.
     Before the first step ``value == max_lambda``. The controller never reports ``finished`` (lambda
     only approaches 0) unless ``finish_below`` is set: then lambda is set to 0 for good the first time
-    it drops under that value, and ReLA stops computing its term.
+    it drops under that value, and ReLA stops computing its term. Neither is a planned end (the losses decide
+    whether lambda ever drops that low); ``end_step`` is one: lambda 0 for good after that many steps.
 
     Run length: with the paper's constants the loss EMA moves at 0.001/step from 2.0, so lambda is
     still ~0.8 after 600 steps (ImageNet-length runs). Pass ``total_steps`` to scale the loss EMA to
@@ -113,8 +145,9 @@ class Decay(Schedule):
         loss_momentum: Optional[float] = None,
         initial_loss: float = 2.0,
         finish_below: Optional[float] = None,
+        end_step: Optional[int] = None,
     ):
-        super().__init__()
+        super().__init__(end_step)
         if not 0.0 < max_lambda <= 1.0:
             raise ValueError(f"max_lambda must be in (0, 1], got {max_lambda}.")
         if not 0.0 < decay_fraction <= 1.0:
@@ -135,12 +168,10 @@ class Decay(Schedule):
         self.finish_below = finish_below
         self.loss_ema = float(initial_loss)
         self.rho_ema = 0.0
-        self.value = self.max_lambda
+        if not self.finished:
+            self.value = self.max_lambda
 
-    def step(self, loss_rela: Optional[float] = None) -> float:
-        self.steps += 1
-        if self.finished:
-            return self.value
+    def _advance(self, loss_rela: Optional[float]) -> None:
         l_c = _check_loss(loss_rela, "Decay")
         rho = math.exp(-max(self.loss_ema - l_c, 0.0) * self.sharpness)
         self.rho_ema = self.rho_momentum * self.rho_ema + (1.0 - self.rho_momentum) * rho
@@ -148,7 +179,6 @@ class Decay(Schedule):
         self.value = self.max_lambda - self.max_lambda * self.rho_ema
         if self.finish_below is not None and self.value < self.finish_below:
             self.value, self.finished = 0.0, True
-        return self.value
 
 
 class Switch(Schedule):
@@ -186,8 +216,9 @@ class Switch(Schedule):
         sharpness: float = 1.0,
         initial_slow: float = 2.0,
         initial_fast: float = 1.0,
+        end_step: Optional[int] = None,
     ):
-        super().__init__()
+        super().__init__(end_step)
         scaled_slow, scaled_fast = 0.99, 0.999
         if total_steps is not None:
             if total_steps <= 0:
@@ -208,18 +239,13 @@ class Switch(Schedule):
         self.sharpness = float(sharpness)
         self.loss_slow = float(initial_slow)
         self.loss_fast = float(initial_fast)
-        self.value = 1.0
 
-    def step(self, loss_rela: Optional[float] = None) -> float:
-        self.steps += 1
-        if self.finished:
-            return self.value
+    def _advance(self, loss_rela: Optional[float]) -> None:
         l_c = _check_loss(loss_rela, "Switch")
         self.loss_fast = self.fast_momentum * self.loss_fast + (1.0 - self.fast_momentum) * l_c
         self.loss_slow = self.slow_momentum * self.loss_slow + (1.0 - self.slow_momentum) * self.loss_fast
         if math.exp(-max(self.loss_slow - self.loss_fast, 0.0) * self.sharpness) >= self.threshold:
             self.value, self.finished = 0.0, True
-        return self.value
 
 
 class Constant(Schedule):
@@ -227,21 +253,25 @@ class Constant(Schedule):
 
     _state_keys = Schedule._state_keys + ("lam",)
 
-    def __init__(self, lam: float = 0.5):
-        super().__init__()
+    def __init__(self, lam: float = 0.5, *, end_step: Optional[int] = None):
+        super().__init__(end_step)
         if not 0.0 <= lam <= 1.0:
             raise ValueError(f"lam must be in [0, 1], got {lam}.")
         self.lam = float(lam)
-        self.value = self.lam
-        self.finished = self.lam == 0.0
+        if not self.finished:
+            self.value = self.lam
+            self.finished = self.lam == 0.0
 
     @property
     def needs_loss(self) -> bool:
         return False
 
-    def step(self, loss_rela: Optional[float] = None) -> float:
-        self.steps += 1
-        return self.value
+    @property
+    def ends_by(self) -> Optional[int]:
+        return 0 if self.lam == 0.0 else self.end_step
+
+    def _advance(self, loss_rela: Optional[float]) -> None:
+        pass
 
 
 class Epochs(Schedule):
@@ -260,8 +290,9 @@ class Epochs(Schedule):
         *,
         steps_per_epoch: Optional[int] = None,
         epochs: Optional[int] = None,
+        end_step: Optional[int] = None,
     ):
-        super().__init__()
+        super().__init__(end_step)
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"fraction must be in [0, 1], got {fraction}.")
         if total_steps is None:
@@ -274,18 +305,20 @@ class Epochs(Schedule):
         if total_steps <= 0:
             raise ValueError(f"total_steps must be positive, got {total_steps}.")
         self.switch_step = int(round(fraction * total_steps))
-        self.value = 1.0 if self.switch_step > 0 else 0.0
-        self.finished = self.switch_step == 0
+        if self.switch_step == 0:
+            self.value, self.finished = 0.0, True
 
     @property
     def needs_loss(self) -> bool:
         return False
 
-    def step(self, loss_rela: Optional[float] = None) -> float:
-        self.steps += 1
+    @property
+    def ends_by(self) -> Optional[int]:
+        return self.switch_step if self.end_step is None else min(self.switch_step, self.end_step)
+
+    def _advance(self, loss_rela: Optional[float]) -> None:
         if self.steps >= self.switch_step:
             self.value, self.finished = 0.0, True
-        return self.value
 
 
 SCHEDULES = {"decay": Decay, "switch": Switch, "constant": Constant, "epochs": Epochs}
@@ -317,7 +350,8 @@ def needs_run_length(spec: str | None) -> bool:
 def create_schedule(spec: str | Schedule | None = None, *, total_steps: Optional[int] = None, **kwargs) -> Schedule:
     """Build a controller from a spec: ``"decay"`` (default), ``"switch"``, ``"constant:<lambda>"`` (0.5 without a
     value) or ``"epochs:<fraction>"``; ``total_steps`` plans those that take the run length (ignored by
-    ``Constant``); other keyword arguments go to the class. A :class:`Schedule` instance is returned as is."""
+    ``Constant``); other keyword arguments go to the class (``end_step=`` to every one). A :class:`Schedule` instance
+    is returned as is."""
     if isinstance(spec, Schedule):
         if kwargs or total_steps is not None:
             raise ValueError("create_schedule got a Schedule instance and keyword arguments; pass one or the other.")

@@ -68,7 +68,7 @@ from accelerate_ssl.compact import (  # noqa: E402
 from accelerate_ssl.data import load_fashion_mnist  # noqa: E402
 from accelerate_ssl.recipes import Probe  # noqa: E402
 from accelerate_ssl.results import save_figure, write_results  # noqa: E402
-from accelerate_ssl.targets.priors import shipped_prior_file  # noqa: E402
+from accelerate_ssl.priors import shipped_prior_file  # noqa: E402
 from measure import PeakRSS  # noqa: E402
 
 CACHE = ROOT / "benchmarks" / "cache"

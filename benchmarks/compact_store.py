@@ -94,7 +94,7 @@ def main(argv=None) -> dict:
     from accelerate_ssl.recipes import Probe, images_to_tensor
     from accelerate_ssl.results import write_results
     from accelerate_ssl.targets.precompute import precompute_targets
-    from accelerate_ssl.targets.priors import create_prior
+    from accelerate_ssl.priors import create_prior
 
     settings = demo_args(args.budget, 16)
     train = FashionMNIST("train", limit=settings.train_size)

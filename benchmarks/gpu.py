@@ -25,7 +25,8 @@ Sections, in this order; ``DIR/gpu.json`` is rewritten after each one, so a run 
    wall-clock of both runs, the precompute, and the speed-up.
 6. **compiled**: plain BYOL and ReLA mixed under ``torch.compile`` (inductor; its compile time reported apart).
 
-``--smoke``: 28 px, batch 4, a ResNet-18 student, 2 timed steps, the demo at 4 steps on 64 images, ``torch.compile``
+``--smoke``: 32 px, batch 4, a ResNet-18 student, timm's tiny test ViTs as the priors, 2 timed steps, the demo at 4 steps on 64
+images, ``torch.compile``
 with the ``eager`` backend (dynamo traces the ReLA hook; no C++ compiler needed), the tests section on
 ``tests/test_cuda.py`` only (skipped without a device). Without CUDA the sync and memory figures are ``None``.
 """
@@ -54,6 +55,8 @@ sys.path.insert(0, str(ROOT))
 
 #: the priors timed, by the names ``benchmarks/cost_model.py`` counts them under -> timm architecture
 PRIORS = {"dinov2_vit_s14": "vit_small_patch14_dinov2", "dinov2_vit_b14": "vit_base_patch14_dinov2"}
+#: the same names at --smoke size: timm's own tiny test ViTs (the code path of a ViT prior, in seconds on a CPU)
+SMOKE_PRIORS = {"dinov2_vit_s14": "test_vit", "dinov2_vit_b14": "test_vit2"}
 CUDA_TESTS = ["tests/test_cuda.py", "tests/test_guard.py"]
 #: the fast suite's files whose code paths change with a device (autocast, compile, lookup, store, precompute)
 DEVICE_TESTS = ["tests/test_gpu_ready.py", "tests/test_rela.py", "tests/test_guard.py", "tests/test_precompute.py",
@@ -72,6 +75,7 @@ class Size:
     sync_steps: int
     compile_backend: str
     tests: list
+    priors: dict = field(default_factory=lambda: dict(PRIORS))  # cost-model name -> timm architecture
     study: list = field(default_factory=list)  # extra demo arguments
     budget_s: float = 400.0  # a section is skipped when less than its estimate is left of this
 
@@ -79,8 +83,8 @@ class Size:
 SIZES = {
     "full": Size(image=224, batch=256, images=4096, steps=15, warmup=3, student="resnet50", workers=8, sync_steps=20,
                  compile_backend="inductor", tests=[CUDA_TESTS, DEVICE_TESTS], study=["--seeds", "0", "1", "2"]),
-    "smoke": Size(image=28, batch=4, images=32, steps=2, warmup=1, student="resnet18", workers=0, sync_steps=2,
-                  compile_backend="eager", tests=[["tests/test_cuda.py"]],
+    "smoke": Size(image=32, batch=4, images=32, steps=2, warmup=1, student="resnet18", workers=0, sync_steps=2,
+                  compile_backend="eager", tests=[["tests/test_cuda.py"]], priors=dict(SMOKE_PRIORS),
                   study=["--budget", "4", "--probes", "1", "--train-size", "64", "--test-size", "64", "--batch-size",
                          "16", "--probe-epochs", "1"], budget_s=1e9),
 }
@@ -104,7 +108,9 @@ def _peak(device: torch.device):
 
 
 def _autocast(device: torch.device):
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+    """bf16 autocast on a GPU; on the CPU (--smoke) the same context switched off: CPUs without bf16 units emulate it,
+    at ~100x the time of float32."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
 class SyntheticImages(torch.utils.data.Dataset):
@@ -207,7 +213,7 @@ def precompute_vs_bare_forward(size: Size, device: torch.device, work: Path) -> 
     data = SyntheticImages(size.images, size.image)
     out = {"images": size.images, "batch": size.batch, "image_size": size.image, "precision": "bf16",
            "num_workers": size.workers, "goal": 0.9, "priors": {}}
-    for name, arch in PRIORS.items():
+    for name, arch in size.priors.items():
         prior = random_weights_prior(name, arch, size.image, work)
         _sync(device)
         t = time.perf_counter()
@@ -238,7 +244,7 @@ def input_pipeline_rate(prior, data, size: Size, device: torch.device) -> float:
     """Images/s of precompute's own input pipeline alone (the same DataLoader: each sample's identity digest and the
     prior's preprocessing in the workers, pinned batches copied to the device), with no forward: the ceiling the
     data side puts on precompute."""
-    from accelerate_ssl.targets.precompute import input_batches
+    from accelerate_ssl.targets.write import input_batches
 
     loader = input_batches(data, prior.preprocess, size.batch, size.workers, pin_memory=device.type == "cuda")
     t = time.perf_counter()
@@ -301,7 +307,7 @@ def step_kind(kind: str, size: Size, device: torch.device, work: Path, compiled:
     n_rows = size.images
     if kind.startswith("online_teacher:"):
         name = kind.split(":", 1)[1]
-        prior = random_weights_prior(name, PRIORS[name], size.image, work)
+        prior = random_weights_prior(name, size.priors[name], size.image, work)
         torch.manual_seed(0)
         model = OnlineTeacherStep(_student(size.student), prior.model, prior.model.num_features).to(device).to(
             memory_format=torch.channels_last)
@@ -396,7 +402,7 @@ def model_batch(path: Path) -> int:
 
 def steps_section(size: Size, device: torch.device, work: Path) -> dict:
     kinds = ["plain", "rela_mixed", "rela_lambda1", "rela_lambda1_one_view", "plain_loader",
-             "rela_mixed_host_prefetch", *[f"online_teacher:{p}" for p in PRIORS], "plain"]
+             "rela_mixed_host_prefetch", *[f"online_teacher:{p}" for p in size.priors], "plain"]
     measured: dict = {}
     for i, kind in enumerate(kinds):
         key = "plain_again" if (kind == "plain" and i > 0) else kind
@@ -608,6 +614,8 @@ def main(argv=None) -> int:
               "on the CPU at toy sizes.", file=sys.stderr)
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # a rehearsal: one thread stays fast on a shared or busy machine
     import shutil
 
     from accelerate_ssl.results import write_results

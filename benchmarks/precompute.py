@@ -44,7 +44,7 @@ from accelerate_ssl.data import FashionMNIST  # noqa: E402
 from accelerate_ssl.results import save_figure, write_results  # noqa: E402
 from measure import PeakRSS  # noqa: E402
 from accelerate_ssl.targets.precompute import precompute_targets  # noqa: E402
-from accelerate_ssl.targets.priors import create_prior  # noqa: E402
+from accelerate_ssl.priors import create_prior  # noqa: E402
 
 
 def bare_forward(prior, dataset, batch_size: int) -> tuple[float, float]:

@@ -31,9 +31,9 @@ sys.path.insert(0, str(ROOT))
 from accelerate_ssl import __version__  # noqa: E402
 from accelerate_ssl.data import FashionMNIST  # noqa: E402
 from accelerate_ssl.results import save_figure, write_results  # noqa: E402
-from accelerate_ssl.targets.catalog import RECOMMENDED, describe_prior  # noqa: E402
+from accelerate_ssl.priors.catalog import RECOMMENDED, describe_prior  # noqa: E402
 from accelerate_ssl.targets.precompute import precompute_targets  # noqa: E402
-from accelerate_ssl.targets.priors import create_prior  # noqa: E402
+from accelerate_ssl.priors import create_prior  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -110,7 +110,8 @@ def phase_precompute(rows: int, out: Path) -> dict:
 def phase_write_store(rows: int, out: Path) -> dict:
     """A finished store of ``rows`` random rows written directly (no prior): what a 14.2 M precompute leaves."""
     from accelerate_ssl.atomic import atomic_write_text
-    from accelerate_ssl.targets.store import FORMAT, FORMAT_VERSION, METADATA, TARGETS, file_sha256
+    from accelerate_ssl.checksum import file_sha256
+    from accelerate_ssl.targets.format import FORMAT, FORMAT_VERSION, METADATA, TARGETS
 
     out.mkdir(parents=True, exist_ok=True)
     with PeakMemory() as mem:

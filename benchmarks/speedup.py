@@ -149,7 +149,7 @@ def prepare_targets(args, prior: str) -> dict:
     """The prior's target store over the training images, its precompute timed (wall, CPU) once and re-used."""
     from accelerate_ssl.data import FashionMNIST
     from accelerate_ssl.targets.precompute import precompute_targets
-    from accelerate_ssl.targets.priors import create_prior
+    from accelerate_ssl.priors import create_prior
 
     memo = store_dir(args, prior).with_suffix(".json")
     if memo.is_file() and (store_dir(args, prior) / "metadata.json").is_file():
@@ -198,7 +198,7 @@ def timing(args, train, prior: str) -> dict:
     from accelerate_ssl.recipes import BYOL, images_to_tensor, loader_batches, prior_teacher, train_ssl
     from accelerate_ssl.rela import ReLA
     from accelerate_ssl.schedules import Constant
-    from accelerate_ssl.targets.priors import create_prior
+    from accelerate_ssl.priors import create_prior
     from accelerate_ssl.targets.store import TargetStore
 
     store = TargetStore.open(store_dir(args, prior), dataset=train)

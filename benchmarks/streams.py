@@ -43,7 +43,7 @@ from accelerate_ssl.atomic import atomic_path  # noqa: E402
 from accelerate_ssl.backbones import ConvNet  # noqa: E402
 from accelerate_ssl.data.streams import open_stream  # noqa: E402
 from accelerate_ssl.results import save_figure, write_results  # noqa: E402
-from accelerate_ssl.targets.priors import Preprocess  # noqa: E402
+from accelerate_ssl.priors import Preprocess  # noqa: E402
 
 PRIOR = "random:convnet"
 # counted extrapolation: ViT FLOPs per 224 px image (2 FLOPs per multiply-add), data set sizes, H100 throughput

@@ -120,7 +120,7 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    from accelerate_ssl.targets.priors import save_prior_checkpoint
+    from accelerate_ssl.priors import save_prior_checkpoint
 
     preprocess = {"channels": 1, "mean": [float(mean)], "std": [float(std)], "stats": "dataset"}
     save_prior_checkpoint(backbone, out, arch="convnet", arch_kwargs=backbone.config, preprocess_config=preprocess)

@@ -31,7 +31,7 @@ from accelerate_ssl.atomic import atomic_write_json
 from accelerate_ssl.backbones import ConvNet
 from accelerate_ssl.data import FashionMNIST
 from accelerate_ssl.integrations.accelerate import subset_sampler
-from accelerate_ssl.integrations.lightly import open_or_precompute
+from accelerate_ssl import open_or_precompute
 from accelerate_ssl.rela import ReLA
 
 

@@ -27,10 +27,9 @@ this module holds the glue:
    controller and head exactly; a run killed after a mid-epoch checkpoint and resumed with ``load_state`` and
    ``skip_first_batches`` trains the rows of an uninterrupted one (``tests/test_integration_accelerate.py``).
 
-Targets are precomputed sharded over the same processes with
-``accelerate launch -m accelerate_ssl.cli precompute ...`` (or :func:`precompute_targets` called under
-``accelerate launch``; the example does it through
-:func:`accelerate_ssl.integrations.lightly.open_or_precompute`).
+Targets are precomputed sharded over the same processes: :meth:`ReLA.from_prior <accelerate_ssl.rela.ReLA.from_prior>`
+after ``accelerator.prepare`` does it (the README's recipe), as do :func:`accelerate_ssl.open_or_precompute` and
+``accelerate launch -m accelerate_ssl.cli precompute ...``.
 """
 
 from __future__ import annotations

@@ -1,39 +1,36 @@
-"""ReLA in a lightly training loop with one added line (the ReLA papers; see :mod:`accelerate_ssl.rela`).
+"""ReLA in a lightly training loop (the ReLA papers; see :mod:`accelerate_ssl.rela`).
 
-lightly's examples build a ``DataLoader`` over a torchvision-style dataset (or a ``LightlyDataset``)
-whose transform makes the views, and a model with a ``backbone``. :func:`attach_rela` takes exactly
-those two objects and does everything ReLA needs behind one line::
+lightly's examples build a ``DataLoader`` over a torchvision-style dataset (or a ``LightlyDataset``) whose transform
+makes the views, and a model with a ``backbone``. The core's one set-up, :meth:`ReLA.from_prior
+<accelerate_ssl.rela.ReLA.from_prior>`, takes exactly those two objects (the clean view of the loader's data set, its
+store opened or precomputed once under a cache folder keyed by prior and data fingerprint, the loader tracked)::
 
-    rela = attach_rela(model.backbone, dataloader, prior="shipped:digits-byol", cache_dir="rela-targets")
+    rela = ReLA.from_prior("shipped:digits-byol", model.backbone, dataloader, total_steps=epochs * len(dataloader))
     ...
     loss = rela.wrap(0.5 * (criterion(p0, z1) + criterion(p1, z0)))
 
-1. finds the *clean* dataset under the loader (:func:`clean_dataset`: the same samples without the
-   augmentation; for a ``LightlyDataset`` its underlying torchvision dataset),
-2. precomputes the prior's targets for it once into ``cache_dir/<prior>-<fingerprint>`` (sharded when
-   run under ``accelerate launch``), or opens that store if it is already there — the dataset
-   fingerprint is checked, so a stale cache is refused, never silently reused,
-3. the store records the dataset's file names as its sample keys (:mod:`accelerate_ssl.targets.keys`), so rows
-   can also be found by file name (``LightlyDataset`` items are ``(sample, target, fname)``),
-4. returns a :class:`LightlyReLA` (a :class:`~accelerate_ssl.rela.ReLA`) that tracks the loader's sample
-   indices and hooks the backbone's features.
+This module adds what is lightly's own:
 
-``rela.wrap(loss, filenames=fnames)`` looks rows up by file name instead of the tracked index (for
-loaders whose indices cannot be tracked, e.g. a custom iterable over a ``LightlyDataset``): it is
-``rela.wrap(loss, keys=fnames)``, the library's one key lookup.
+- :class:`LightlyReLA`: ``rela.wrap(loss, filenames=fnames)`` looks rows up by file name (``LightlyDataset`` items are
+  ``(sample, target, fname)``), the library's one key lookup (``wrap(keys=)``); ``log_every=k`` prints lambda;
+- :func:`attach_rela`: ``LightlyReLA.from_prior`` with ``enabled=False`` for the same loop without ReLA;
+- :func:`clean_dataset` and :func:`open_or_precompute` are the core's :func:`~accelerate_ssl.data.items.clean_view`
+  (a ``LightlyDataset`` gives its inner data set's clean view) and
+  :func:`~accelerate_ssl.targets.cache.open_or_precompute`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from torch import nn
 
+from accelerate_ssl.data.items import clean_view as clean_dataset
 from accelerate_ssl.rela import ReLA
+from accelerate_ssl.targets.cache import open_or_precompute
 from accelerate_ssl.targets.keys import TargetKeys
 
 __all__ = ["attach_rela", "clean_dataset", "dataset_filenames", "FilenameIndex", "LightlyReLA", "open_or_precompute",
@@ -44,27 +41,6 @@ __all__ = ["attach_rela", "clean_dataset", "dataset_filenames", "FilenameIndex",
 FILENAMES_SIDECAR = "filenames.json"
 
 # ---------------------------------------------------------------------------------------------- datasets
-def _is_lightly_dataset(dataset) -> bool:
-    return type(dataset).__name__ == "LightlyDataset" and hasattr(dataset, "dataset") and hasattr(dataset, "get_filenames")
-
-
-def clean_dataset(dataset, transform_attr: Union[None, str, Sequence[str]] = None):
-    """The samples of ``dataset`` without its augmentation, in the same order (the data are shared; ``dataset`` is
-    left as it is).
-
-    - lightly's ``LightlyDataset``: its underlying torchvision dataset, transform removed;
-    - anything else: :func:`accelerate_ssl.data.clean_view` (a ``Subset`` of the clean inner data set; the transform
-      found under ``transform``, ``image_transform``, ``transforms``, ... or named with ``transform_attr=``).
-
-    Raises a ``TypeError`` naming the fix for datasets without a transform attribute.
-    """
-    from accelerate_ssl.data.items import clean_view
-
-    if _is_lightly_dataset(dataset):
-        return clean_view(dataset.dataset, transform_attr)
-    return clean_view(dataset, transform_attr)
-
-
 def dataset_filenames(dataset) -> Optional[list[str]]:
     """The file names of ``dataset`` in index order, relative to its folder (``LightlyDataset.get_filenames()``,
     ImageFolder-style ``.samples``): the keys a store of it records; ``None`` if it has no files."""
@@ -95,44 +71,6 @@ class FilenameIndex(TargetKeys):
     @property
     def filenames(self) -> list[str]:
         return self.in_row_order()
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-")[:60]
-
-
-def open_or_precompute(prior: Union[str, nn.Module], dataset, cache_dir: Union[str, os.PathLike],
-                       weights: Optional[str] = None, batch_size: int = 256, progress: bool = True, image_key=None):
-    """The TargetStore of ``prior`` over the clean ``dataset``, computed once under ``cache_dir``.
-
-    The store folder is ``cache_dir/<prior spec>-<dataset fingerprint>``, so another dataset (or another
-    prior) gets another folder, and opening checks the fingerprint again. ``prior`` is a spec for
-    :func:`~accelerate_ssl.targets.priors.create_prior` (random backbones get the data's channel count)
-    or a ready ``Prior``. Under ``accelerate launch`` the precompute is sharded across the processes.
-    File names (if the dataset has them) are recorded in the store as its sample keys. ``image_key``: where each
-    item's image is (dict items: the field; default the first of ``image``, ``img``, ``pixel_values``, ... present).
-    """
-    from accelerate_ssl import backbones
-    from accelerate_ssl.data import dataset_fingerprint
-    from accelerate_ssl.targets.precompute import image_channels, precompute_targets
-    from accelerate_ssl.targets.priors import create_prior
-    from accelerate_ssl.targets.store import METADATA, TargetStore
-
-    if isinstance(prior, str):
-        family, _, arch = prior.partition(":")
-        overrides = ({"in_channels": image_channels(dataset, image_key)}
-                     if family == "random" and arch in backbones.BACKBONES else {})
-        spec = prior
-        prior = create_prior(prior, weights=weights, **overrides)
-    else:
-        spec = getattr(prior, "spec", type(prior).__name__)
-    fingerprint = dataset_fingerprint(dataset, image_key=image_key)
-    path = Path(cache_dir) / f"{_slug(spec)}-{fingerprint['length']}-{fingerprint['sha256'][:12]}"
-    if (path / METADATA).is_file():
-        store = TargetStore.open(path, dataset=dataset)
-    else:
-        store = precompute_targets(prior, dataset, path, batch_size=batch_size, progress=progress, image_key=image_key)
-    return store
 
 
 # ---------------------------------------------------------------------------------------------- ReLA
@@ -190,8 +128,8 @@ class _NoReLA:
 def attach_rela(backbone: nn.Module, dataloader, *, prior: Union[str, nn.Module, None] = None,
                 cache_dir: Union[str, os.PathLike] = "rela-targets", weights: Optional[str] = None,
                 enabled: bool = True, log_every: int = 0, progress: bool = True, **rela_kwargs):
-    """One line to add ReLA to a lightly loop: precompute/open the targets of ``dataloader``'s dataset and
-    return a :class:`LightlyReLA` tracking ``dataloader`` and hooking ``backbone``.
+    """``LightlyReLA.from_prior(prior, backbone, dataloader, ...)`` (:meth:`ReLA.from_prior
+    <accelerate_ssl.rela.ReLA.from_prior>`), or with ``enabled=False`` an object whose ``wrap`` returns the loss.
 
     Args:
         backbone: the student's feature extractor (``model.backbone``).
@@ -213,9 +151,5 @@ def attach_rela(backbone: nn.Module, dataloader, *, prior: Union[str, nn.Module,
                          "prior='timm:vit_small_patch14_dinov2.lvd142m' or 'open_clip:ViT-B-32/laion2b_s34b_b79k' "
                          "(`accelerate-ssl priors list`), or 'shipped:digits-byol' for 28 px grayscale images. There is "
                          "no default: an untrained network ('random:convnet') saves nothing in the measurements.")
-    dataset = getattr(dataloader, "dataset", None)
-    if dataset is None:
-        raise TypeError(f"attach_rela needs a torch DataLoader, got {type(dataloader).__name__}.")
-    clean = clean_dataset(dataset)
-    store = open_or_precompute(prior, clean, cache_dir, weights=weights, progress=progress)
-    return LightlyReLA(store, backbone, dataset=clean, dataloader=dataloader, log_every=log_every, **rela_kwargs)
+    return LightlyReLA.from_prior(prior, backbone, dataloader, cache_dir=cache_dir, weights=weights, progress=progress,
+                                  log_every=log_every, **rela_kwargs)

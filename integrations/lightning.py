@@ -5,13 +5,16 @@ data or the Trainer changes::
 
     from accelerate_ssl.integrations.lightning import ReLACallback
 
-    trainer = Trainer(..., callbacks=[ReLACallback("targets/train", dataset=clean_train_set)])
+    trainer = Trainer(..., callbacks=[ReLACallback.from_prior("shipped:digits-byol")])   # your prior
 
     # in your LightningModule.training_step, on the loss you return:
     loss = self.rela.wrap(loss)
 
-``targets`` is a TargetStore, its path, a float Tensor ``[N, d]`` (row i = dataset item i), or a ready
-:class:`~accelerate_ssl.rela.ReLA`. At ``fit`` set-up the callback builds ReLA on the module's ``backbone``
+``ReLACallback.from_prior(prior)`` makes the targets itself, on the data set of the loader Lightning iterates (its
+clean view; the store opened under ``cache_dir`` or precomputed once, the DDP processes sharing the work), when
+Lightning hands that loader over. ``ReLACallback(targets, dataset=clean_train_set)`` takes ready targets: a
+TargetStore, its path, a float Tensor ``[N, d]`` (row i = dataset item i), or a ready
+:class:`~accelerate_ssl.rela.ReLA`; it builds ReLA at ``fit`` set-up. Either builds ReLA on the module's ``backbone``
 (``backbone=`` names another attribute, or is a function of the module) and sets it as ``module.rela``;
 every other keyword goes to :class:`~accelerate_ssl.rela.ReLA`. Then:
 
@@ -137,6 +140,9 @@ class _ReLACallback:
             raise ValueError("ReLACallback tracks the DataLoader Lightning iterates itself; drop dataloader=.")
         self.rela: Optional[ReLA] = targets if isinstance(targets, ReLA) else None
         self._targets, self._backbone, self._dataset, self._rela_kwargs = targets, backbone, dataset, rela_kwargs
+        self._prior: Optional[dict] = None  # from_prior: how to make the targets, once the loader is known
+        self._module = None  # the LightningModule of the fit (set at set-up; from_prior builds ReLA on it later)
+        self._pending_state: Optional[dict] = None  # a checkpoint's ReLA state loaded before from_prior built ReLA
         self._plan_from_trainer = False
         #: ``(pass, indices)`` of the batches yielded, not yet received, oldest first; all of one pass
         self._fifo: collections.deque = collections.deque()
@@ -145,6 +151,33 @@ class _ReLACallback:
         self._first_batch_idx: Optional[int] = None  # ... and the batch_idx of the first one
         self._last_seen: Any = None
         self._patched_strategy = None
+
+    @classmethod
+    def from_prior(cls, prior, backbone: Union[str, Callable[[nn.Module], nn.Module]] = "backbone", *,
+                   cache_dir="rela-targets", dataset=None, image_key=None, transform_attr=None,
+                   weights: Optional[str] = None, batch_size: Optional[int] = None, progress: bool = True,
+                   **rela_kwargs):
+        """The callback whose targets ``prior`` makes, on the data set of the loader Lightning iterates: the set-up of
+        :meth:`ReLA.from_prior <accelerate_ssl.rela.ReLA.from_prior>` in Lightning's idiom.
+
+        ``Trainer(..., callbacks=[ReLACallback.from_prior("shipped:digits-byol")])``
+
+        When Lightning hands over the training loader (after its sampler replacement, on every process), the callback
+        takes the clean view of the loader's data set (or ``dataset=``), opens its store under ``cache_dir`` or
+        precomputes it once (the DDP processes share the work and wait for each other) and builds ReLA on the module's
+        ``backbone`` as ``module.rela``, planned for the Trainer's optimiser steps. ReLA exists from then on, after
+        ``configure_optimizers``: its own optimiser trains the head (to train it with yours, pass a ready store:
+        ``ReLACallback(open_or_precompute(...), dataset=clean_set)``). The other arguments are
+        :meth:`ReLA.from_prior`'s; ``**rela_kwargs`` go to :class:`ReLA`.
+        """
+        if dataset is not None and transform_attr is not None:
+            raise ValueError("ReLACallback.from_prior: pass dataset= (the clean set itself) or transform_attr= (where "
+                             "the loader's data set holds its augmentation), not both.")
+        callback = cls(None, backbone, dataset=dataset, **rela_kwargs)
+        callback._prior = {"prior": prior, "cache_dir": cache_dir, "image_key": image_key,
+                           "transform_attr": transform_attr, "weights": weights, "batch_size": batch_size,
+                           "progress": progress}
+        return callback
 
     # ------------------------------------------------------------------ set-up
     def _resolve_backbone(self, pl_module) -> nn.Module:
@@ -168,18 +201,45 @@ class _ReLACallback:
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
             return
-        if self.rela is None:
+        self._module = pl_module
+        if self._prior is not None:  # built when Lightning hands over the training loader (_track)
+            self._plan_from_trainer = "total_steps" not in self._rela_kwargs
+            if self.rela is not None:
+                self._attach(trainer, pl_module)
+        elif self.rela is None:
             self.rela = ReLA(self._targets, self._resolve_backbone(pl_module), dataset=self._dataset, **self._rela_kwargs)
             self._plan_from_trainer = "total_steps" not in self._rela_kwargs
+            self._attach(trainer, pl_module)
         else:
             self._plan_from_trainer = not self.rela._planned
+            self._attach(trainer, pl_module)
+        self._patch_strategy(trainer)
+
+    def _attach(self, trainer, pl_module) -> None:
+        """Put ReLA on the module's device and set it as ``module.rela``."""
         self.rela.to(trainer.strategy.root_device)
         existing = getattr(pl_module, "rela", None)
         if existing is not None and existing is not self.rela:
             raise AttributeError(f"ReLACallback sets {type(pl_module).__name__}.rela, but the module already has a "
                                  "`rela` attribute; rename yours.")
         pl_module.rela = self.rela
-        self._patch_strategy(trainer)
+
+    def _build_from_prior(self, trainer, dataloader) -> None:
+        """``from_prior``: the store of the clean view of the loader's data set (opened, or precomputed once by the
+        processes together), and ReLA on the module's backbone."""
+        from accelerate_ssl.data.items import clean_view
+        from accelerate_ssl.targets.cache import open_or_precompute
+
+        spec = self._prior
+        clean = self._dataset if self._dataset is not None else clean_view(dataloader.dataset, spec["transform_attr"])
+        store = open_or_precompute(spec["prior"], clean, spec["cache_dir"], weights=spec["weights"],
+                                   batch_size=spec["batch_size"], progress=spec["progress"], image_key=spec["image_key"])
+        self.rela = ReLA(store, self._resolve_backbone(self._module), dataset=clean, **self._rela_kwargs)
+        self._attach(trainer, self._module)
+        if self._pending_state is not None:  # a checkpoint Lightning restored before the loader was known
+            self.rela.load_state_dict(self._pending_state)
+            self._pending_state = None
+        self._last_seen = self.rela.last_wrap
 
     def _patch_strategy(self, trainer) -> None:
         """Track every training DataLoader as Lightning hands it to ``strategy.process_dataloader``: after it replaced
@@ -193,18 +253,26 @@ class _ReLACallback:
         def process_dataloader(dataloader):
             callback = ref()
             if callback is not None and trainer.training:
-                callback._track(dataloader)
+                callback._track(trainer, dataloader)
             return original(dataloader)
 
         strategy.process_dataloader = process_dataloader
         self._patched_strategy = strategy
 
-    def _track(self, dataloader) -> None:
+    def _track(self, trainer, dataloader) -> None:
         if not isinstance(dataloader, DataLoader):
             raise TypeError(
                 f"ReLACallback: Lightning's training loader is a {type(dataloader).__name__}, not a torch DataLoader, so "
                 "its sample indices cannot be tracked. Return a DataLoader over a map-style dataset from train_dataloader()."
             )
+        if self._prior is not None:
+            if self.rela is None:
+                self._build_from_prior(trainer, dataloader)
+            elif self._dataset is None:  # a reloaded loader: its own clean view vouches for a data set augmenting inside
+                from accelerate_ssl.data.items import clean_view
+
+                self.rela.check_dataset(clean_view(dataloader.dataset, self._prior["transform_attr"]),
+                                        "the clean view of the DataLoader Lightning iterates")
         self.rela.check_dataset(dataloader.dataset, "the DataLoader Lightning iterates")
         tracker = track_indices(dataloader)
         if tracker not in self._trackers:
@@ -274,15 +342,15 @@ class _ReLACallback:
                 f"ReLACallback: the batch's tensors have {sorted(sizes)} rows but the DataLoader yielded {len(index)} sample "
                 "indices for it; the batches Lightning delivers are not the DataLoader's. Pass index= to self.rela.wrap."
             )
-        self.rela._publish_index(index)
-        self._last_seen = self.rela._last
+        self.rela.publish_index(index)
+        self._last_seen = self.rela.last_wrap
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.rela is not None and self.rela._is_user_optimizer(optimizer):
-            self.rela._sync_head_gradients()
+        if self.rela is not None:
+            self.rela.average_head_gradients(optimizer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        last = self.rela._last
+        last = self.rela.last_wrap
         if last is self._last_seen:
             return  # training_step did not call rela.wrap
         self._last_seen = last
@@ -297,8 +365,11 @@ class _ReLACallback:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "rela" in state_dict:
+            if self.rela is None:  # from_prior: ReLA is built when Lightning hands over the loader, after this
+                self._pending_state = state_dict["rela"]
+                return
             self.rela.load_state_dict(state_dict["rela"])
-            self._last_seen = self.rela._last
+            self._last_seen = self.rela.last_wrap
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if "rela" not in checkpoint.get("callbacks", {}).get(self.state_key, {}):

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from accelerate_ssl.data import ArrayImageDataset
-from accelerate_ssl.targets.priors import Preprocess, Prior
+from accelerate_ssl.priors import Preprocess, Prior
 
 DIM = 8
 

@@ -9,7 +9,7 @@ import torch
 
 from accelerate_ssl.data import ArrayImageDataset
 from accelerate_ssl.targets.precompute import precompute_targets
-from accelerate_ssl.targets.priors import create_prior
+from accelerate_ssl.priors import create_prior
 
 
 def tiny_dataset(n: int) -> ArrayImageDataset:

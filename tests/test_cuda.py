@@ -101,3 +101,47 @@ def test_cuda_step_never_synchronises_after_warm_up(targets_on_device):
             _step(net, rela, torch.bfloat16, opt=opt, idx=torch.randperm(N)[:32])
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cuda_witnessed_steps_never_synchronise():
+    """The witness on every step (two views, the prior on the device) adds no host synchronisation: its statistics are
+    read back once their copy has completed."""
+    from accelerate_ssl.rela import Witness
+    from accelerate_ssl.priors import Preprocess, Prior
+
+    class Flat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(3 * 16 * 16, 48)
+
+        def forward(self, x):
+            return self.proj(x.flatten(1))
+
+    prior = Prior(Flat(), "test:flat", Preprocess(channels=3, mean=[0.5], std=[0.5]),
+                  {"family": "test", "arch": "flat", "output_dim": 48, "weights": None, "weights_sha256": None})
+    torch.manual_seed(0)
+    net = _net()
+    rela = ReLA(_targets(), net, feature_dim=D, sync_every=1000, witness=Witness(prior=prior, every=1))
+    opt = torch.optim.AdamW([*net.parameters(), *rela.parameters()], lr=1e-3, capturable=True)
+
+    def step():
+        idx = torch.randperm(N)[:32]
+        x = torch.rand(32, 3, 16, 16, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            net(x), net(x.flip(3))
+            loss = rela.wrap(torch.zeros((), device="cuda"), index=idx)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(10):  # warm-up: head fit, index checks, the prior moved to the device
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(10):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    rela.witness._judge_ready(None, wait=True)
+    assert rela.witness.last is not None and rela.witness.status != "not attached"

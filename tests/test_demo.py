@@ -167,9 +167,9 @@ def test_rela_run_differs_from_plain_only_by_the_wrap(tmp_path, fashion_mnist_av
 
 
 def test_default_prior_ships_and_loads():
-    from accelerate_ssl.targets.priors import create_prior
+    from accelerate_ssl.priors import create_prior
 
-    from accelerate_ssl.targets.priors import shipped_prior_file
+    from accelerate_ssl.priors import shipped_prior_file
 
     # a prior trained on other data (digits), label-free: a user's situation, not an upper bound; small enough to ship
     assert demo.DEFAULT_PRIOR == "shipped:digits-byol"
@@ -253,3 +253,26 @@ def test_the_shipped_reference_is_the_committed_measurement():
     assert demo.REFERENCE["speedup_cpu"] == [round(r["speedup_cpu"]["speedup"], 2) for r in result["per_seed"]]
     assert demo.REFERENCE["speedup_steps"] == [round(r["speedup"]["speedup"], 2) for r in result["per_seed"]]
     assert demo.REFERENCE["mean_cpu"] == round(result["speedup_cpu"]["speedup"], 2)
+    # the file's own reference line is the one the demo writes against REFERENCE (seeds, intervals), from its numbers
+    args = argparse.Namespace(**{**defaults, **result["settings"]})
+    assert result["reference"] == demo._reference_line(args, result)
+    assert result["reference"].startswith(f"reference: seeds {', '.join(map(str, demo.REFERENCE['seeds']))} on ")
+
+
+@pytest.mark.parametrize("prior_spec", ["shipped:digits-byol", "timm:vit_small_patch14_dinov2.lvd142m",
+                                        "checkpoint:/home/someone/runs/2026-11-20/prior-weights-after-20000-steps.pt"])
+def test_the_figure_title_fits_inside_the_figure(prior_spec, monkeypatch, tmp_path):
+    """The title, as the renderer lays it out (every line), lies inside the saved figure: the committed measurement's
+    and one with a long prior spec."""
+    result = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "demo.json").read_text())
+    result["settings"]["prior_spec"] = prior_spec
+    figures = []
+    monkeypatch.setattr(demo, "save_figure", lambda fig, path, dpi=110: figures.append(fig))
+    demo.write_png(result, tmp_path / "demo.png")
+    fig = figures[0]
+    fig.canvas.draw()
+    title = fig.axes[0].title
+    extent = title.get_window_extent(fig.canvas.get_renderer())
+    text = title.get_text()
+    assert prior_spec in text.replace("\n", "") and text.replace("\n", " ").endswith("(mean ± std of 6 seeds)")
+    assert 0 <= extent.x0 and extent.x1 <= fig.bbox.width and extent.y1 <= fig.bbox.height, (extent, fig.bbox)

@@ -7,7 +7,7 @@ from torch import nn
 from accelerate_ssl.backbones import ConvNet, ResNetSmall
 from accelerate_ssl.distill import DistilledSet, SoftLabelStore, kd_loss, synthesize, train_student, warm_start
 from accelerate_ssl.distill.relabel import apply_batch_params, epoch_batches, sample_batch_params
-from accelerate_ssl.distill.synthesize import _generator
+from accelerate_ssl.distill.synthesize import seeded_generator
 from distill_helpers import CLASSES, MEAN, SIZE, STD, one_thread, tiny_real, tiny_teacher
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -36,7 +36,7 @@ def test_fkd_replay_reproduces_the_stored_images_exactly(mix, tmp_path):
     store = SoftLabelStore.load(store.save(tmp_path / "soft.pt"))
     for epoch in range(2):
         for b, idx in enumerate(epoch_batches(len(distilled), 3, 7, epoch)):
-            params = sample_batch_params(len(idx), SIZE, _generator(7, "aug", epoch, b), mix=mix)
+            params = sample_batch_params(len(idx), SIZE, seeded_generator(7, "aug", epoch, b), mix=mix)
             expected = apply_batch_params(distilled.images[idx], params)  # what the teacher labelled
             images, logits = store.replay(distilled, epoch, b)
             assert torch.equal(images, expected)

@@ -7,13 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from processes import cpu_process_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(script, args, tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), *args],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        cwd=tmp_path, env=cpu_process_env(), capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout

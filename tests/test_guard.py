@@ -15,7 +15,7 @@ from accelerate_ssl.rela import INDEX_CHECK_STEPS, MisalignmentWarning
 from accelerate_ssl.rela.guard import AlignmentGuard
 from accelerate_ssl.schedules import Constant
 
-N, D_IN, D_F, D_T, B = 1024, 16, 32, 12, 16
+N, D_IN, D_F, D_T, B = 2048, 16, 32, 12, 64
 
 
 def data():

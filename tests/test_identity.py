@@ -16,7 +16,7 @@ from accelerate_ssl.cli import main as cli_main
 from accelerate_ssl.data import ArrayImageDataset, Digits, dataset_fingerprint
 from accelerate_ssl.data.fingerprint import RowIdentity
 from accelerate_ssl.targets.precompute import precompute_targets
-from accelerate_ssl.targets.priors import create_prior
+from accelerate_ssl.priors import create_prior
 from accelerate_ssl.targets.store import TargetStoreMismatchError
 
 

@@ -1,7 +1,9 @@
 """HF Accelerate integration: prepared-loader index tracking, the subset sampler under prepare, a 2-process
 (gloo, CPU) run of examples/accelerate_byol.py with identical lambda and averaged loss on both processes,
-resume from accelerator.save_state, the sharded precompute command, and a 2-process run of a script written the way
-Accelerate's own examples/cv_example.py is (dict items, augmentation inside __getitem__, files in .file_names)."""
+resume from accelerator.save_state, the sharded precompute command, and the README's two Accelerate recipes run as
+written under 2 gloo processes and counted: a script written the way Accelerate's own examples/cv_example.py is (dict
+items, augmentation inside __getitem__, files in .file_names) and one written the way its
+examples/by_feature/checkpointing.py is, killed after a mid-epoch checkpoint and resumed with skip_first_batches."""
 
 from __future__ import annotations
 
@@ -22,10 +24,13 @@ from torch.utils.data import DataLoader, Dataset
 from accelerate_ssl.data.datasets import fashion_mnist_dir
 from accelerate_ssl.rela import ReLA
 from processes import cpu_process_env  # noqa: E402
+from recipe_check import assert_every_row_is_the_samples_own, check_recipe, read_logs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "accelerate_byol.py"
-RESUME_WORKER = ROOT / "tests" / "_accelerate_resume_worker.py"
+RECIPES = ROOT / "tests" / "recipes"
+RESUME_RECIPE = RECIPES / "accelerate_checkpointing.py"
+CV_RECIPE = RECIPES / "accelerate_cv.py"
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 HAVE_FMNIST = any((fashion_mnist_dir() / f).exists() for f in ("train-images-idx3-ubyte.gz", "train-images-idx3-ubyte"))
 needs_fmnist = pytest.mark.skipif(not HAVE_FMNIST, reason="Fashion-MNIST idx files not installed")
@@ -46,9 +51,9 @@ def _argv(command: str) -> list[str]:
     return head + [str(ROOT / w) if w.startswith("examples/") else w for w in words[1:]]
 
 
-def _env():  # the children import this checkout's package
-    return cpu_process_env(PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore",
-                           PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+def _env(**extra):  # the children import this checkout's package (and the recipes the tests' helpers)
+    return cpu_process_env(PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", **extra,
+                           PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
 
 
 def _run(command: str, cwd: Path, timeout: int = 170) -> subprocess.CompletedProcess:
@@ -254,21 +259,38 @@ def test_rela_track_of_a_prepared_loader_publishes_at_its_yield(accelerator):
         ReLA(torch.randn(40, 4), nn.Linear(3, 5), feature_dim=5, dataloader=prepared)
 
 
-def test_readme_accelerate_lines_are_the_resume_workers():
-    """Every line of the README's Accelerate recipe is in tests/_accelerate_resume_worker.py (which the 2-process resume
-    test runs), and ReLA's lines there (marked) are the README's: 3 added, the ReLA(...) call on two, and 2 changed."""
-    def code(line):
-        return line.split("  #")[0].strip()
+def test_the_accelerate_recipe_is_three_added_and_two_changed_lines_of_accelerates_cv_example():
+    assert check_recipe(CV_RECIPE, "written the way Accelerate's own `examples/cv_example.py`") == (3, 2)
 
-    readme = (ROOT / "README.md").read_text().split("**HF Accelerate**", 1)[1]
-    block = [code(line) for line in readme.split("```python\n", 1)[1].split("```", 1)[0].splitlines()]
-    block = [line for line in block if line and not line.startswith("...")]
-    worker = RESUME_WORKER.read_text().splitlines()
-    assert [line for line in block if line not in {code(w) for w in worker}] == []
-    marked = [code(w) for w in worker if w.rstrip().endswith("# README")]
-    assert [line for line in block if line in marked] == marked and len(marked) == 6
-    assert [line for line in marked if "rela.track(" in line or "rela.wrap(" in line] == [
-        "for step, batch in enumerate(rela.track(active_dataloader)):", "loss = rela.wrap(loss)"]
+
+def test_the_accelerate_resume_recipe_is_four_added_and_two_changed_lines_of_accelerates_checkpointing_example():
+    assert check_recipe(RESUME_RECIPE, "In a script written like Accelerate's `examples/by_feature/checkpointing.py`") == (4, 2)
+
+
+def test_from_prior_on_a_prepared_loader_and_a_clean_set_in_another_order(accelerator, tmp_path):
+    """ReLA.from_prior on the loader accelerator.prepare returned (it reads ahead: checked now, iterated through
+    rela.track): the targets of its dict-item data set's clean view, each batch's rows its own; given a clean set listing
+    the same files in another order instead, it stops before training, naming the order."""
+    from pets import PetsDataset, image_number, make_pet_images, name_number
+    from torchvision.transforms import Compose, RandomResizedCrop, ToTensor
+
+    from accelerate_ssl.backbones import ConvNet
+    from accelerate_ssl.targets.store import TargetStoreMismatchError
+
+    files = make_pet_images(tmp_path / "images", 24)
+    train = PetsDataset(files, image_transform=Compose([RandomResizedCrop(12, scale=(0.5, 1.0)), ToTensor()]))
+    loader = accelerator.prepare(DataLoader(train, batch_size=6, shuffle=True))
+    backbone = ConvNet(in_channels=3, widths=(8,))
+    rela = ReLA.from_prior("random:convnet", backbone, loader, total_steps=8, cache_dir=tmp_path / "cache",
+                           progress=False, image_key="image")  # (named: the field found by default is said once)
+    assert rela.head is not None and rela.head.in_features == 8  # the feature dim, from the prepared loader's data
+    row_of = {name_number(f): i for i, f in enumerate(files)}
+    for batch in rela.track(loader):
+        rela.wrap(torch.tensor(0.0), features=backbone(batch["image"]))
+        assert rela._current_index.tolist() == [row_of[n] for n in image_number(batch["image"])]
+    with pytest.raises(TargetStoreMismatchError, match="the same 24 files in another order"):
+        ReLA.from_prior("random:convnet", backbone, loader, dataset=PetsDataset(sorted(files)),
+                        cache_dir=tmp_path / "cache", progress=False, image_key="image")
 
 
 def test_multi_gpu_config_file_is_one_machine_n_gpus():
@@ -322,60 +344,36 @@ def test_two_process_training_and_resume(tmp_path):
         assert [s["index"] for s in resumed["steps"]] == [s["index"] for s in logs[rank]["steps"][3:]]
 
 
-CV_WORKER = Path(__file__).resolve().with_name("_accelerate_cv_worker.py")
-
-
-def _cv_run(tmp_path, *extra: str) -> subprocess.CompletedProcess:
+def test_the_accelerate_cv_recipe_runs_as_written_and_every_row_is_the_samples_own(tmp_path):
+    """The README's lines in a script written as Accelerate's cv_example.py, 2 processes: the targets of the clean view of
+    its dict-item PetsDataset are made once (the processes sharing the precompute), and every row ReLA reads in training
+    belongs to the image it is read for (by the image's own colour), on both processes."""
     from pets import make_pet_images
 
+    from accelerate_ssl.targets.store import TargetStore
+
     make_pet_images(tmp_path / "images", 48)
-    return subprocess.run(_argv(LAUNCH) + [str(CV_WORKER), "--data-dir", str(tmp_path / "images"), "--out",
-                                           str(tmp_path / "out"), *extra],
-                          cwd=tmp_path, env={**_env(), "PYTHONPATH": str(ROOT)}, text=True, capture_output=True,
+    done = subprocess.run(_argv(LAUNCH) + [str(CV_RECIPE), "--data_dir", str(tmp_path / "images"), "--cpu"],
+                          cwd=tmp_path, env=_env(RECIPE_LOG=str(tmp_path / "log")), text=True, capture_output=True,
                           timeout=300)
-
-
-def test_accelerate_cv_example_style_script_trains_every_sample_on_its_own_row(tmp_path):
-    """The README's lines in a script written as Accelerate's cv_example.py: the clean view of its dict-item
-    PetsDataset is precomputed (sharded over 2 processes) and every row ReLA reads in training belongs to the image
-    it is read for, on both processes."""
-    done = _cv_run(tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
-    logs = [json.loads((tmp_path / "out" / f"rank-{r}.json").read_text()) for r in (0, 1)]
-    assert [log["world"] for log in logs] == [2, 2] and logs[0]["kind"] == "files"
-    seen = 0
-    for log in logs:
-        assert len(log["steps"]) == 4
-        for step in log["steps"]:
-            assert step["rows"] == step["images"], step  # row j is the target of the file image j was cut from
-            seen += len(step["images"])
-    assert seen == 2 * 4 * 8
-    assert "the image is field 'image'" in done.stderr  # the choice of field is said (once per process at most)
+    ranks = read_logs(tmp_path / "log", ranks=2)
+    for steps in ranks:
+        assert len(steps) == 2 * 3  # 38 training images, 19 per process, batches of 8, two epochs
+        assert_every_row_is_the_samples_own(steps)
+    assert [s["lambda"] for s in ranks[0]] == [s["lambda"] for s in ranks[1]]
+    assert "the image is field 'image'" in done.stderr  # the choice of field is said
+    stores = [p.parent for p in (tmp_path / "rela-targets").glob("*/metadata.json")]
+    assert len(stores) == 1
+    meta = TargetStore.open(stores[0]).metadata
+    assert meta["num_processes"] == 2 and meta["dataset"]["fingerprint"]["kind"] == "files"
 
 
-def test_accelerate_cv_example_style_script_with_a_reordered_clean_set_stops(tmp_path):
-    """The same script given a clean data set listing the same files in another order: both processes stop before
-    the first step, naming the order and the fix."""
-    done = _cv_run(tmp_path, "--clean", "reordered")
-    assert done.returncode != 0
-    assert "the same 38 files in another order" in done.stderr, done.stderr[-4000:]
-    assert "Train on the order the store was computed on" in done.stderr
-    assert not (tmp_path / "out" / "rank-0.json").exists()
-
-
-
-def _worker_store(folder: Path) -> None:
-    """What tests/_accelerate_resume_worker.py trains on: 48 images and their store, targets/train."""
+def _worker_images(folder: Path) -> None:
+    """What tests/recipes/accelerate_checkpointing.py trains on: 48 images."""
     import numpy as np
 
-    from accelerate_ssl.data import ArrayImageDataset
-    from accelerate_ssl.targets.precompute import precompute_targets
-    from accelerate_ssl.targets.priors import create_prior
-
-    images = np.random.default_rng(0).integers(0, 256, (48, 8, 8), dtype=np.uint8)
-    np.save(folder / "images.npy", images)
-    precompute_targets(create_prior("random:convnet"), ArrayImageDataset(images, np.arange(48)),
-                       folder / "targets" / "train", batch_size=16, progress=False)
+    np.save(folder / "images.npy", np.random.default_rng(0).integers(0, 256, (48, 8, 8), dtype=np.uint8))
 
 
 def _worker_steps(folder: Path) -> list[list[dict]]:
@@ -383,12 +381,13 @@ def _worker_steps(folder: Path) -> list[list[dict]]:
 
 
 def test_killed_after_a_checkpoint_and_resumed_with_skip_first_batches_trains_the_uninterrupted_rows(tmp_path):
-    """The README's Accelerate lines in a script written like Accelerate's checkpointing example, 2 gloo processes:
-    killed right after the checkpoint of step 4 (mid-epoch), resumed with load_state and skip_first_batches. Every
-    step reads its own samples' rows, and the killed + resumed run trains the same batches with the same losses as an
-    uninterrupted one (lambda, the head and the batches all continue exactly)."""
-    _worker_store(tmp_path)
-    launch = [ACCELERATE, *shlex.split(LAUNCH)[1:], str(RESUME_WORKER)]
+    """The README's Accelerate resume lines in a script written like Accelerate's checkpointing example, 2 gloo
+    processes: killed right after the checkpoint of step 4 (mid-epoch), resumed with load_state and skip_first_batches.
+    Every step reads its own samples' rows, and the killed + resumed run trains the same batches with the same losses
+    as an uninterrupted one (lambda, the head and the batches all continue exactly); the first run made the targets,
+    the others reopened them."""
+    _worker_images(tmp_path)
+    launch = [ACCELERATE, *shlex.split(LAUNCH)[1:], str(RESUME_RECIPE)]
     for name in ("whole", "killed", "resumed"):
         (tmp_path / name).mkdir()
     _run_argv(launch + ["whole"], tmp_path)
@@ -421,3 +420,4 @@ def test_killed_after_a_checkpoint_and_resumed_with_skip_first_batches_trains_th
     for epoch in (0, 1):  # each epoch, the two processes trained the two halves of the data set
         own = [i for rank in (0, 1) for s in whole[rank] if s["epoch"] == epoch for i in s["own"]]
         assert sorted(own) == list(range(48))
+    assert len(list((tmp_path / "rela-targets").glob("*/metadata.json"))) == 1

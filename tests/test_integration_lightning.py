@@ -1,5 +1,7 @@
 """ReLACallback with a real Lightning Trainer (single process, and 2-process gloo DDP launched by Lightning itself), and
-the head staying identical across processes when a plain DDP loop steps its optimiser with a closure.
+the head staying identical across processes when a plain DDP loop steps its optimiser with a closure. The README's
+Lightning and Lightning DDP recipes run as written in scripts shaped like lightly's Lightning examples
+(tests/recipes/lightning_byol.py, lightning_ddp_byol.py), their lines counted.
 
 Every batch is checked: the images carry their own dataset index (tests/_lightning_ddp_worker.py), so each test
 compares the indices ReLA was handed and the target rows it read with those of the samples actually in the batch."""
@@ -21,8 +23,10 @@ from accelerate_ssl.integrations.lightning import ReLACallback
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _lightning_ddp_worker import IndexImages, make_module, target_rows  # noqa: E402
 from processes import cpu_process_env  # noqa: E402
+from recipe_check import assert_every_row_is_the_samples_own, check_recipe, read_logs  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_lightning_ddp_worker.py"
+RECIPES = Path(__file__).resolve().parent / "recipes"
 
 
 def _env():
@@ -199,7 +203,7 @@ def test_the_loader_lightning_iterates_is_checked_against_the_store(tmp_path):
 
     from accelerate_ssl.data import ArrayImageDataset
     from accelerate_ssl.targets.precompute import precompute_targets
-    from accelerate_ssl.targets.priors import create_prior
+    from accelerate_ssl.priors import create_prior
     from accelerate_ssl.targets.store import TargetStoreMismatchError
 
     rng = np.random.default_rng(0)
@@ -226,3 +230,110 @@ def test_the_loader_lightning_iterates_is_checked_against_the_store(tmp_path):
     trainer = _trainer(max_epochs=1, callbacks=[ReLACallback(store, dataset=clean, feature_dim=8, total_steps=5)])
     with pytest.raises(TargetStoreMismatchError, match="different content or another order"):
         trainer.fit(Module())
+
+
+# ---------------------------------------------------------------------------------------------- the README's recipes
+def _recipe(script: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    root = Path(__file__).resolve().parents[1]
+    env = cpu_process_env(PYTHONPATH=os.pathsep.join([str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")]),
+                          RECIPE_LOG=str(tmp_path / "log"))
+    done = subprocess.run([sys.executable, str(RECIPES / script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done
+
+
+def test_the_lightning_recipe_is_one_added_and_two_changed_lines_of_lightlys_example():
+    assert check_recipe(RECIPES / "lightning_byol.py", "For lightly's `examples/pytorch_lightning/byol.py`") == (1, 2)
+
+
+def test_the_lightning_ddp_recipe_is_two_added_and_one_changed_line_of_lightlys_example():
+    assert check_recipe(RECIPES / "lightning_ddp_byol.py",
+                        "For lightly's `examples/pytorch_lightning_distributed/byol.py`") == (2, 1)
+
+
+def test_the_lightning_recipe_runs_as_written(tmp_path, fashion_mnist_available):
+    """lightly's Lightning BYOL example with the README's lines, on 64 Fashion-MNIST images: the callback made the
+    targets of the loader's data set itself and every row read in the 10 epochs is the sample's own."""
+    _recipe("lightning_byol.py", tmp_path)
+    steps = read_logs(tmp_path / "log")[0]
+    assert len(steps) == 10 * 2
+    assert_every_row_is_the_samples_own(steps)
+    assert steps[-1]["lambda"] < steps[0]["lambda"] == 0.8  # planned for the Trainer's 20 steps, lambda moved
+    assert len(list((tmp_path / "rela-targets").glob("shipped-digits-byol-64-*/metadata.json"))) == 1
+
+
+def test_the_lightning_ddp_recipe_runs_as_written_on_two_processes(tmp_path, fashion_mnist_available):
+    """lightly's distributed Lightning BYOL example with the README's lines, 2 gloo processes: the processes made the
+    store together (one folder, both counted in it), each trained its half of every epoch on its own rows, with the
+    same lambda."""
+    from accelerate_ssl.targets.store import TargetStore
+
+    _recipe("lightning_ddp_byol.py", tmp_path)
+    ranks = read_logs(tmp_path / "log", ranks=2)
+    for steps in ranks:
+        assert len(steps) == 4 * 2  # 4 epochs of 128 images, 64 per process, batches of 32
+        assert_every_row_is_the_samples_own(steps)
+    assert [s["lambda"] for s in ranks[0]] == [s["lambda"] for s in ranks[1]]
+    assert ranks[0][-1]["lambda"] < ranks[0][0]["lambda"]  # lambda moved (the same on both means something)
+    for epoch in range(4):
+        own = [i for steps in ranks for s in steps[2 * epoch:2 * epoch + 2] for i in s["own"]]
+        assert sorted(own) == list(range(128))
+    stores = [p.parent for p in (tmp_path / "rela-targets").glob("*/metadata.json")]
+    assert len(stores) == 1 and TargetStore.open(stores[0]).metadata["num_processes"] == 2
+
+
+def test_from_prior_makes_the_targets_of_the_loader_lightning_iterates_and_resumes_exactly(tmp_path):
+    """ReLACallback.from_prior builds ReLA when Lightning hands over the training loader (the targets of its data set's
+    clean view, made once under cache_dir), hands each step its batch's indices, and a checkpoint Lightning restores
+    before that (trainer.fit(ckpt_path=...)) is applied once ReLA exists: lambda and the head continue exactly."""
+    import numpy as np
+
+    from accelerate_ssl.data import ArrayImageDataset
+
+    images = np.random.default_rng(0).integers(0, 256, (40, 8, 8), dtype=np.uint8)
+    to_tensor = lambda im: torch.from_numpy(np.asarray(im, dtype=np.float32) / 255).unsqueeze(0)  # noqa: E731
+    data = ArrayImageDataset(images, np.arange(40), transform=to_tensor)  # label i: the item's own index
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.backbone = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 8), torch.nn.Tanh())
+            self.seen = []
+
+        def training_step(self, batch, batch_idx):
+            x, own = batch
+            loss = self.rela.wrap(self.backbone(x).pow(2).mean())
+            self.seen.append((self.rela._current_index.clone(), own.clone(), self.rela.stats["lambda"]))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.backbone.parameters(), lr=0.1)
+
+    def run(max_epochs, stop_after=None, ckpt_path=None):
+        torch.manual_seed(0)
+        model = Module()
+
+        class Stop(pl.Callback):
+            def on_train_epoch_end(self, trainer, module):
+                if stop_after is not None and trainer.current_epoch + 1 == stop_after:
+                    trainer.should_stop = True
+
+        callback = ReLACallback.from_prior("random:convnet", cache_dir=tmp_path / "cache", progress=False,
+                                           schedule="epochs:0.7", n_components=None)
+        assert callback.rela is None  # nothing is built before Lightning hands over the loader
+        trainer = _trainer(max_epochs=max_epochs, callbacks=[callback, Stop()])
+        trainer.fit(model, DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
+        return trainer, model
+
+    _, whole = run(2)
+    assert all(torch.equal(published, own) for published, own, _ in whole.seen) and len(whole.seen) == 10
+    assert [lam for *_, lam in whole.seen] == [1.0] * 7 + [0.0] * 3  # planned for the Trainer's 10 steps
+    assert len(list((tmp_path / "cache").glob("*/metadata.json"))) == 1
+    trainer, first = run(2, stop_after=1)
+    trainer.save_checkpoint(tmp_path / "epoch1.ckpt")
+    _, resumed = run(2, ckpt_path=str(tmp_path / "epoch1.ckpt"))
+    assert resumed.rela.steps == whole.rela.steps == 10
+    assert [lam for *_, lam in resumed.seen] == [lam for *_, lam in whole.seen[5:]]
+    for a, b in zip(resumed.rela.parameters(), whole.rela.parameters()):
+        assert torch.equal(a, b)

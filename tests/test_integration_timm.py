@@ -56,7 +56,7 @@ def decode(x: torch.Tensor, prefetcher: bool) -> torch.Tensor:
 def loader(prefetcher, multi_epochs, workers=0, **kw):
     return create_loader(IndexImages(), input_size=(3, SIZE, SIZE), batch_size=8, is_training=True, no_aug=True,
                          num_workers=workers, device=torch.device("cpu"), use_prefetcher=prefetcher,
-                         use_multi_epochs_loader=multi_epochs, persistent_workers=False, **kw)
+                         use_multi_epochs_loader=multi_epochs, **{"persistent_workers": False, **kw})
 
 
 class Spy:
@@ -152,34 +152,104 @@ def test_multi_epochs_loader_iterated_before_tracking_is_refused():
         rela.track(dl)
 
 
-def test_fast_collate_mixup_is_refused_until_switched_off():
-    model, rela = model_and_rela()
+REFUSAL = (r"mixes samples .*refuses mixed batches while its term runs, and under this schedule the term has no "
+           r"planned end\. Either train without mixing \(timm's train\.py: --mixup 0 --cutmix 0, its defaults; "
+           r"--mixup-off-epoch does not help: it turns mixing off only after that epoch\), or give ReLA's term an end, "
+           r"ReLA\(\.\.\., end_step=N\) \(in timm's train\.py end_step=E \* updates_per_epoch")
+
+
+def test_fast_collate_mixup_is_refused_under_a_schedule_without_an_end():
+    model, rela = model_and_rela()  # Constant(0.5): a term without a planned end
     mix = FastCollateMixup(mixup_alpha=1.0, cutmix_alpha=1.0, label_smoothing=0.0, num_classes=N)
     dl = rela.track(loader(True, False, collate_fn=mix))
-    with pytest.raises(ValueError, match="mixes samples"):
+    with pytest.raises(ValueError, match=r"The tracked loader's collate function \(FastCollateMixup\) " + REFUSAL):
         next(iter(dl))
-    dl.mixup_enabled = False  # what timm's train.py does at --mixup-off-epoch (set on the PrefetchLoader)
+    dl.mixup_enabled = False  # switched off (before ReLA, or by the user): nothing mixed, nothing refused
     for x, label in dl:
         assert torch.equal(decode(x, True), label.argmax(1))  # unmixed one-hot labels
         rela.wrap(model(x).sum())
         assert torch.equal(rela.targets.calls[-1][0], decode(x, True))
 
 
-def test_in_loop_mixup_is_refused_while_rela_trains():
+def test_in_loop_mixup_is_refused_under_a_schedule_without_an_end():
     """timm's train.py without its prefetcher mixes in the loop: `input, target = mixup_fn(input, target)`."""
     from timm.data import Mixup
 
     model, rela = model_and_rela()
     mix = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.0, num_classes=N)
     x, y = torch.rand(4, 3, SIZE, SIZE), torch.arange(4)
-    with pytest.raises(ValueError, match="Mixup called in the training loop mixes samples.*--mixup 0 --cutmix 0"):
+    with pytest.raises(ValueError, match="timm's Mixup called in the training loop " + REFUSAL):
         mix(x, y)
-    mix.mixup_enabled = False  # --mixup-off-epoch
+    mix.mixup_enabled = False
     mixed, target = mix(x, y)
     assert torch.equal(mixed, x)
     rela.schedule = Constant(0.0)  # ReLA has handed over for good: mixing is the user's again
     mix.mixup_enabled = True
     mix(x, y)
+
+
+def _hand_over_run(mixup_in_loop: bool, workers: int = 0, multi_epochs: bool = False, off_epoch: int = 99):
+    """Three epochs of timm's train.py loop with mixup/cutmix on (--mixup 1 --cutmix 1) and ReLA's term ending after
+    the first epoch (end_step=1 * updates_per_epoch, the default decay schedule). Returns per epoch whether each batch
+    was mixed, and ReLA's lambda at each step."""
+    from timm.data import Mixup
+
+    torch.manual_seed(0)
+    np.random.seed(0)  # timm's mixers draw from numpy
+    model = timm.create_model("test_resnet", pretrained=False, num_classes=N)
+    mix_args = dict(mixup_alpha=1.0, cutmix_alpha=1.0, label_smoothing=0.0, num_classes=N)
+    mixup_fn = Mixup(**mix_args) if mixup_in_loop else None
+    loader_train = loader(not mixup_in_loop, multi_epochs, workers, persistent_workers=workers > 0,
+                          collate_fn=None if mixup_in_loop else FastCollateMixup(**mix_args))
+    updates_per_epoch = len(loader_train)
+    rela = ReLA(target_rows(), model.get_classifier(), capture="input", n_components=None, dataset=IndexImages(),
+                total_steps=3 * updates_per_epoch, end_step=1 * updates_per_epoch, witness=False)
+    loader_train = rela.track(loader_train)
+    rela.targets = Spy(rela.targets)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mixed, lambdas = [], []
+    for epoch in range(3):
+        if epoch >= off_epoch:  # train.py --mixup-off-epoch, as its train_one_epoch does it
+            if mixup_fn is None:
+                loader_train.mixup_enabled = False
+            else:
+                mixup_fn.mixup_enabled = False
+        mixed.append([])
+        for x, y in loader_train:
+            if mixup_fn is not None:
+                x0 = x
+                x, y = mixup_fn(x, y)
+                unmixed = torch.equal(x, x0) and torch.equal(y.argmax(1), decode(x0, False))
+            else:
+                unmixed = torch.equal(decode(x, True), y.argmax(1)) and bool((y.max(1).values == 1).all())
+            mixed[-1].append(not unmixed)
+            loss = rela.wrap(nn.functional.cross_entropy(model(x), y))
+            if not rela.stats["finished"]:  # while the term runs: this batch's own rows
+                used, _ = rela.targets.calls[-1]
+                assert torch.equal(used, decode(x, not mixup_in_loop))
+            lambdas.append(rela.stats["lambda"])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return mixed, lambdas, updates_per_epoch
+
+
+@pytest.mark.parametrize("mixup_in_loop, workers, multi_epochs", [
+    (True, 0, False),  # --no-prefetcher: timm's Mixup in the loop
+    (False, 0, False),  # the prefetcher's FastCollateMixup, collated in this process
+    (False, 1, False),  # ... in a persistent worker process (timm's default with --workers > 0)
+    (False, 1, True),  # ... in the one iterator of --use-multi-epochs-loader
+])
+def test_mixup_is_held_while_rela_runs_and_mixes_after_end_step(mixup_in_loop, workers, multi_epochs):
+    """With an end step, timm's mixers are held off while ReLA's term runs (every batch unmixed, every row the
+    sample's own), and mix from the first epoch after it, under the default decay schedule; timm's --mixup-off-epoch
+    still turns them off later."""
+    with pytest.warns(UserWarning, match=r"ReLA holds timm's .* off while its term runs .* after optimiser step 6"):
+        mixed, lambdas, per_epoch = _hand_over_run(mixup_in_loop, workers, multi_epochs, off_epoch=2)
+    assert per_epoch == 6 and not any(mixed[0])  # ReLA's epoch: nothing mixed
+    assert all(lam > 0 for lam in lambdas[:6]) and lambdas[6:] == [0.0] * 12  # decay's lambda, then the end
+    assert sum(mixed[1]) >= 5  # mixup / cutmix on again (a cut box can round to nothing)
+    assert not any(mixed[2])  # --mixup-off-epoch 2: off again, in the worker processes too
 
 
 def test_module_without_parameters_is_refused_with_the_fix():
@@ -257,7 +327,7 @@ def test_stats_after_load_describe_the_loaded_state():
 
 
 def test_grayscale_prior_says_it_turns_rgb_into_luminance():
-    from accelerate_ssl.targets.priors import create_prior
+    from accelerate_ssl.priors import create_prior
 
     prior = create_prior("shipped:fashion-mnist-byol")
     assert prior.preprocess.channels == 1
@@ -267,3 +337,101 @@ def test_grayscale_prior_says_it_turns_rgb_into_luminance():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         prior.preprocess(Image.fromarray(np.full((28, 28), 100, dtype=np.uint8)))  # grayscale input: no warning
+
+
+# ------------------------------------------------------------------------------------------ AugMix (--aug-splits)
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory):
+    """timm's own data set over 16 PNG files (two class folders): image k, in timm's file order, is the constant colour
+    5 * k; and targets precomputed over it (rows in that order, the file list recorded)."""
+    from timm.data import create_dataset
+
+    from accelerate_ssl.targets.precompute import precompute_targets
+    from accelerate_ssl.priors import create_prior
+
+    root = tmp_path_factory.mktemp("timm-folder")
+    for k in range(16):
+        (root / "train" / f"c{k // 8}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((SIZE, SIZE, 3), 5 * k, dtype=np.uint8)).save(root / "train" / f"c{k // 8}" / f"{k % 8}.png")
+    clean = create_dataset("", root=str(root / "train"))
+    store = precompute_targets(create_prior("random:convnet", in_channels=3), clean, root / "targets", progress=False)
+    return root / "train", store
+
+
+def test_augmix_splits_train_with_the_readme_lines_on_timms_augmix_dataset(image_folder):
+    """train.py --aug-splits 2 wraps its data set in AugMixDataset (item i: item i's clean split plus an augmented one)
+    and the prefetcher stacks the splits as blocks of the batch. `dataset=dataset_train` (the wrapper, as the README's
+    lines pass it) is identified by the files underneath, and every split of a sample is pulled to that sample's row."""
+    from timm.data import AugMixDataset, create_dataset
+
+    folder, store = image_folder
+    dataset_train = AugMixDataset(create_dataset("", root=str(folder)), num_splits=2)
+    loader_train = create_loader(dataset_train, input_size=(3, SIZE, SIZE), batch_size=4, is_training=True,
+                                 num_aug_splits=2, num_workers=0, device=torch.device("cpu"), use_prefetcher=True)
+    torch.manual_seed(0)
+    model = timm.create_model("test_resnet", pretrained=False, num_classes=2)
+    rela = ReLA(store.path, model.get_classifier(), capture="input", dataset=dataset_train, total_steps=4,
+                witness=False)  # (the prior re-embedding inputs: its own tests; here the rows are read off the pixels)
+    loader_train = rela.track(loader_train)
+    rela.targets = Spy(rela.targets)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen = []
+    for x, y in loader_train:
+        assert len(x) == 8  # 4 samples x 2 splits, the clean split first
+        clean = (decode(x[:4], True).double() / 5).round().long()
+        loss = rela.wrap(nn.functional.cross_entropy(model(x), y))
+        used, _ = rela.targets.calls[-1]
+        assert torch.equal(used, clean)  # each sample's own row, for both of its splits
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        seen += clean.tolist()
+    assert sorted(seen) == list(range(16)) and rela.steps == 4
+
+
+# ------------------------------------------------------------------------------------------ DDP on the CPU
+def test_timm_style_ddp_on_the_cpu_under_two_gloo_processes(image_folder, tmp_path):
+    """timm's train.py passes device_ids=[device] to DDP, which DDP refuses for a CPU module; with device_ids=None
+    (the one change, tests/_timm_ddp_worker.py) a script built of train.py's own pieces runs the README's lines under
+    torchrun on 2 gloo processes: each process trains its DistributedSampler's share, every row ReLA looks up is its
+    sample's own, and lambda and the transport head are the same on both processes at every step."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from processes import cpu_process_env
+
+    folder, store = image_folder
+    here = Path(__file__).resolve()
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    done = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(here.with_name("_timm_ddp_worker.py")),
+                           str(folder), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env=cpu_process_env(PYTHONPATH=str(here.parents[1]), RELA_TARGETS=str(store.path)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
+    for r in ranks:
+        assert r["world_size"] == 2 and r["updates_per_epoch"] == 4 and r["rela_steps"] == 8
+        for step in r["steps"]:
+            assert step["rows"] == step["samples"]  # each process's rows are its own samples'
+    for epoch in (0, 1):  # the two processes share every epoch's samples, each sample once
+        shares = [sum((s["samples"] for s in r["steps"] if s["epoch"] == epoch), []) for r in ranks]
+        assert sorted(shares[0] + shares[1]) == list(range(16)) and not set(shares[0]) & set(shares[1])
+    assert [s["lambda"] for s in ranks[0]["steps"]] == [s["lambda"] for s in ranks[1]["steps"]]
+    assert ranks[0]["head"] == ranks[1]["head"]  # the head's gradients are averaged across the processes
+    saved = torch.load(tmp_path / "rela-1.pth")  # the README's save line, on rank 0 after each epoch
+    assert saved["steps"] == 8 and saved["store_rows"] == 16
+
+
+def test_the_readme_lines_are_the_workers_and_their_count_is_stated():
+    """Every line of the README's train.py block is a line of the worker that runs them under torchrun (above), and
+    the README's count is the block's: one line changed (the loss), every other one added."""
+    from pathlib import Path
+
+    from recipe_check import code, readme_recipe
+
+    added, changed, block = readme_recipe("Then add these lines to `train.py`")
+    worker = {code(line) for line in (Path(__file__).with_name("_timm_ddp_worker.py")).read_text().splitlines()}
+    assert [line for line in block if line not in worker] == []
+    replaced = [line for line in block if line.startswith("_loss = ")]  # train.py's `_loss = result['loss']`
+    assert (added, changed) == (len(block) - len(replaced), len(replaced)) == (8, 1)

@@ -24,7 +24,7 @@ from accelerate_ssl.data import clean_view, dataset_fingerprint, describe_finger
 from accelerate_ssl.data.fingerprint import RowIdentity
 from accelerate_ssl.data.items import same_items
 from accelerate_ssl.targets.precompute import precompute_targets
-from accelerate_ssl.targets.priors import create_prior
+from accelerate_ssl.priors import create_prior
 from accelerate_ssl.targets.store import TargetStore, TargetStoreMismatchError
 from pets import PetsDataset, make_pet_images, name_number
 

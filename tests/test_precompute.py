@@ -13,7 +13,7 @@ import torch
 import accelerate_ssl.targets.precompute as pc
 from _precompute_worker import tiny_dataset
 from accelerate_ssl.cli import main
-from accelerate_ssl.targets.priors import create_prior
+from accelerate_ssl.priors import create_prior
 from accelerate_ssl.targets.store import TargetStore
 from processes import cpu_process_env  # noqa: E402
 
@@ -124,17 +124,19 @@ def test_interrupted_run_resumes_from_its_chunks(tmp_path, reference, monkeypatc
 
 def test_the_default_batch_size_is_the_devices(tmp_path, monkeypatch):
     sizes = []
-    real = pc._ChunkBatches.__init__
+    from accelerate_ssl.targets import write
+
+    real = write._ChunkBatches.__init__
 
     def record(self, chunks, batch_size):
         sizes.append(batch_size)
         real(self, chunks, batch_size)
 
-    monkeypatch.setattr(pc._ChunkBatches, "__init__", record)
+    monkeypatch.setattr(write._ChunkBatches, "__init__", record)
     store, rows = _run(tmp_path / "default", batch_size=None)
-    assert rows == N and sizes == [pc.DEFAULT_BATCH_SIZE["cpu"]] and store.metadata["batch_size"] == sizes[0]
-    assert pc.default_batch_size(torch.device("cuda", 0)) == pc.DEFAULT_BATCH_SIZE["cuda"]
-    assert pc.default_batch_size("cpu") < pc.DEFAULT_BATCH_SIZE["cuda"]
+    assert rows == N and sizes == [write.DEFAULT_BATCH_SIZE["cpu"]] and store.metadata["batch_size"] == sizes[0]
+    assert write.default_batch_size(torch.device("cuda", 0)) == write.DEFAULT_BATCH_SIZE["cuda"]
+    assert write.default_batch_size("cpu") < write.DEFAULT_BATCH_SIZE["cuda"]
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         _run(tmp_path / "zero", batch_size=0)
 

@@ -6,8 +6,8 @@ import torch
 from PIL import Image
 
 from accelerate_ssl.backbones import ConvNet, ResNetSmall
-from accelerate_ssl.targets.priors import (IMAGENET_MEAN, SHIPPED_PRIORS, Preprocess, create_prior, list_priors,
-                                           save_prior_checkpoint)
+from accelerate_ssl.priors import SHIPPED_PRIORS, Preprocess, create_prior, list_priors, save_prior_checkpoint
+from accelerate_ssl.priors.registry import IMAGENET_MEAN
 
 
 def _gray(size=28, seed=0):
@@ -168,3 +168,22 @@ def test_every_shipped_prior_loads_by_name_and_embeds_28px_images(name):
     assert out.shape == (2, prior.output_dim) and torch.isfinite(out).all()
     about = SHIPPED_PRIORS[name][1]
     assert ("WITH the Fashion-MNIST training labels" in about) == ("supervised" in name)  # labelled as such
+
+
+def test_a_recorded_timm_vit_is_rebuilt_at_the_size_its_rows_were_made_at(tmp_path):
+    """A ViT's position embeddings depend on its input size: a prior made with size=32 (default 160) is rebuilt at 32,
+    with the recorded preprocessing, and embeds as the original did."""
+    import timm
+    from safetensors.torch import save_file
+
+    from accelerate_ssl.priors import rebuild_prior
+
+    torch.manual_seed(0)
+    net = timm.create_model("test_vit", pretrained=False, num_classes=0, img_size=32)
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(tmp_path / "w.safetensors"))
+    prior = create_prior("timm:test_vit", weights=str(tmp_path / "w.safetensors"), size=32)
+    again = rebuild_prior(prior.describe())
+    x = torch.rand(2, 3, 32, 32)
+    with torch.inference_mode():
+        assert torch.equal(again(again.preprocess.batch(x)), prior(prior.preprocess.batch(x)))
+    assert again.preprocess.config == prior.preprocess.config

@@ -1,40 +1,66 @@
-"""The README's "API in one screen" loop, run as written (digits, a random ConvNet prior, BYOL from the demo recipe):
-with ``total_steps`` lambda falls within the 300 steps; without it ReLA warns that lambda will stay high, and it does."""
+"""The README's Quick start: its lines in a script written the way lightly's examples/pytorch/byol.py is
+(tests/recipes/quickstart_byol.py), run as written on Fashion-MNIST with every row read checked to be the sample's own
+and the lines counted; and what ``total_steps`` does in that loop (digits, a random ConvNet prior, BYOL from the demo
+recipe): with it lambda falls within the 300 steps; without it ReLA warns that lambda will stay high, and it does."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
-from accelerate_ssl import ReLA, create_prior, precompute_targets
+from accelerate_ssl import ReLA
 from accelerate_ssl.backbones import ConvNet
 from accelerate_ssl.data import Digits
 from accelerate_ssl.recipes import BYOL, BYOL_VIEWS, random_views
+from processes import cpu_process_env
+from recipe_check import assert_every_row_is_the_samples_own, check_recipe, read_logs
 
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "recipes" / "quickstart_byol.py"
 EPOCHS = 5
 
 
-def _two_views(image):
-    x = torch.from_numpy(__import__("numpy").asarray(image, dtype="float32") / 255.0)[None]
-    return x, x
+def recipe_env(log: Path) -> dict:
+    """A recipe script's environment: this checkout's package and the tests' helpers, one thread, its log folder."""
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    return cpu_process_env(PYTHONPATH=path, PYTHONUNBUFFERED="1", RECIPE_LOG=str(log))
+
+
+def test_the_quick_start_is_lightlys_byol_example_with_two_added_and_one_changed_line():
+    assert check_recipe(SCRIPT, "## Quick start") == (2, 1)
+
+
+def test_the_quick_start_runs_as_written_and_every_row_is_the_samples_own(tmp_path, fashion_mnist_available):
+    done = subprocess.run([sys.executable, str(SCRIPT)], cwd=tmp_path, env=recipe_env(tmp_path / "log"), text=True,
+                          capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "epoch: 01, loss:" in done.stdout and "precompute shipped:digits-byol" in done.stderr
+    steps = read_logs(tmp_path / "log")[0]
+    assert len(steps) == 2 * 4  # 256 images in batches of 64, two epochs, two loader workers
+    assert_every_row_is_the_samples_own(steps)
+    for epoch in (0, 1):  # each epoch the shuffled loader visits every sample once
+        assert sorted(i for s in steps[4 * epoch:4 * epoch + 4] for i in s["own"]) == list(range(256))
+    assert len(list((tmp_path / "rela-targets").glob("shipped-digits-byol-256-*/metadata.json"))) == 1
 
 
 def _run(tmp_path, with_length: bool):
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    clean_train_set = Digits("all", size=12)
-    train_set = Digits("all", size=12, transform=_two_views)
+    train_set = Digits("all", size=12, transform=lambda image: (_tensor(image), _tensor(image)))
     loader = torch.utils.data.DataLoader(train_set, batch_size=30, shuffle=True, drop_last=True)  # 59 steps/epoch
     backbone = ConvNet(widths=(8, 16, 16), in_channels=1)
     model = BYOL(backbone, backbone.feature_dim, hidden_dim=64, out_dim=32)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
 
-    prior = create_prior("random:convnet", in_channels=1)
-    store = precompute_targets(prior, clean_train_set, tmp_path / "targets", progress=False)
     extra = {"total_steps": EPOCHS * len(loader)} if with_length else {}
-    rela = ReLA(store, model.backbone, dataset=clean_train_set, dataloader=loader, **extra)
+    rela = ReLA.from_prior("random:convnet", model.backbone, loader, cache_dir=tmp_path / "targets", progress=False,
+                           **extra)
     g = torch.Generator().manual_seed(0)
     lambdas = []
     for epoch in range(EPOCHS):
@@ -49,7 +75,13 @@ def _run(tmp_path, with_length: bool):
     return rela, lambdas
 
 
-def test_quick_start_with_the_run_length_lambda_falls(tmp_path):
+def _tensor(image):
+    import numpy as np
+
+    return torch.from_numpy(np.asarray(image, dtype="float32") / 255.0)[None]
+
+
+def test_with_the_run_length_lambda_falls(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         rela, lambdas = _run(tmp_path, with_length=True)
@@ -58,7 +90,7 @@ def test_quick_start_with_the_run_length_lambda_falls(tmp_path):
     assert lambdas[-1] < 0.5, lambdas[::30]  # measured: 0.8 until ~step 75, then 0.61 (100), 0.39 (150), 0.31 (275)
 
 
-def test_quick_start_without_the_run_length_warns_and_lambda_stays_high(tmp_path):
+def test_without_the_run_length_it_warns_and_lambda_stays_high(tmp_path):
     with pytest.warns(UserWarning, match="not told the run length.*total_steps="):
         rela, lambdas = _run(tmp_path, with_length=False)
     assert min(lambdas) > 0.6

@@ -96,7 +96,7 @@ def test_indices_and_targets_align_over_shuffled_epochs_with_workers():
             feats = model.backbone(x)
             loss = rela.wrap(feats.sum() * 0)
             expected = 1 - torch.cosine_similarity(rela.head(feats), t[idx], dim=1).mean()
-            assert torch.allclose(rela._last["loss_rela"], expected.detach(), atol=1e-6)
+            assert torch.allclose(rela.last_wrap["loss_rela"], expected.detach(), atol=1e-6)
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -114,11 +114,11 @@ def test_views_share_target_and_are_averaged():
     f0, f1 = bb(x), bb(x * 2)
     out = rela.wrap(torch.tensor(0.0), index=idx)
     per_view = [1 - torch.cosine_similarity(rela.head(f), t[idx], dim=1).mean() for f in (f0, f1)]
-    assert torch.allclose(rela._last["loss_rela"], (sum(per_view) / 2).detach(), atol=1e-6)
+    assert torch.allclose(rela.last_wrap["loss_rela"], (sum(per_view) / 2).detach(), atol=1e-6)
     # one call on the two views concatenated gives the same loss
     bb(torch.cat([x, x * 2]))
     rela.wrap(torch.tensor(0.0), index=idx)
-    assert torch.allclose(rela._last["loss_rela"], (sum(per_view) / 2).detach(), atol=1e-6)
+    assert torch.allclose(rela.last_wrap["loss_rela"], (sum(per_view) / 2).detach(), atol=1e-6)
     assert out.requires_grad
 
 
@@ -185,7 +185,7 @@ def test_gradient_accumulation_steps_controller_once_per_optimizer_step():
     for k, (x, _, idx) in enumerate(batches):
         out = model(x)
         loss = rela.wrap(out.pow(2).mean(), index=idx) / 3
-        micro_losses.append(float(rela._last["loss_rela"]))
+        micro_losses.append(float(rela.last_wrap["loss_rela"]))
         loss.backward()
         if (k + 1) % 3 == 0:
             opt.step()

@@ -140,3 +140,68 @@ def test_rela_takes_the_spec_and_epochs_waits_for_its_run_length():
     assert ReLA(rows, nn.Linear(3, 4), feature_dim=4, schedule="epochs:0.5", total_steps=8).schedule.switch_step == 4
     with pytest.raises(ValueError, match="Unknown schedule"):
         ReLA(rows, nn.Linear(3, 4), feature_dim=4, schedule="epoch:0.5")
+
+
+# ------------------------------------------------------------------------------------------ a planned end
+@pytest.mark.parametrize("make, before", [
+    (lambda end: Decay(total_steps=100, end_step=end), "rule"),
+    (lambda end: Switch(total_steps=100, end_step=end), "rule"),
+    (lambda end: Constant(0.4, end_step=end), [0.4] * 6),
+    (lambda end: Epochs(0.9, 100, end_step=end), [1.0] * 6),
+])
+def test_end_step_ends_every_schedule_at_that_step(make, before):
+    """Decay never finishes by itself and Switch only when the loss converges (not within 7 falling steps): end_step=7
+    ends each for good after its 7th optimiser step, lambda 0 from the 8th, and leaves the rule alone before."""
+    plain, ended = make(None), make(7)
+    losses = _losses(12)
+    got = [ended.value] + [ended.step(l) for l in losses]
+    rule = [plain.value] + [plain.step(l) for l in losses]
+    assert got[:7] == rule[:7] and (before == "rule" or got[:6] == before)
+    assert all(v > 0 for v in got[:7]) and got[7:] == [0.0] * 6 and ended.finished and ended.ends_by == 7
+    assert not plain.finished and plain.ends_by == (90 if isinstance(plain, Epochs) else None)
+    assert "end_step=7" in repr(ended)
+
+
+def test_end_step_edge_cases_spec_and_resume():
+    assert Epochs(0.2, 100, end_step=50).ends_by == 20 and Epochs(0.5, 100, end_step=10).ends_by == 10
+    assert Constant(0.0).ends_by == 0 and Decay(end_step=0).finished and Decay(end_step=0).value == 0.0
+    for bad in (-1, 2.5, True, "10"):
+        with pytest.raises(ValueError, match="end_step must be an int >= 0"):
+            Decay(end_step=bad)
+    d = create_schedule("decay", total_steps=100, end_step=5)
+    assert isinstance(d, Decay) and d.end_step == 5 and create_schedule("epochs:0.5", total_steps=8, end_step=3).ends_by == 3
+    # end_step is this run's plan, not saved state: a run resumed past its end is over
+    a = Decay(total_steps=100)
+    for l in _losses(9):
+        a.step(l)
+    b = Decay(total_steps=100, end_step=8)
+    b.load_state_dict(a.state_dict())
+    assert b.finished and b.value == 0.0 and b.steps == 9
+
+
+def test_rela_end_step_under_the_default_schedule_and_the_mixing_policy():
+    import torch
+    from torch import nn
+
+    from accelerate_ssl import ReLA
+
+    rows = torch.randn(32, 4)
+    backbone = nn.Linear(3, 4)
+    rela = ReLA(rows, backbone, feature_dim=4, n_components=None, total_steps=40, end_step=3, witness=False)
+    assert type(rela.schedule).__name__ == "Decay" and rela.end_step == 3 and rela.mixing_policy() == "hold"
+    opt = torch.optim.SGD(backbone.parameters(), lr=0.1)
+    for s in range(5):
+        out = backbone(torch.randn(4, 3))
+        loss = rela.wrap(out.pow(2).mean(), index=torch.arange(4 * s, 4 * s + 4))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert rela.stats["finished"] == (s >= 2) and (rela.stats["lambda"] == 0.0) == (s >= 3)  # this wrap's lambda
+    assert rela.mixing_policy() == "allow" and rela.steps == 5
+    rela.set_total_steps(80)  # a later plan keeps the end
+    assert rela.schedule.end_step == 3 and rela.schedule.finished
+    assert ReLA(rows, nn.Linear(3, 4), feature_dim=4, total_steps=40, witness=False).mixing_policy() == "refuse"
+    assert ReLA(rows, nn.Linear(3, 4), feature_dim=4, schedule="epochs:0.5", total_steps=40,
+                witness=False).mixing_policy() == "hold"
+    with pytest.raises(ValueError, match=r"pass end_step=3 to it instead, e.g. Decay\(..., end_step=3\)"):
+        ReLA(rows, nn.Linear(3, 4), feature_dim=4, schedule=Decay(), end_step=3)

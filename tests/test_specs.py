@@ -61,7 +61,7 @@ def test_teacher_specs_random_with_weights_torchscript_and_bad_names(tmp_path):
 def test_torchvision_teacher_keeps_its_classifier_from_the_hub_cache_offline(tmp_path, monkeypatch):
     import torchvision
 
-    from accelerate_ssl.targets.zoo import PriorWeightsNotFoundError, torch_hub_file
+    from accelerate_ssl.priors.zoo import PriorWeightsNotFoundError, torch_hub_file
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

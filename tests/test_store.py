@@ -8,7 +8,7 @@ from _precompute_worker import tiny_dataset
 from accelerate_ssl import __version__
 from accelerate_ssl.data import ArrayImageDataset
 from accelerate_ssl.targets.precompute import precompute_targets
-from accelerate_ssl.targets.priors import create_prior
+from accelerate_ssl.priors import create_prior
 from accelerate_ssl.targets.store import (TargetStore, TargetStoreCorruptError, TargetStoreIncompleteError,
                                           TargetStoreMismatchError)
 
@@ -121,7 +121,7 @@ def test_nan_rows_are_refused_at_lookup_naming_rows_and_store(tmp_path):
     import numpy as _np
 
     from accelerate_ssl.targets.precompute import precompute_targets
-    from accelerate_ssl.targets.priors import create_prior
+    from accelerate_ssl.priors import create_prior
     from accelerate_ssl.targets.store import TargetStore, TargetStoreCorruptError
 
     images = [torch.randint(0, 256, (1, 28, 28), dtype=torch.uint8) for _ in range(8)]
@@ -145,7 +145,7 @@ def test_nan_rows_are_refused_at_lookup_naming_rows_and_store(tmp_path):
 
 def test_iterable_dataset_is_refused_with_the_reason(tmp_path):
     from accelerate_ssl.targets.precompute import precompute_targets
-    from accelerate_ssl.targets.priors import create_prior
+    from accelerate_ssl.priors import create_prior
 
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):

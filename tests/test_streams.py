@@ -27,6 +27,7 @@ from accelerate_ssl.data.streams import open_stream  # noqa: E402
 from accelerate_ssl.data.views import apply_view  # noqa: E402
 from accelerate_ssl.targets.sidecar import SidecarError, key_index  # noqa: E402
 from processes import cpu_process_env  # noqa: E402
+from recipe_check import check_recipe, readme_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = 8
@@ -103,7 +104,7 @@ def joined(urls, targets, **kw):
 # ------------------------------------------------------------------------------------------------ the loops
 def test_a_webdataset_loop_trains_with_sidecar_targets_each_row_its_samples_own(stream, prior):
     root, urls, spec, _ = stream
-    # the README's lines
+    # a loop over the joined pipeline
     targets = ShardedTargets.open(root / "sidecars")
     data = (wds.WebDataset(urls, shardshuffle=2, empty_check=False, seed=0).compose(targets.join())
             .map(decode_images()).shuffle(8, seed=0).map_dict(png=as_tensor).to_tuple("png", "target"))
@@ -142,7 +143,7 @@ def test_a_datasets_loop_trains_with_a_target_column(tmp_path, prior):
                           "--out", str(tmp_path / "side"), "--no-progress", "--json"], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["shards"] == 3
-    # the README's lines
+    # a loop over the joined pipeline
     ds = datasets.load_from_disk(str(tmp_path / "hf"))
     targets = ShardedTargets.open(tmp_path / "side")
     train = targets.column(ds, key_column="id").with_format("torch")
@@ -653,3 +654,108 @@ def test_wrap_refuses_a_datasets_column_of_another_folder(imagefolder, prior, tm
             with pytest.raises(SidecarError, match=rf"6 of 6 rows of this batch come from the sidecar targets "
                                                    rf"'{re.escape(str(tmp_path / 'other'))}'"):
                 rela.wrap(torch.zeros(()), targets=batch["target"])
+
+
+# ------------------------------------------------------------------------------------------------ the README's recipes
+RECIPES = ROOT / "tests" / "recipes"
+N_REAL = 30
+
+
+@pytest.fixture(scope="module")
+def fmnist(fashion_mnist_available):
+    """30 real Fashion-MNIST images (uint8 [30, 28, 28]), their labels, and the shipped prior's output for each."""
+    from accelerate_ssl.data import FashionMNIST
+
+    data = FashionMNIST("train", limit=N_REAL)
+    images = data.data.numpy()
+    prior = create_prior("shipped:digits-byol").eval()
+    return images, data.targets.numpy(), own(prior, torch.from_numpy(images)[:, None])
+
+
+def _assert_own_rows(seen, expected, targets) -> None:
+    """Every row a batch carried is the prior's output for that batch's own image, tagged with its folder."""
+    assert seen
+    for numbers, rows in seen:
+        numbers = torch.as_tensor(numbers)
+        assert torch.allclose(rows[:, :-1], expected[numbers], atol=1e-5)
+        assert (rows[:, -1] == targets.tag).all()
+
+
+def _run_recipe(name: str) -> dict:
+    import runpy
+
+    return runpy.run_path(str(RECIPES / name), run_name="__main__")
+
+
+def test_the_webdataset_recipe_is_four_added_and_four_changed_lines():
+    assert check_recipe(RECIPES / "webdataset_loop.py", "A WebDataset loop") == (4, 4)
+
+
+def test_the_datasets_recipes_are_three_added_and_two_or_three_changed_lines():
+    assert check_recipe(RECIPES / "hf_datasets.py", "A Hugging Face `datasets` loop over a data set with an id column") == (3, 2)
+    assert check_recipe(RECIPES / "hf_imagefolder.py", "Without an id column") == (3, 3)
+
+
+def test_the_webdataset_recipe_runs_as_written(fmnist, tmp_path, monkeypatch):
+    """The README's precompute command and loop, as written, over 3 shards of real images read by 2 loader workers:
+    every row a batch carries is the prior's output for that batch's own image; lambda is planned for the run."""
+    from accelerate_ssl.cli import main
+
+    images, _, expected = fmnist
+    for s in range(3):
+        (tmp_path / "shards").mkdir(exist_ok=True)
+        with tarfile.open(tmp_path / "shards" / f"train-{s:06d}.tar", "w") as tar:
+            for n in range(10 * s, 10 * s + 10):
+                for ext, data in (("png", png(images[n])), ("cls", str(n).encode())):
+                    info = tarfile.TarInfo(f"s{n:05d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    monkeypatch.chdir(tmp_path)
+    command = readme_command("A WebDataset loop")
+    assert command[:2] == ["accelerate-ssl", "precompute"]
+    assert main(command[1:] + ["--no-progress"]) == 0
+    run = _run_recipe("webdataset_loop.py")
+    _assert_own_rows(run["seen"], expected, run["targets"])
+    assert sorted(n for numbers, _ in run["seen"] for n in numbers.tolist()) == sorted(list(range(N_REAL)) * 2)
+    # 2 workers: shards 0 and 2 (20 samples: 3 batches of 8) and shard 1 (10: 2 batches) each pass; planned 7
+    assert run["rela"].steps == len(run["seen"]) == 2 * 5  # planned: 2 * 30 // 8 = 7, a plan, not a limit
+
+
+def test_the_datasets_recipe_with_an_id_column_runs_as_written(fmnist, tmp_path, monkeypatch):
+    from PIL import Image
+
+    from accelerate_ssl.cli import main
+
+    images, labels, expected = fmnist
+    ds = datasets.Dataset.from_dict({"image": [Image.fromarray(a) for a in images], "id": [f"img{n:03d}" for n in range(N_REAL)],
+                                     "label": labels.tolist()},
+                                    features=datasets.Features({"image": datasets.Image(), "id": datasets.Value("string"),
+                                                                "label": datasets.Value("int64")}))
+    ds.shuffle(seed=0).save_to_disk(str(tmp_path / "data" / "train"))  # rows in another order than the numbers
+    monkeypatch.chdir(tmp_path)
+    command = readme_command("A Hugging Face `datasets` loop over a data set with an id column")
+    assert main(command[1:] + ["--no-progress"]) == 0
+    run = _run_recipe("hf_datasets.py")
+    seen = [([int(i[3:]) for i in ids], rows) for ids, rows in run["seen"]]
+    _assert_own_rows(seen, expected, run["targets"])
+    assert sorted(n for numbers, _ in seen for n in numbers) == sorted(list(range(N_REAL)) * 2)
+    assert run["rela"].steps == 2 * 4
+
+
+def test_the_datasets_recipe_without_an_id_column_runs_as_written(fmnist, tmp_path, monkeypatch):
+    """load_dataset("imagefolder") has no id column: precompute keys the rows by row number and column() finds every
+    row by its image; the loop's rows are each image's own."""
+    from PIL import Image
+
+    images, labels, expected = fmnist
+    for n in range(N_REAL):
+        folder = tmp_path / "images" / f"class{labels[n]}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(images[n]).save(folder / f"img_{n:03d}.png")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.chdir(tmp_path)
+    run = _run_recipe("hf_imagefolder.py")
+    _assert_own_rows(run["seen"], expected, run["targets"])
+    assert sorted(n for numbers, _ in run["seen"] for n in numbers) == sorted(list(range(N_REAL)) * 2)
+    assert run["rela"].steps == 2 * 4
+    assert run["targets"].metadata["settings"]["data"].get("key_field") is None  # keyed by row number

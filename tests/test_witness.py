@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from accelerate_ssl import ReLA, create_prior, precompute_targets
 from accelerate_ssl.rela import MisalignmentError, MisalignmentWarning, Witness, WitnessWarning
-from accelerate_ssl.targets.priors import Prior, Preprocess
+from accelerate_ssl.priors import Prior, Preprocess
 
 PRIOR = "shipped:fashion-mnist-byol"
 N = 1024

@@ -14,8 +14,8 @@ from PIL import Image
 
 from accelerate_ssl.cli import main as cli_main
 from accelerate_ssl.targets.precompute import precompute_targets
-from accelerate_ssl.targets.priors import create_prior
-from accelerate_ssl.targets.zoo import PriorWeightsNotFoundError
+from accelerate_ssl.priors import create_prior
+from accelerate_ssl.priors.zoo import PriorWeightsNotFoundError
 
 REV = "a" * 40
 
@@ -288,7 +288,7 @@ def test_priors_cli_list_show_fetch(caches, capsys):
     assert specs["open_clip:ViT-B-32/laion2b_s34b_b79k"]["output_dim"] == 512
     assert specs["torchvision:resnet50/IMAGENET1K_V2"]["output_dim"] == 2048
     assert specs["shipped:fashion-mnist-byol"]["cached"] is True
-    from accelerate_ssl.targets.priors import SHIPPED_PRIORS
+    from accelerate_ssl.priors import SHIPPED_PRIORS
 
     assert {f"shipped:{n}" for n in SHIPPED_PRIORS} <= set(specs)  # every shipped prior is listed, the demo's too
     assert specs["timm:vit_small_patch14_dinov2.lvd142m"]["cached"] is False  # an empty cache here

@@ -36,7 +36,7 @@ from .augment import create_augmentations
 from .budget import pixel_images_for_budget, pixel_storage_floats, plan_storage
 from .codec import CompactDataset
 from .krr import ModelPool, default_pool_factory, outer_loss
-from .synthetic import BasisSynthetic, PixelSynthetic, _batched
+from .synthetic import BasisSynthetic, PixelSynthetic, batched
 from ..atomic import atomic_path
 
 
@@ -106,7 +106,7 @@ class Distiller:
         from tqdm.auto import tqdm
 
         views = [lambda x: x] + list(self.augmentations[: self.real_views - 1])
-        self.real_features = torch.stack([_batched(teacher, tau(real_images)) for tau in
+        self.real_features = torch.stack([batched(teacher, tau(real_images)) for tau in
                                           tqdm(views, desc="teacher features", disable=not progress, leave=False)])
         target_dim = self.real_features.shape[-1]
         image_shape = tuple(real_images.shape[1:])

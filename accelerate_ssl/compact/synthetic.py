@@ -16,7 +16,7 @@ from .bases import decode_images, decode_targets, downscale, pca_basis, project
 from .budget import StoragePlan
 
 
-def _batched(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
+def batched(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
     with torch.no_grad():
         return torch.cat([fn(x[i : i + batch_size]) for i in range(0, len(x), batch_size)], 0)
 
@@ -55,7 +55,7 @@ class BasisSynthetic(nn.Module):
             self.target_coeffs.copy_(project(real_features[idx], self.target_basis))
             x_s = self.images()
             for a, tau in enumerate(augmentations):
-                self.aug_target_coeffs[a].copy_(project(_batched(teacher, tau(x_s)), self.target_basis))
+                self.aug_target_coeffs[a].copy_(project(batched(teacher, tau(x_s)), self.target_basis))
         self.init_indices = idx
         return self
 
@@ -91,7 +91,7 @@ class PixelSynthetic(nn.Module):
             self.images_.copy_(real_images[idx])
             self.targets_.copy_(real_features[idx])
             for a, tau in enumerate(augmentations):
-                self.aug_targets[a].copy_(_batched(teacher, tau(real_images[idx])))
+                self.aug_targets[a].copy_(batched(teacher, tau(real_images[idx])))
         self.init_indices = idx
         return self
 

@@ -4,7 +4,7 @@ objective on X_t").
 Three sources:
 
 - ``load_teacher("random:convnet" | "timm:..." | "checkpoint:<path>" ...)``: any prior of
-  ``accelerate_ssl.targets.priors`` (imported lazily);
+  ``accelerate_ssl.priors`` (imported lazily);
 - ``load_teacher("<path>.safetensors")``: a ConvNet teacher written by ``save_teacher``;
 - ``train_teacher(images, method="barlow_twins" | "byol")``: trained here, self-supervised on the
   unlabelled images with the library's training recipe (:mod:`accelerate_ssl.recipes`: lightly's losses
@@ -140,7 +140,7 @@ def load_teacher(spec: str, weights: Optional[str] = None) -> Teacher:
             teacher.feature_mean.copy_(mean)
             teacher.feature_std.copy_(std)
         return teacher
-    from ..targets.priors import create_prior  # lazily: written by the targets engineer
+    from ..priors import create_prior  # lazily: written by the targets engineer
 
     prior = create_prior(spec, weights=weights)
     return Teacher(prior, prior.output_dim, {"source": "prior", **prior.describe()})

@@ -20,7 +20,8 @@ augmented views (training), with or without labels:
     (``accelerate-ssl store verify PATH --data SPEC`` checks every item). If two reads of one sample still differ
     (augmentation inside ``__getitem__``), a ``ValueError`` starting "Cannot identify" names the fixes.
 
-  ``torch.utils.data.Subset`` is unwrapped and its indices hashed too, in order. The image of an item is found by
+  ``torch.utils.data.Subset`` is unwrapped and its indices hashed too, in order; timm's ``AugMixDataset`` (item i: item
+  i of the data set it wraps, with augmented splits) is identified by the data set it wraps. The image of an item is found by
   :func:`~.items.item_image` (``image_key`` names it; dict items record the field in the fingerprint).
 - :class:`RowIdentity`: one 64-bit digest per row (the file name, the array row, or the item's image),
   written beside the targets at precompute (``identity.npy``) and compared row by row by
@@ -108,12 +109,29 @@ def _to_bytes(item: Any) -> bytes:
     return repr(item).encode()
 
 
+def _splits_its_items(dataset) -> bool:
+    """timm's ``AugMixDataset`` (``train.py --aug-splits``): its item i is item i of its ``.dataset`` (the clean split)
+    plus augmentations of that same item, in the same order."""
+    kind = type(dataset)
+    return kind.__name__ == "AugMixDataset" and kind.__module__.startswith("timm.") and hasattr(dataset, "dataset")
+
+
+def one_to_one_base(dataset):
+    """``dataset`` without the wrappers whose item i is made of their ``.dataset``'s item i alone (timm's
+    ``AugMixDataset``): the same samples in the same order, identified by the data set underneath."""
+    while _splits_its_items(dataset):
+        dataset = dataset.dataset
+    return dataset
+
+
 def unwrap_subsets(dataset) -> tuple[Any, list]:
-    """The data set under any chain of Subsets, and the Subsets' index arrays (outermost first)."""
+    """The data set under any chain of Subsets (and one-to-one wrappers, :func:`one_to_one_base`), and the Subsets'
+    index arrays (outermost first)."""
     chain = []
+    dataset = one_to_one_base(dataset)
     while isinstance(dataset, Subset):
         chain.append(np.asarray(dataset.indices, dtype=np.int64))
-        dataset = dataset.dataset
+        dataset = one_to_one_base(dataset.dataset)
     return dataset, chain
 
 
@@ -130,7 +148,7 @@ def _reading_view(dataset, scheme: int):
         return dataset
     try:
         return switch_off(dataset, found, unchanged)
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError, AssertionError):  # a read-only property, or a setter that validates its value
         return dataset
 
 
@@ -293,6 +311,7 @@ def dataset_fingerprint(dataset, num_samples: int = DEFAULT_NUM_SAMPLES, *, imag
     to compare with; the data set is then fingerprinted under its scheme and image field."""
     if getattr(type(dataset), "fingerprints_itself", False):  # ReplayViews: the images underneath + the recorded views
         return dataset.fingerprint(like=like)
+    dataset = one_to_one_base(dataset)  # timm's AugMixDataset: the items underneath, each with its splits
     scheme = scheme_of(like)
     if image_key is None and like is not None:
         image_key = like.get("image_key")
@@ -351,6 +370,7 @@ class RowIdentity:
     """
 
     def __init__(self, dataset, image_key=None, like: Optional[dict] = None):
+        dataset = one_to_one_base(dataset)
         self.dataset = dataset
         self.scheme = scheme_of(like)
         self.base, chain = unwrap_subsets(dataset)

@@ -41,8 +41,16 @@ What cannot be proven aligned is refused, never guessed:
 - a DataLoader subclass that overrides ``__iter__`` (it may drop, reorder or read ahead), except timm's
   ``MultiEpochsDataLoader``, whose ``__iter__`` yields its one persistent iterator's batches as they come;
 - a wrapper that ends an iteration with inner batches it never yielded (checked at its end);
-- a loader whose collate function mixes samples (timm's ``FastCollateMixup`` with mixing on): a mixed
-  image is two samples, while a stored target belongs to one (README, "timm").
+- a loader whose collate function mixes samples (timm's ``FastCollateMixup`` with mixing on) while ReLA's term runs
+  without a planned end: a mixed image is two samples, while a stored target belongs to one (README, "timm").
+
+**timm's mixers while ReLA's term runs.** The latest ReLA's ``mixing_policy()`` decides: ``"refuse"`` (no planned end:
+a mixed batch stops training, naming the fixes), ``"hold"`` (a planned end: the mixer does not mix yet), ``"allow"``
+(the term is over). The in-loop ``Mixup`` asks at every call (:func:`guard_timm_mixers`), so it mixes again from the
+first batch after the end. The collate's ``FastCollateMixup`` runs in the loader's worker processes, on the copy each
+worker took when it started, so it is set at the start of each pass, before workers copy it (held: its ``mix_prob`` is
+0, the value it had kept aside and put back when released), and worker processes holding an older copy (persistent
+workers, timm's ``MultiEpochsDataLoader``) are restarted: it mixes again from the first pass that starts after the end.
 
 Each tracker also counts *iterations* (a new iterator, a new epoch of a persistent one, a new pass of a
 wrapper), so ReLA can tell a batch read ahead within one pass (refused at ``wrap``) from the unconsumed
@@ -59,7 +67,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data import dataloader as _dl
 
-__all__ = ["IndexTracker", "TrackedLoader", "track_indices", "track_loader", "untracked_loader_hint"]
+__all__ = ["IndexTracker", "TrackedLoader", "iterated_through_tracking", "track_indices", "track_loader",
+           "untracked_loader_hint"]
 
 
 class IndexTracker:
@@ -134,7 +143,13 @@ class _TrackingIterMixin:
         self._accelerate_ssl_fifo.clear()
         if not first_iter:  # a new epoch of a persistent-workers iterator (the first is counted at creation)
             self._accelerate_ssl_tracker.iteration += 1
-            self._accelerate_ssl_tracker.mixing = _mixing(loader)
+            self._accelerate_ssl_tracker.mixing = _prepare_mixing(loader)
+            if _workers_mix(self) not in (None, _mixes_now(loader)):
+                # its workers copied the collate before a mixer was held or given back: start fresh ones
+                self._shutdown_workers()
+                self._accelerate_ssl_mixing = _mixes_now(loader)
+                type(self).__init__(self, loader)  # ends with _reset(loader, first_iter=True)
+                return None
         return super()._reset(loader, first_iter)
 
 
@@ -157,11 +172,13 @@ def _make_tracked_get_iterator(loader_ref: "weakref.ref[DataLoader]", tracker: I
             base = _dl._MultiProcessingDataLoaderIter
         cls = _tracked_iter_class(base)
         tracker.iteration += 1
-        tracker.mixing = _mixing(loader)
+        tracker.mixing = _prepare_mixing(loader)
         it = cls.__new__(cls)
         # the FIFO must exist before __init__: the multi-process iterator prefetches in __init__
         it._accelerate_ssl_fifo = collections.deque()
         it._accelerate_ssl_tracker = tracker
+        if loader.num_workers > 0:  # what the workers started here copy
+            it._accelerate_ssl_mixing = _mixes_now(loader)
         it.__init__(loader)
         return it
 
@@ -250,28 +267,82 @@ def _mixes(fn) -> bool:
 
 
 def _mixing_message(where: str) -> str:
+    """Why a mixing batch is refused while ReLA's term runs without a planned end, and the fixes."""
     return (f"{where} mixes samples (timm's mixup/cutmix), but a stored target belongs to one sample, not to a mix of "
-            "two, so ReLA refuses mixed batches. Train without mixup/cutmix while ReLA runs (timm's train.py: --mixup 0 "
-            "--cutmix 0), or switch it on only once rela.stats['finished'] is True.")
+            "two, so ReLA refuses mixed batches while its term runs, and under this schedule the term has no planned "
+            "end. Either train without mixing (timm's train.py: --mixup 0 --cutmix 0, its defaults; --mixup-off-epoch "
+            "does not help: it turns mixing off only after that epoch), or give ReLA's term an end, ReLA(..., "
+            "end_step=N) (in timm's train.py end_step=E * updates_per_epoch: ReLA for the first E epochs): ReLA then "
+            "holds timm's mixup/cutmix off until its term is over, and they mix from then on.")
 
 
-def _mixing(loader) -> Optional[str]:
-    """Why ``loader``'s batches cannot carry per-sample targets, or None: its collate function mixes samples."""
-    fn = getattr(loader, "collate_fn", None)
-    if type(fn).__name__ != "FastCollateMixup" or not type(fn).__module__.startswith("timm.") or not _mixes(fn):
-        return None
-    return _mixing_message("The tracked loader's collate function (FastCollateMixup)")
-
-
-#: the latest ReLA (weakly): its ``refuses_mixing()`` says whether a mixed batch must be refused now (an older ReLA
-#: still alive, e.g. from an earlier notebook cell, does not speak for the loop running now)
+#: the latest ReLA (weakly): its ``mixing_policy()`` says what a timm mixer may do now (an older ReLA still alive, e.g.
+#: from an earlier notebook cell, does not speak for the loop running now)
 _MIXING_GUARD: Optional["weakref.ref"] = None
+#: the mixers each ReLA has said it holds off (said once)
+_SAID_HELD: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: where a held FastCollateMixup keeps its own mix_prob (travels with the copies its workers take: harmless there)
+_HELD_PROB = "_accelerate_ssl_held_mix_prob"
 
 
-def refuse_timm_mixup(guard) -> None:
-    """Make timm's in-loop ``Mixup`` (``input, target = mixup_fn(input, target)``) raise while ``guard.refuses_mixing()``
-    is True, instead of feeding ReLA mixed images with one sample's target. Patches ``timm.data.mixup.Mixup.__call__``
-    once (when timm is imported); other mixers are the user's to keep off (README)."""
+def _mixing_guard():
+    return _MIXING_GUARD() if _MIXING_GUARD is not None else None
+
+
+def _say_held(guard, mixer: str, resumes: str) -> None:
+    said = _SAID_HELD.setdefault(guard, set())
+    if mixer in said:
+        return
+    said.add(mixer)
+    import warnings
+
+    warnings.warn(f"ReLA holds {mixer} off while its term runs (a mixed image has no stored target): its batches are "
+                  f"not mixed until the term is over, after optimiser step {guard.end_step}; it mixes again {resumes}.",
+                  UserWarning, stacklevel=3)
+
+
+def _collate_mixer(loader):
+    """timm's ``FastCollateMixup`` when it is ``loader``'s collate function, else None."""
+    fn = getattr(loader, "collate_fn", None)
+    kind = type(fn)
+    return fn if kind.__name__ == "FastCollateMixup" and kind.__module__.startswith("timm.") else None
+
+
+def _prepare_mixing(loader) -> Optional[str]:
+    """At the start of a pass over ``loader``, before its worker processes copy its collate function: hold timm's
+    ``FastCollateMixup`` off, or give it back its ``mix_prob``, as the latest ReLA's ``mixing_policy()`` says. Returns
+    why this pass's batches cannot carry per-sample targets (its collate mixes them), or None."""
+    fn = _collate_mixer(loader)
+    if fn is None:
+        return None
+    guard = _mixing_guard()
+    if guard is not None and guard.mixing_policy() == "hold":
+        if _HELD_PROB not in fn.__dict__ and _mixes(fn):
+            fn.__dict__[_HELD_PROB], fn.mix_prob = fn.mix_prob, 0.0
+            _say_held(guard, "timm's FastCollateMixup (the prefetcher's collate)",
+                      "from the first epoch (pass over the loader) that starts after it")
+    elif _HELD_PROB in fn.__dict__:
+        fn.mix_prob = fn.__dict__.pop(_HELD_PROB)
+    return _mixing_message("The tracked loader's collate function (FastCollateMixup)") if _mixes(fn) else None
+
+
+def _workers_mix(iterator) -> Optional[bool]:
+    """Whether the worker processes of a tracked iterator mix (their collate as it was when they started); None for
+    an iterator without workers (its collate runs in this process, as it is now)."""
+    return getattr(iterator, "_accelerate_ssl_mixing", None)
+
+
+def _mixes_now(loader) -> bool:
+    fn = _collate_mixer(loader)
+    return fn is not None and _mixes(fn)
+
+
+def guard_timm_mixers(guard) -> None:
+    """Make ``guard`` (a ReLA) the one whose ``mixing_policy()`` timm's mixers follow, and make timm's in-loop ``Mixup``
+    (``input, target = mixup_fn(input, target)``) follow it at every call: raise (``"refuse"``), return the batch
+    unmixed with its one-hot targets (``"hold"``), or mix (``"allow"``), instead of feeding ReLA mixed images with one
+    sample's target. Patches ``timm.data.mixup.Mixup.__call__`` once (when timm is imported); other mixers are the
+    user's to keep off (README)."""
     global _MIXING_GUARD
     _MIXING_GUARD = weakref.ref(guard)
     import sys
@@ -283,9 +354,17 @@ def refuse_timm_mixup(guard) -> None:
     original = mixup.__call__
 
     def __call__(self, *args, **kwargs):
-        current = _MIXING_GUARD() if _MIXING_GUARD is not None else None
-        if _mixes(self) and current is not None and current.refuses_mixing():
+        current = _mixing_guard()
+        policy = "allow" if current is None or not _mixes(self) else current.mixing_policy()
+        if policy == "refuse":
             raise ValueError(_mixing_message("timm's Mixup called in the training loop"))
+        if policy == "hold":
+            _say_held(current, "timm's Mixup (called in the training loop)", "from the first batch after it")
+            enabled, self.mixup_enabled = self.mixup_enabled, False
+            try:  # timm's own path without mixing: the images as they are, one-hot (smoothed) targets
+                return original(self, *args, **kwargs)
+            finally:
+                self.mixup_enabled = enabled
         return original(self, *args, **kwargs)
 
     __call__._accelerate_ssl_guard = True
@@ -299,6 +378,12 @@ def _known_inner(loader) -> Optional[Any]:
     if type(loader).__module__.startswith("accelerate.") and getattr(loader, "base_dataloader", None) is not None:
         return loader.base_dataloader  # DataLoaderShard (DataLoaderDispatcher is refused by TrackedLoader)
     return None
+
+
+def iterated_through_tracking(loader) -> bool:
+    """Whether ``loader`` must be iterated through what :func:`track_loader` returns (a wrapper that reads ahead of its
+    DataLoader: timm's ``PrefetchLoader``, a loader Accelerate prepared), rather than tracked in place."""
+    return type(loader) is not TrackedLoader and _known_inner(loader) is not None
 
 
 def untracked_loader_hint() -> str:
@@ -364,7 +449,11 @@ class TrackedLoader:
     def __iter__(self) -> Iterator:
         self._fifo.clear()
         self.tracker.iteration += 1
-        self.tracker.mixing = _mixing(self.inner)
+        self.tracker.mixing = _prepare_mixing(self.inner)
+        persistent = getattr(self.inner, "iterator", None) if _is_type(self.inner, "timm.data.loader",
+                                                                        "MultiEpochsDataLoader") else None
+        if _workers_mix(persistent) not in (None, _mixes_now(self.inner)):
+            self.inner.iterator = None  # its one iterator's workers copied the collate before: timm builds a new one
         # a prepared loader made with skip_batches=k draws its first k batches and yields none of them (the inner
         # loader's FIFO holds them, then the first batch yielded, then the one read ahead)
         skip = int(getattr(self.wrapper, "skip_batches", 0) or 0)
@@ -430,10 +519,10 @@ def track_loader(loader, tracker: Optional[IndexTracker] = None, *, inner=None) 
         if wrapped is not None and wrapped.inner is inner:
             return track_loader(wrapped, tracker)
         wrapped = TrackedLoader(loader, inner, tracker or IndexTracker())
-        wrapped.tracker.mixing = _mixing(inner)
+        wrapped.tracker.mixing = _prepare_mixing(inner)
         if hasattr(loader, "__dict__"):
             loader.__dict__["_accelerate_ssl_tracked"] = wrapped
         return wrapped, wrapped.tracker
     tracker = track_indices(loader, tracker)
-    tracker.mixing = _mixing(loader)
+    tracker.mixing = _prepare_mixing(loader)
     return loader, tracker

@@ -31,6 +31,8 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from ..launch import is_main_process
+
 __all__ = ["IMAGE_FIELDS", "TRANSFORM_ATTRS", "UnreadableItemError", "is_image", "describe_item", "image_location",
            "item_image", "image_or_item", "replace_image", "announce_once", "announce_image_field", "dataset_name", "transform_attrs",
            "switch_off", "clean_view", "same_items", "unchanged"]
@@ -95,7 +97,7 @@ def _fix(item: Any) -> str:
     else:
         how = "image_key=<position>"
         flag = "--image-field <position>"
-    return (f"Name where the image is: {how} (precompute_targets, open_or_precompute, dataset_fingerprint) or {flag} "
+    return (f"Name where the image is: {how} (ReLA.from_prior, precompute_targets, open_or_precompute, dataset_fingerprint) or {flag} "
             "on the command line; that value must be a PIL image, a numpy array or a tensor (decode files and bytes in "
             "__getitem__).")
 
@@ -173,7 +175,7 @@ def announce_once(what: Any, text: str) -> None:
     if what in _ANNOUNCED:
         return
     _ANNOUNCED.add(what)
-    if os.environ.get("RANK", "0") == "0":
+    if is_main_process():
         print(f"accelerate-ssl: {text}", file=sys.stderr)
 
 
@@ -230,12 +232,28 @@ def _registered(view) -> tuple:
     return entry[2]
 
 
+def _refuse_written_through(dataset, before: dict) -> None:
+    """Switching a transform off on the copy must leave ``dataset`` as it was: an attribute that writes through to
+    shared state (a property setting another object's transform) is put back and refused, naming the fix."""
+    changed = [a for a, value in before.items() if value is not None and getattr(dataset, a, None) in (None, unchanged)]
+    for attr in changed:
+        setattr(dataset, attr, before[attr])
+    if changed:
+        raise TypeError(
+            f"Cannot make a clean view of {dataset_name(dataset)}: setting {changed[0]!r} on a copy of it also switched "
+            "off the original's transform (the attribute writes through to an object both share). Pass the clean data "
+            "set itself (ReLA.from_prior(..., dataset=clean_set), or clean_view of the data set that holds the "
+            "transform).")
+
+
 def clean_view(dataset, transform_attr: Union[None, str, Sequence[str]] = None):
     """``dataset`` without its augmentation, the same items in the same order (a shallow copy; the data are shared
     and ``dataset`` is left as it is).
 
     Args:
-        dataset: a map-style data set; a ``torch.utils.data.Subset`` gives a Subset of the clean inner data set.
+        dataset: a map-style data set; a ``torch.utils.data.Subset`` gives a Subset of the clean inner data set; a
+            wrapper whose transform is a property of the data set it holds in ``.dataset`` (lightly's
+            ``LightlyDataset``) gives the clean view of that inner data set.
         transform_attr: the attribute(s) holding the transform. ``None`` (default): every attribute of
             :data:`TRANSFORM_ATTRS` the data set has (``transform``, ``image_transform``, ``transforms``, ...), set to
             ``None`` (a torchvision ``transforms`` keeps its target transform). A ``__getitem__`` that cannot read
@@ -247,6 +265,14 @@ def clean_view(dataset, transform_attr: Union[None, str, Sequence[str]] = None):
 
     if isinstance(dataset, Subset):
         return Subset(clean_view(dataset.dataset, transform_attr), dataset.indices)
+    inner = getattr(dataset, "dataset", None)
+    forwarded = [a for a in TRANSFORM_ATTRS if isinstance(getattr(type(dataset), a, None), property)
+                 and a not in getattr(dataset, "__dict__", {})]
+    if transform_attr is None and inner is not None and forwarded and not transform_attrs(dataset, [
+            a for a in TRANSFORM_ATTRS if a not in forwarded]):
+        # a wrapper whose transform is a property of its inner data set (lightly's LightlyDataset): setting it on a
+        # copy would switch off the shared inner one, so the clean view is the inner data set's
+        return clean_view(inner)
     if transform_attr is not None:
         attrs = [transform_attr] if isinstance(transform_attr, str) else list(transform_attr)
         missing = [a for a in attrs if not hasattr(dataset, a)]
@@ -261,12 +287,15 @@ def clean_view(dataset, transform_attr: Union[None, str, Sequence[str]] = None):
                 f"attributes {', '.join(TRANSFORM_ATTRS)}. Name the attribute that holds its augmentation "
                 "(clean_view(dataset, transform_attr='<attribute>')), or precompute the targets on a data set of the "
                 "same items in the same order without augmentation and pass it as ReLA(..., dataset=clean_set).")
+    before = {a: getattr(dataset, a, None) for a in attrs}
     view = switch_off(dataset, attrs, None)
+    _refuse_written_through(dataset, before)
     if len(dataset):
         try:
             view[0]
         except Exception as err:  # noqa: BLE001 - e.g. `self.transform(x)` without a None test: the identity instead
             identity = switch_off(dataset, attrs, unchanged)
+            _refuse_written_through(dataset, before)
             try:
                 identity[0]
             except Exception:  # noqa: BLE001 - the data set fails either way: its own error is the one to see

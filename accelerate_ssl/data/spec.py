@@ -94,3 +94,16 @@ def open_data(spec: str, split: str = "train", *, root: Optional[str] = None, li
             ds.transform = transform
     ds.name = f"{kind}:{Path(folder).resolve()}" + (f"?fraction={fraction}" if fraction is not None else "")
     return ds
+
+
+def fraction_arg(value: str) -> float:
+    """``--fraction`` (solo-learn's ``data.fraction``) as an argparse type: a number below 1, checked."""
+    from .solo import solo_fraction
+
+    try:
+        fraction = float(value)
+        solo_fraction(fraction)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--fraction must be a number below 1 (solo-learn's data.fraction: in (0, 1) for "
+                                         f"its split, <= 0 such as -1 for all samples), got {value!r}") from None
+    return fraction

@@ -81,19 +81,19 @@ def create_teacher(spec: str, weights: str | None = None, kwargs: dict | None = 
         if not Path(name).is_file():
             raise FileNotFoundError(f"TorchScript teacher {name} not found; pass an existing file.")
         return torch.jit.load(name, map_location="cpu")
-    from ..targets.priors import _torchvision_model, load_state_dict_file
+    from ..priors.registry import load_state_dict_file, torchvision_model
 
     if family == "random":
         from ..backbones import BACKBONES, create_backbone
 
-        model = create_backbone(name, **kwargs) if name in BACKBONES else _torchvision_model(name, spec, **kwargs)
+        model = create_backbone(name, **kwargs) if name in BACKBONES else torchvision_model(name, spec, **kwargs)
         if weights is not None:
             model.load_state_dict(load_state_dict_file(weights))
         return model
-    from ..targets.zoo import resolve_url_file, torch_hub_file, torchvision_weights
+    from ..priors.zoo import resolve_url_file, torch_hub_file, torchvision_weights
 
     arch, _, member = name.partition("/")
-    model = _torchvision_model(arch, spec, **kwargs)
+    model = torchvision_model(arch, spec, **kwargs)
     if weights is None:
         url = torchvision_weights(arch, member, spec).url
         weights = str(resolve_url_file(spec, url, torch_hub_file(url), offline))

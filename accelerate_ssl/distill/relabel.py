@@ -26,7 +26,7 @@ from torch import nn
 from ..atomic import atomic_torch_save
 from .dataset import as_distilled_set
 from .recover import crop_resize, frozen_teacher, sample_crop
-from .synthesize import _generator
+from .synthesize import seeded_generator
 
 MIXES = ("cutmix", "mixup", "none")
 
@@ -76,7 +76,7 @@ def apply_batch_params(images: torch.Tensor, params: dict) -> torch.Tensor:
 
 def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[torch.Tensor]:
     """The sample indices of each batch of ``epoch`` (a seeded permutation, last batch may be short)."""
-    perm = torch.randperm(n, generator=_generator(seed, "perm", epoch))
+    perm = torch.randperm(n, generator=seeded_generator(seed, "perm", epoch))
     return [perm[i : i + batch_size] for i in range(0, n, batch_size)]
 
 
@@ -116,7 +116,7 @@ class SoftLabelStore:
         for epoch in tqdm(range(epochs), desc="relabel", unit="epoch", disable=not progress):
             batches = []
             for b, idx in enumerate(epoch_batches(len(distilled), batch_size, seed, epoch)):
-                params = sample_batch_params(len(idx), size, _generator(seed, "aug", epoch, b), crop_scale, flip, mix)
+                params = sample_batch_params(len(idx), size, seeded_generator(seed, "aug", epoch, b), crop_scale, flip, mix)
                 x = apply_batch_params(distilled.images[idx], params)
                 logits = teacher_logits(teachers, x.to(device)).half().cpu()
                 batches.append({"indices": idx, "params": params, "logits": logits})
@@ -192,7 +192,7 @@ def train_student(student: nn.Module, distilled, *, teachers: nn.Module | Sequen
             if soft_labels is not None:
                 x, target = soft_labels.replay(distilled, epoch, b)
             else:
-                p = sample_batch_params(len(idx), size, _generator(seed, "aug", epoch, b), crop_scale, True, mix)
+                p = sample_batch_params(len(idx), size, seeded_generator(seed, "aug", epoch, b), crop_scale, True, mix)
                 x = apply_batch_params(distilled.images[idx], p)
                 target = teacher_logits(teachers, x.to(device)) if teachers is not None else distilled.labels[idx]
             x, target = x.to(device), target.to(device)

@@ -69,7 +69,9 @@ def _seed_for(seed: int, *parts) -> int:
     return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def _generator(seed: int, *parts) -> torch.Generator:
+def seeded_generator(seed: int, *parts) -> torch.Generator:
+    """A CPU generator seeded by ``seed`` and the names of what it draws (``"perm"``, ``epoch``...): runs resume
+    with the same draws."""
     return torch.Generator().manual_seed(_seed_for(seed, *parts))
 
 
@@ -122,7 +124,7 @@ def select_real(labels: torch.Tensor, classes: Sequence[int], ipc: int, seed: in
                 f"(one distinct image per synthetic image); pass ipc <= {len(idx)}, add images of class {c}, "
                 f"or use method 'sre2l' (noise initialisation)."
             )
-        perm = torch.randperm(len(idx), generator=_generator(seed, "select", c))
+        perm = torch.randperm(len(idx), generator=seeded_generator(seed, "select", c))
         chosen[c] = idx[perm[:ipc]].tolist()
     return chosen
 
@@ -295,7 +297,7 @@ def synthesize(
     with frozen_teacher(*teachers):
         for group in groups:
             cls = chunks[group[0] % len(chunks)]
-            gens = [{"recover": _generator(seed, "recover", b), "perturb": _generator(seed, "perturb", b)} for b in group]
+            gens = [{"recover": seeded_generator(seed, "recover", b), "perturb": seeded_generator(seed, "perturb", b)} for b in group]
             x_init = torch.cat([batch_init(b, g) for b, g in zip(group, gens)])
             labels = torch.tensor(cls * len(group), dtype=torch.long, device=device)
             if len(group) == 1:

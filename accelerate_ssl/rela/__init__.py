@@ -81,7 +81,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..data.indexing import IndexTracker, refuse_timm_mixup, track_loader, untracked_loader_hint
+from ..data.indexing import IndexTracker, guard_timm_mixers, track_loader, untracked_loader_hint
 from ..schedules import Constant, Schedule, create_schedule, needs_run_length, takes_run_length
 from .capture import MAX_CAPTURED, FeatureCapture, check_hooked_module, flatten_features, infer_feature_dim
 from .distributed import average_gradients, is_distributed, mean_over_processes
@@ -152,6 +152,12 @@ class ReLA:
         total_steps: the planned number of optimiser steps of the whole run, for a schedule given by name
             (``Decay`` and ``Switch`` scale their constants to it; without it the first ``wrap`` warns); also
             settable later with :meth:`set_total_steps`.
+        end_step: ReLA's term ends for good after this many optimiser steps, under any schedule (lambda 0,
+            ``stats["finished"]`` True; ``wrap`` returns your loss unchanged from then on). ``Decay`` never ends by
+            itself and ``Switch`` ends when the ReLA loss converges; an end step is a planned hand-over. While a term
+            with a planned end runs (this, or an ``epochs:`` schedule's switch), timm's mixup / cutmix is held off
+            instead of refused, and mixes again once it is over (README, "timm"). For a :class:`Schedule` instance,
+            pass it to the instance (``Decay(..., end_step=n)``).
         head_in_ddp: the head is a submodule of your DDP-wrapped model (solo-learn's mixin registers it so),
             so DDP already averages its gradients and ReLA must not average them a second time.
         sync_every: the controller reads the ReLA loss on the host once every ``sync_every`` optimiser steps;
@@ -196,6 +202,7 @@ class ReLA:
         head_optimizer: str = "auto",
         head_init: str = "fit",
         total_steps: Optional[int] = None,
+        end_step: Optional[int] = None,
         head_in_ddp: bool = False,
         sync_every: int = 1,
         targets_on_device: bool = False,
@@ -223,13 +230,18 @@ class ReLA:
         self.targets = TargetLookup(self.store, targets_on_device=targets_on_device, prefetch=prefetch)
         self.backbone = backbone
         self._schedule_name = None if isinstance(schedule, Schedule) else str(schedule or "decay")
+        self._end_step = end_step
         if self._schedule_name is None:
+            if end_step is not None:
+                raise ValueError(f"ReLA(end_step={end_step}) plans a schedule given by name; this one is your "
+                                 f"{type(schedule).__name__} instance: pass end_step={end_step} to it instead, e.g. "
+                                 f"{type(schedule).__name__}(..., end_step={end_step}).")
             self.schedule = schedule
         elif needs_run_length(self._schedule_name) and total_steps is None:
-            create_schedule(self._schedule_name, total_steps=1)  # the spec itself is checked now
-            self.schedule = Constant(1.0)  # a stand-in until set_total_steps(); wrap refuses to run on it
+            self._plan(1)  # the spec itself is checked now
+            self.schedule = Constant(1.0, end_step=end_step)  # a stand-in until set_total_steps(); wrap refuses it
         else:
-            self.schedule = create_schedule(self._schedule_name, total_steps=total_steps)
+            self.schedule = self._plan(total_steps)
         self.head_in_ddp = bool(head_in_ddp)
         self.guard = AlignmentGuard(enabled=alignment_check, warmup=2 if head_init == "fit" else 10)
         #: whether a by-name schedule knows the run length (warned about at the first wrap otherwise)
@@ -279,13 +291,79 @@ class ReLA:
         witness_ref = self.witness
         self._finalizer = weakref.finalize(
             self, lambda hs, w: ([h.remove() for h in hs], w is not None and w.close()), handles, witness_ref)
-        refuse_timm_mixup(self)  # timm's in-loop Mixup raises while ReLA trains (a mixed image has no stored target)
+        guard_timm_mixers(self)  # timm's mixers follow this ReLA's mixing_policy() (a mixed image has no stored target)
         if dataloader is not None and self.track(dataloader) is not dataloader:
             raise ValueError(
                 f"{type(dataloader).__name__} wraps a DataLoader and reads ahead of it, so it must be iterated through "
                 "the loader that rela.track returns: create ReLA without dataloader= and write `loader = "
                 "rela.track(loader)`."
             )
+
+    @classmethod
+    def from_prior(cls, prior, backbone: nn.Module, dataloader, *, total_steps: Optional[int] = None,
+                   cache_dir="rela-targets", dataset=None, image_key=None, transform_attr=None,
+                   weights: Optional[str] = None, batch_size: Optional[int] = None, progress: bool = True,
+                   **kwargs) -> "ReLA":
+        """ReLA for the loop that iterates ``dataloader``, its targets made by ``prior``: the whole set-up in one call.
+
+        ``rela = ReLA.from_prior("shipped:digits-byol", model.backbone, loader, total_steps=epochs * len(loader))``
+
+        1. the clean view of ``dataloader.dataset`` (:func:`~accelerate_ssl.data.items.clean_view`: the same items
+           in the same order, its transform off), or ``dataset=`` when you pass the clean set yourself;
+        2. its store, opened from ``cache_dir`` when it is there, else precomputed into it once
+           (:func:`~accelerate_ssl.targets.cache.open_or_precompute`: one folder per prior and data fingerprint; the
+           processes of a distributed run share the work and wait for each other, separate runs take turns);
+        3. ReLA over that store, the clean set and the loader's data set both checked against its fingerprint, the
+           loader tracked (a DataLoader in place; a loader that reads ahead, Accelerate's prepared one or timm's
+           ``PrefetchLoader``, is checked here and iterated as ``for batch in rela.track(loader):``).
+
+        Args:
+            prior: a prior spec (``"timm:vit_small_patch14_dinov2.lvd142m"``, ``"open_clip:ViT-B-32/laion2b_s34b_b79k"``,
+                ``"shipped:digits-byol"``, ...; README "Choosing a prior") or a ready ``Prior``.
+            backbone: the student's feature extractor (``model.backbone``).
+            dataloader: the training loader (over a map-style data set; streamed data carries its rows in the batch
+                instead: ``ShardedTargets``).
+            total_steps: the run's optimiser steps in this process (``epochs * len(loader)`` / accumulation steps).
+            cache_dir: the folder holding the stores.
+            dataset: the clean training set, when its clean view cannot be found (no transform attribute).
+            image_key: where an item's image is (a dict field, a tuple position); default by the common names.
+            transform_attr: the attribute(s) holding the augmentation, when not one of the common names.
+            weights, batch_size, progress: for the prior (a local weights file) and the precompute.
+            **kwargs: the other :class:`ReLA` options (``schedule``, ``n_components``, ``capture``, ...).
+        """
+        from torch.utils.data import IterableDataset
+
+        from ..data.indexing import iterated_through_tracking
+        from ..data.items import clean_view
+        from ..targets.cache import open_or_precompute
+
+        source = getattr(dataloader, "dataset", None)
+        if source is None:
+            raise TypeError(f"ReLA.from_prior needs the training DataLoader (the loader your loop iterates), got a "
+                            f"{type(dataloader).__name__}.")
+        if (isinstance(source, IterableDataset) or not hasattr(source, "__len__")
+                or type(source).__module__.split(".")[0] in ("datasets", "webdataset")):
+            raise TypeError(
+                f"The loader's data set is a {type(source).__name__}: streamed data, whose rows are found by sample key "
+                "rather than by position. Precompute sidecars (`accelerate-ssl precompute --data wds:<shards> / "
+                "hf:<path>`), let the rows ride in the batch (ShardedTargets.open(folder).join() / .column(dataset)) "
+                "and create ReLA(targets, backbone, ...) with rela.wrap(loss, targets=...) (README: At web scale).")
+        if dataset is not None and transform_attr is not None:
+            raise ValueError("ReLA.from_prior: pass dataset= (the clean set itself) or transform_attr= (where the "
+                             "loader's data set holds its augmentation), not both.")
+        clean = clean_view(source, transform_attr) if dataset is None else dataset
+        store = open_or_precompute(prior, clean, cache_dir, weights=weights, batch_size=batch_size, progress=progress,
+                                   image_key=image_key)
+        reads_ahead = iterated_through_tracking(dataloader)
+        rela = cls(store, backbone, dataset=clean, dataloader=None if reads_ahead else dataloader,
+                   total_steps=total_steps, **kwargs)
+        if reads_ahead:  # iterated through rela.track(loader) in the loop; its data set is checked now
+            rela.check_dataset(source, "the DataLoader's dataset")
+            if rela.head is None and kwargs.get("capture", "output") == "output":
+                dim = infer_feature_dim(backbone, source)
+                if dim is not None:
+                    rela._build(dim, next((p.device for p in backbone.parameters()), torch.device("cpu")))
+        return rela
 
     # ------------------------------------------------------------------ setup
     def _build(self, student_dim: int, device) -> None:
@@ -322,7 +400,7 @@ class ReLA:
         Anything else is refused, as is a tracked batch that cannot be the loop's (two batches of one pass
         published without a wrap between them: a wrapper reading ahead of a DataLoader tracked underneath it).
         See :mod:`accelerate_ssl.data.indexing`."""
-        refuse_timm_mixup(self)
+        guard_timm_mixers(self)
         dataset = getattr(inner if inner is not None else dataloader, "dataset", None)
         if dataset is not None:  # every loader ReLA trains on
             self.check_dataset(dataset, "the tracked loader's dataset")
@@ -336,7 +414,7 @@ class ReLA:
                     return
                 if tracker.mixing and not r.schedule.finished:
                     raise ValueError(tracker.mixing)
-                r._publish_index(idx, source=(id(tracker), tracker.iteration))
+                r.publish_index(idx, source=(id(tracker), tracker.iteration))
 
             tracker.add_listener(listener)
             tracker.add_upcoming_listener(lambda idx, ref=ref: (r := ref()) is not None and r.targets.announce(idx))
@@ -356,12 +434,26 @@ class ReLA:
         except TypeError:  # not weakly referenceable: hold it
             self._checked_datasets[id(dataset)] = lambda d=dataset: d
 
-    def refuses_mixing(self) -> bool:
-        """Whether a batch mixing two samples (mixup/cutmix) must be refused now: while ReLA still trains."""
-        return not self.schedule.finished
+    def _plan(self, total_steps: Optional[int]) -> Schedule:
+        """The schedule given by name, planned for ``total_steps``, with this ReLA's ``end_step``."""
+        return create_schedule(self._schedule_name, total_steps=total_steps, end_step=self._end_step)
 
-    def _publish_index(self, index: torch.Tensor, source=None) -> None:
-        """The dataset indices of the batch the loop now holds (from a tracked loader, or an integration that
+    @property
+    def end_step(self) -> Optional[int]:
+        """The optimiser step by which ReLA's term is over for sure (``end_step=``, an ``epochs:`` switch), or None
+        when only the losses can end it (``decay``, ``switch``)."""
+        return self.schedule.ends_by
+
+    def mixing_policy(self) -> str:
+        """What timm's mixup / cutmix may do now: ``"allow"`` once ReLA's term is over (a mixed batch has no stored
+        target, but none is needed then); while it runs, ``"hold"`` when the term has a planned end (:attr:`end_step`:
+        mixing waits for it) and ``"refuse"`` when it has none (mixing would wait for a step that may never come)."""
+        if self.schedule.finished:
+            return "allow"
+        return "refuse" if self.end_step is None else "hold"
+
+    def publish_index(self, index: torch.Tensor, source=None) -> None:
+        """For integrations that know which batch the loop body holds (a tracked loader calls it too). The dataset indices of the batch the loop now holds (from a tracked loader, or an integration that
         knows which batch the loop body receives); the next ``wrap`` without ``index=`` consumes them, once.
         ``source`` names the pass they come from: a second batch of the same pass before that wrap is counted
         (the loop cannot hold both), a batch of a new pass replaces an unconsumed one (``break`` then a new epoch).
@@ -381,7 +473,7 @@ class ReLA:
             return
         if not isinstance(total_steps, int) or total_steps <= 0:
             raise ValueError(f"total_steps must be a positive int (optimiser steps of the whole run), got {total_steps!r}.")
-        planned = create_schedule(self._schedule_name, total_steps=total_steps)
+        planned = self._plan(total_steps)
         if self.schedule.steps:  # a resumed run: its state was planned for this run already, keep it
             planned.load_state_dict(self.schedule.state_dict())
         self.schedule = planned
@@ -583,6 +675,19 @@ class ReLA:
             return args, {**kwargs, "closure": closure_then_average}
         return (args[0], closure_then_average, *args[2:]), kwargs
 
+    def average_head_gradients(self, optimizer=None) -> None:
+        """For integrations that step the optimiser themselves (Lightning's ``on_before_optimizer_step``, before gradient
+        clipping): average the head's gradients across processes now, once per backward, if ``optimizer`` is the one
+        that trains the backbone (any, when None). A later pre-step hook of the same step finds them averaged."""
+        if optimizer is None or self._is_user_optimizer(optimizer):
+            self._sync_head_gradients()
+
+    @property
+    def last_wrap(self) -> dict[str, Any]:
+        """``{"lambda", "loss_rela", "loss_ssl"}`` of the latest ``wrap``, the losses as detached device tensors or None
+        (no host read: for loggers; :attr:`stats` reads them as floats). A new dict after each wrap or load."""
+        return self._last
+
     def _sync_head_gradients(self) -> None:
         """Average the head's gradients across processes, once per backward: a second call before the next ``wrap``
         or optimiser step does nothing (the Lightning callback averages in ``on_before_optimizer_step``, before
@@ -669,7 +774,7 @@ class ReLA:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not self._planned and needs_run_length(self._schedule_name):  # the stand-in: the checkpoint has the plan
-            self.schedule, self._planned = create_schedule(self._schedule_name, total_steps=1), True
+            self.schedule, self._planned = self._plan(1), True
         sched = dict(state["schedule"])
         kind = sched.pop("type")
         if kind != type(self.schedule).__name__:

@@ -85,7 +85,7 @@ class AlignmentGuard:
         tau: the part of the targets' spread below which a confidently measured gap warns.
     """
 
-    def __init__(self, enabled: bool = True, *, warmup: int = 2, window: int = 10, z: float = 3.0, tau: float = 0.25):
+    def __init__(self, enabled: bool = True, *, warmup: int = 2, window: int = 10, z: float = 3.0, tau: float = 0.1):
         if not isinstance(window, int) or window < 2 or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"alignment check: window must be an int >= 2 and warmup an int >= 0, got {window!r}, {warmup!r}.")
         self.enabled, self.warmup, self.window, self.z, self.tau = bool(enabled), warmup, window, float(z), float(tau)

@@ -153,7 +153,7 @@ class TargetKeys:
 
     @classmethod
     def load(cls, folder: Path, entry: dict, num_rows: int) -> "TargetKeys":
-        from .store import TargetStoreCorruptError
+        from .format import TargetStoreCorruptError
 
         try:
             keys = np.load(Path(folder) / entry["sorted_file"], mmap_mode="r", allow_pickle=False)

@@ -48,24 +48,16 @@ import torch
 
 from ..atomic import atomic_path
 from ..data.items import IMAGE_FIELDS
-from ..data.solo import solo_fraction
-from ..data.spec import DATA_SPEC_HELP, data_spec, open_data
-from .store import (AT_WRITE_PCA, CHUNKS, DTYPES, FORMAT, FORMAT_VERSION, IDENTITY, MANIFEST, METADATA, PCA_DIR, TARGETS,
-                    TargetStore, atomic_write_text, encode_rows, file_sha256, read_json)
+from ..data.spec import DATA_SPEC_HELP, data_spec, fraction_arg, open_data
+from ..atomic import atomic_write_text
+from ..checksum import file_sha256
+from .format import (AT_WRITE_PCA, CHUNKS, DTYPES, FORMAT, FORMAT_VERSION, IDENTITY, MANIFEST, METADATA, PCA_DIR, TARGETS,
+                     encode_rows, read_json)
+from .store import TargetStore
+from .write import (PRECISIONS, check_first_item, default_batch_size, embed, image_channels, image_tensor, input_batches,
+                    process_state, resolve_preprocess, settings_diff)
 
-_PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 DEFAULT_CHUNK_SIZE = 8192
-
-#: images per prior forward when ``batch_size`` is not given. A GPU wants large batches; on CPU small ones are faster,
-#: their activations staying in cache (``python benchmarks/precompute.py --sweep``, 1 thread: at 32, 0.97x the fastest
-#: batch size's images/s for a 32/64/128 ConvNet at 28 px and 0.91x for a ResNet-18 at 224 px; at 256, 0.68x and 0.63x).
-DEFAULT_BATCH_SIZE = {"cuda": 256, "cpu": 32}
-
-
-def default_batch_size(device: torch.device) -> int:
-    """:data:`DEFAULT_BATCH_SIZE` for ``device`` (CPU's for any device without an entry)."""
-    return DEFAULT_BATCH_SIZE.get(torch.device(device).type, DEFAULT_BATCH_SIZE["cpu"])
-
 
 def chunk_path(path: Path, k: int) -> Path:
     return Path(path) / CHUNKS / f"chunk-{k:05d}.npy"
@@ -97,145 +89,6 @@ def _write_chunk(file: Path, rows: np.ndarray) -> None:
         np.save(tmp, rows, allow_pickle=False)
 
 
-def image_tensor(item: Any, image_key=None, where: str = "an item") -> torch.Tensor:
-    """The image of a data set item (:func:`~accelerate_ssl.data.items.item_image`: ``image_key``, else the common
-    fields of dict items, the first image of a tuple) as a tensor ``[C, H, W]`` (uint8 stays uint8); an image the
-    prior cannot take is refused naming ``where``, the item's structure and the fix."""
-    from ..data.items import UnreadableItemError, describe_item, item_image
-    from .priors import Preprocess
-
-    image = item_image(item, image_key, where)
-    try:
-        return Preprocess.to_tensor(image)
-    except (TypeError, ValueError) as err:
-        raise UnreadableItemError(f"Cannot read the image of {where}: it is {describe_item(item)}; {err} Name the "
-                                  "value that holds the image with image_key= / --image-field.") from None
-
-
-def image_channels(dataset, image_key=None) -> int:
-    """Channels of the image of ``dataset[0]`` (to build a random backbone prior that matches the data)."""
-    from ..data.items import dataset_name
-
-    return int(image_tensor(dataset[0], image_key, f"item 0 of {dataset_name(dataset)}").shape[0])
-
-
-class _Images(torch.utils.data.Dataset):
-    """Yields the image of each item (``image_key``, :func:`image_tensor`) as a tensor ``[C, H, W]`` (uint8 stays
-    uint8: cheap to ship) and the row's identity digest (:class:`~accelerate_ssl.data.fingerprint.RowIdentity` under
-    the fingerprint ``like``, written to ``identity.npy``)."""
-
-    def __init__(self, dataset, image_key=None, like: Optional[dict] = None):
-        from ..data.fingerprint import RowIdentity
-        from ..data.items import dataset_name
-
-        self.dataset, self.image_key, self.name = dataset, image_key, dataset_name(dataset)
-        self.identity = RowIdentity(dataset, like=like)
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, i):
-        item = self.dataset[i]
-        return image_tensor(item, self.image_key, f"item {i} of {self.name}"), self.identity(i, item)
-
-
-def _check_first_item(dataset, image_key=None):
-    """Where the image of the items is (:func:`~accelerate_ssl.data.items.image_location` on item 0; a dict field
-    found by default is printed once), refusing with the fix what precompute cannot read: solo-learn's
-    ``(index, views, label)`` items (whose first element is the index), a list of views per item, an item without an
-    image (naming the data set, the item's structure and ``image_key=``)."""
-    from ..data.items import announce_image_field, dataset_name, image_location
-
-    item = dataset[0]
-    first = item[0] if isinstance(item, (tuple, list)) and item else item
-    if isinstance(first, (int, np.integer)) and isinstance(item, (tuple, list)) and len(item) == 3:
-        raise TypeError(f"{type(dataset).__name__} yields (index, views, label) items like solo-learn's training data "
-                        "set: precompute needs the clean images in the same order. Pass "
-                        "accelerate_ssl.integrations.solo_learn.precompute_dataset(train_dataset), or use "
-                        "`accelerate-ssl precompute --data solo:<data.train_path>`.")
-    if isinstance(first, (list, tuple)):
-        raise TypeError(f"{type(dataset).__name__} yields a list of {len(first)} images per item (augmented views?); "
-                        "precompute needs one clean image per sample: pass the same data set without its multi-view "
-                        "transform (targets describe the unaugmented image).")
-    where = f"item 0 of {dataset_name(dataset)}"
-    key = image_location(item, image_key, where)
-    image_tensor(item, key, where)  # an image the prior can take
-    announce_image_field(dataset_name(dataset), item, key, image_key)
-    return key
-
-
-class _Collate:
-    """Stacks images and applies the prior's preprocessing as one batched tensor op (in the loader
-    workers when ``num_workers > 0``); images of different sizes are preprocessed one by one."""
-
-    def __init__(self, preprocess):
-        self.preprocess = preprocess
-
-    def __call__(self, items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        images = [im for im, _ in items]
-        return self._images(images), torch.tensor([digest for _, digest in items], dtype=torch.int64)
-
-    def _images(self, images: list[torch.Tensor]) -> torch.Tensor:
-        if all(im.shape == images[0].shape and im.dtype == images[0].dtype for im in images):
-            return self.preprocess.batch(torch.stack(images))
-        out = [self.preprocess.batch(im.unsqueeze(0))[0] for im in images]
-        if any(o.shape != out[0].shape for o in out):
-            raise ValueError("Images of different sizes give different input sizes for this prior: create it with "
-                             "size=<pixels> (e.g. create_prior(spec, size=224)) so they are resized and cropped.")
-        return torch.stack(out)
-
-
-class _ChunkBatches(torch.utils.data.Sampler):
-    """Batches of consecutive rows that never cross a chunk boundary, over the given chunks (made as they are
-    iterated: holding every row index as a Python int would cost ~80 MB per million rows)."""
-
-    def __init__(self, chunks: list[tuple[int, int]], batch_size: int):
-        self.chunks, self.batch_size = list(chunks), batch_size
-
-    def __iter__(self):
-        for a, b in self.chunks:
-            for s in range(a, b, self.batch_size):
-                yield list(range(s, min(s + self.batch_size, b)))
-
-    def __len__(self):
-        return sum(-(-(b - a) // self.batch_size) for a, b in self.chunks)
-
-
-def _resolve_preprocess(prior, dataset):
-    pre = prior.preprocess
-    if pre.stats == "default" and getattr(dataset, "mean", None) is not None and getattr(dataset, "std", None) is not None:
-        pre = pre.with_stats(list(dataset.mean), list(dataset.std), "dataset")
-    return pre
-
-
-class _OneProcess:
-    """The part of accelerate's ``PartialState`` precompute uses, for a plain single-process run."""
-
-    process_index, num_processes, is_main_process = 0, 1, True
-
-    def __init__(self):
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-    def wait_for_everyone(self) -> None:
-        pass
-
-
-def _process_state():
-    """accelerate's ``PartialState`` when accelerate is installed (so ``accelerate launch`` shards the work),
-    else a single process; several processes without accelerate are refused with the fix."""
-    try:
-        from accelerate import PartialState
-    except ImportError:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from ..optional import require
-
-            require("accelerate", "precompute in several processes")
-        return _OneProcess()
-    # cpu=True when there is no GPU: `accelerate launch --multi_gpu` then still runs gloo CPU processes
-    # (accelerate would otherwise see no GPU and treat every process as a lone one).
-    return PartialState(cpu=not torch.cuda.is_available())
-
-
 def _python_command(prior, dataset, path, image_key=None) -> str:
     named = "" if image_key is None else f", image_key={image_key!r}"
     return (f"precompute_targets(create_prior({prior.spec!r}), <{getattr(dataset, 'name', type(dataset).__name__)}>, "
@@ -249,7 +102,7 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
     """Compute ``prior(preprocess(image))`` for every item of ``dataset`` in order and write a TargetStore.
 
     Args:
-        prior: a :class:`~accelerate_ssl.targets.priors.Prior` (``create_prior(...)``). A random prior
+        prior: a :class:`~accelerate_ssl.priors.Prior` (``create_prior(...)``). A random prior
             with default statistics is normalised with ``dataset.mean``/``dataset.std`` when present.
         dataset: map-style, yields ``image``, ``(image, label)`` or a dict holding the image (PIL, ndarray or
             tensor), untransformed (:func:`~accelerate_ssl.data.items.clean_view` removes a data set's transform); or
@@ -258,7 +111,7 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
             (:func:`~accelerate_ssl.targets.sidecar.precompute_sidecars` has the sidecar options).
         path: the store folder (created; resumed if it holds an unfinished run with the same settings).
         batch_size: images per forward of the prior; ``None`` (default): 256 on a GPU, 32 on CPU
-            (:data:`DEFAULT_BATCH_SIZE`). It changes the rows by float rounding at most, so a run resumes with any
+            (:data:`~accelerate_ssl.targets.write.DEFAULT_BATCH_SIZE`). It changes the rows by float rounding at most, so a run resumes with any
             batch size.
         num_workers: the DataLoader's.
         precision: ``"fp32"``, ``"fp16"`` or ``"bf16"`` (autocast of the prior's forward).
@@ -284,8 +137,8 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
     from .. import __version__
     from ..data import ReplayViews, dataset_fingerprint
 
-    if precision not in _PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(_PRECISIONS)}, got {precision!r}.")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}.")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} (how the rows are stored), got {dtype!r}.")
     for name, value, low in (("batch_size", batch_size, 1), ("chunk_size", chunk_size, 1), ("num_workers", num_workers, 0)):
@@ -320,12 +173,12 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
     n = len(dataset)
     if n == 0:
         raise ValueError("The dataset is empty; pass a dataset with at least one sample.")
-    given, image_key = image_key, _check_first_item(dataset, image_key)
+    given, image_key = image_key, check_first_item(dataset, image_key)
     path = Path(path)
-    state = _process_state()
+    state = process_state()
     device = state.device
     batch_size = batch_size or default_batch_size(device)
-    pre = _resolve_preprocess(prior, dataset)
+    pre = resolve_preprocess(prior, dataset)
     prior_info = {**prior.describe(), "preprocess": pre.config}
     # a store (or an unfinished run) already at `path` continues under the fingerprint definition it was made with
     recorded = _recorded_fingerprint(path)
@@ -358,7 +211,7 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
         old = {k: store.metadata.get(k) for k in settings}
         old["dim"] = store.source_dim
         if _identity(old) != _identity(settings):
-            raise ValueError(_settings_diff(path, old, settings, finished=True))
+            raise ValueError(settings_diff(path, old, settings, finished=True))
         recorded = (store.metadata.get("keys") or {}).get("sha256")
         wanted = None if row_keys is None else TargetKeys.digest(key_list)
         if recorded != wanted and (key_kind == "user" or recorded is not None):
@@ -371,7 +224,7 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
     if manifest_file.is_file():
         old = read_json(manifest_file).get("settings")
         if _chunk_identity(old or {}) != _chunk_identity(settings):
-            raise ValueError(_settings_diff(path, old or {}, settings, finished=False))
+            raise ValueError(settings_diff(path, old or {}, settings, finished=False))
     state.wait_for_everyone()
     if state.is_main_process:
         (path / CHUNKS).mkdir(parents=True, exist_ok=True)
@@ -415,60 +268,30 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
     return TargetStore.open(path)
 
 
-def input_batches(dataset, preprocess, batch_size: int, num_workers: int = 0, pin_memory: bool = False,
-                  ranges: Optional[list[tuple[int, int]]] = None, image_key=None,
-                  fingerprint: Optional[dict] = None) -> torch.utils.data.DataLoader:
-    """The loader precompute reads: ``(images preprocessed for the prior, each row's identity digest)`` batches over
-    the rows ``[a, b)`` of each of ``ranges`` (default: every row), a batch never crossing a range; the images are
-    stacked and preprocessed in the loader workers. ``image_key``: where each item's image is; ``fingerprint``: the
-    data set's, whose definition the identity digests follow. (``benchmarks/gpu.py`` times it alone.)"""
-    return torch.utils.data.DataLoader(
-        _Images(dataset, image_key, fingerprint), batch_sampler=_ChunkBatches(ranges or [(0, len(dataset))], batch_size),
-        num_workers=num_workers, collate_fn=_Collate(preprocess), pin_memory=pin_memory, persistent_workers=False,
-    )
-
-
 def _compute_chunks(prior, dataset, pre, path, todo, ranges, dim, batch_size, num_workers, precision, device, show, tqdm,
                     image_key=None, fingerprint=None):
     prior = prior.to(device).eval()
     loader = input_batches(dataset, pre, batch_size, num_workers, device.type == "cuda", [ranges[k] for k in todo],
                            image_key, fingerprint)
-    dtype = _PRECISIONS[precision]
     bar = tqdm(total=sum(ranges[k][1] - ranges[k][0] for k in todo), desc=f"precompute {prior.spec}", unit="img",
                disable=not show, dynamic_ncols=True)
     batches = iter(loader)
     try:
-        with torch.inference_mode():
-            for k in todo:
-                a, b = ranges[k]
-                rows = np.empty((b - a, dim), dtype=np.float32)
-                ids = np.empty(b - a, dtype=np.int64)
-                done = 0
-                while done < b - a:
-                    x, digests = next(batches)
-                    ids[done : done + len(digests)] = digests.numpy()
-                    x = x.to(device, non_blocking=True)
-                    if dtype is None:
-                        out = prior(x)
-                    else:
-                        with torch.autocast(device_type=device.type, dtype=dtype):
-                            out = prior(x)
-                    out = out.float()
-                    if out.shape != (x.shape[0], dim):
-                        raise ValueError(f"Prior {prior.spec} returned shape {tuple(out.shape)}, expected "
-                                         f"({x.shape[0]}, {dim}); its output_dim is wrong.")
-                    bad = (~torch.isfinite(out).all(dim=1)).nonzero().flatten()
-                    if len(bad):
-                        idx = [a + done + int(i) for i in bad[:10]]
-                        cause = ("fp16 overflow is the usual cause: rerun with --precision bf16 or fp32"
-                                 if precision == "fp16" else "check the prior's weights and these samples")
-                        raise ValueError(f"Prior {prior.spec} gave NaN/Inf features for {len(bad)} row(s), e.g. dataset "
-                                         f"indices {idx} ({precision}); {cause}. Nothing was written for chunk {k}.")
-                    rows[done : done + len(out)] = out.cpu().numpy()
-                    done += len(out)
-                    bar.update(len(out))
-                _write_chunk(ids_path(path, k), ids)
-                _write_chunk(chunk_path(path, k), rows)
+        for k in todo:
+            a, b = ranges[k]
+            rows = np.empty((b - a, dim), dtype=np.float32)
+            ids = np.empty(b - a, dtype=np.int64)
+            done = 0
+            while done < b - a:
+                x, digests = next(batches)
+                ids[done : done + len(digests)] = digests.numpy()
+                out = embed(prior, x, precision, device,
+                            lambda bad, first=a + done: f"dataset indices {[first + i for i in bad]} (chunk {k})")
+                rows[done : done + len(out)] = out.cpu().numpy()
+                done += len(out)
+                bar.update(len(out))
+            _write_chunk(ids_path(path, k), ids)
+            _write_chunk(chunk_path(path, k), rows)
     finally:
         bar.close()
 
@@ -557,40 +380,9 @@ def _chunk_identity(settings: dict) -> dict:
     return {k: v for k, v in _identity(settings).items() if k not in ("dtype", "components")}
 
 
-def _settings_diff(path: Path, old: dict, new: dict, finished: bool) -> str:
-    """Which settings differ, down to the leaf keys, with the stored and the requested value of each."""
-
-    def leaves(a, b, prefix):
-        if isinstance(a, dict) and isinstance(b, dict):
-            for k in sorted(set(a) | set(b), key=str):
-                yield from leaves(a.get(k), b.get(k), f"{prefix}.{k}" if prefix else str(k))
-        elif a != b:
-            yield f"{prefix}: {_short(a)} in the store vs {_short(b)} now"
-
-    differ = list(leaves(old, new, ""))
-    what = "a finished store" if finished else "an unfinished precompute"
-    return (f"{str(path)!r} holds {what} with other settings ({'; '.join(differ[:6])}{'; ...' if len(differ) > 6 else ''}). "
-            f"Use another --out / path, or delete {str(path)!r} to recompute it.")
-
-
-def _short(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 # ------------------------------------------------------------------------------------------------
 # CLI: accelerate-ssl precompute
 # ------------------------------------------------------------------------------------------------
-def _fraction_arg(value: str) -> float:
-    try:
-        fraction = float(value)
-        solo_fraction(fraction)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--fraction must be a number below 1 (solo-learn's data.fraction: in (0, 1) for "
-                                         f"its split, <= 0 such as -1 for all samples), got {value!r}") from None
-    return fraction
-
-
 #: ``--image-field``: one grammar for every kind of data (``image_key=`` in Python)
 IMAGE_FIELD_HELP = ("where each sample's image is: the field of dict items, the column of an hf: data set, the field "
                     "of a wds: sample (or the position in tuple items); default: the first present of "
@@ -605,7 +397,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offline", action="store_true",
                         help="never download zoo weights, use the local cache only (also: HF_HUB_OFFLINE=1)")
     parser.add_argument("--data", "--dataset", dest="data", required=True, type=data_spec, help=DATA_SPEC_HELP)
-    parser.add_argument("--fraction", type=_fraction_arg, default=None,
+    parser.add_argument("--fraction", type=fraction_arg, default=None,
                         help="solo-learn's data.fraction, with solo:<path> (its class-stratified split of the class "
                         "folders) or solo-no-labels:<path> (its unstratified split of the folder's listing), both "
                         "train_test_split(..., random_state=42); <= 0 (its default -1) keeps every image")
@@ -616,7 +408,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None,
                         help="images per forward of the prior (default 256 on a GPU, 32 on CPU, the faster sizes "
                              "there); it changes the rows by float rounding at most, so a run resumes with any batch size")
-    parser.add_argument("--precision", choices=sorted(_PRECISIONS), default="fp32",
+    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
                         help="autocast precision of the prior's forward (default fp32)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="how the rows are stored, in a store or in sidecars (default float32): float16 or bfloat16 "
@@ -665,7 +457,7 @@ def _command_line(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from .. import backbones
-    from .priors import create_prior
+    from ..priors import create_prior
 
     from ..data.streams import is_stream_spec
 
@@ -702,7 +494,7 @@ def _run_stream(args: argparse.Namespace) -> int:
     from .. import backbones
     from ..data.streams import open_stream
     from ..data.views import StoredViews
-    from .priors import create_prior
+    from ..priors import create_prior
     from .sidecar import SidecarError, precompute_sidecars
 
     try:

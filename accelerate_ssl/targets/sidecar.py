@@ -70,9 +70,10 @@ import torch
 from ..atomic import atomic_path, atomic_write_text
 from ..data.views import StoredViews, apply_view
 from .pca import TargetPCA
-from .store import file_sha256
+from ..checksum import file_sha256
+from .format import TORCH_DTYPES, SidecarError, cast_rows, refuse_float16_overflow
 
-__all__ = ["precompute_sidecars", "ShardedTargets", "SidecarError", "cast_rows", "key_index", "DTYPES", "SIDECARS"]
+__all__ = ["precompute_sidecars", "ShardedTargets", "key_index", "SIDECARS"]
 
 SIDECARS = "sidecars.json"
 MANIFEST = "sidecars-manifest.json"
@@ -80,23 +81,6 @@ PCA_DIR = "pca"
 FORMAT = "accelerate-ssl-sidecars"
 FORMAT_VERSION = 2  # 2: datasets rows carry a content digest (1: wds digests only; hf rows recorded 0)
 TAG_LOW = 1 << 23  # store tags are integers in [2^23, 2^24): exact in float32, far from any target value
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class SidecarError(ValueError):
-    """A sidecar does not belong to the data it is joined with, or is damaged."""
-
-
-# ------------------------------------------------------------------------------------------------ small pieces
-def cast_rows(rows: torch.Tensor, dtype: str) -> torch.Tensor:
-    """float32 rows -> the stored dtype (``float32`` / ``float16`` / ``bfloat16``); refuses values fp16 cannot hold."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
-    if dtype == "float16":
-        from .store import refuse_float16_overflow
-
-        refuse_float16_overflow(rows.detach().float().cpu().numpy())
-    return rows.to(DTYPES[dtype]).contiguous()
 
 
 def key_index(key: str) -> int:
@@ -193,18 +177,18 @@ def precompute_sidecars(prior, source, path, *, batch_size: Optional[int] = None
 
     from .. import __version__
     from ..data.streams import StreamSource, open_stream
-    from .precompute import _PRECISIONS, _process_state, _settings_diff, default_batch_size
+    from .write import PRECISIONS, default_batch_size, process_state, settings_diff
 
     source = source if isinstance(source, StreamSource) else open_stream(source)
-    if precision not in _PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(_PRECISIONS)}, got {precision!r}.")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}.")
     cast_rows(torch.zeros(1), dtype)  # the dtype name is checked now
     if components is not None and (not isinstance(components, int) or not 1 <= components <= prior.output_dim):
         raise ValueError(f"components must be an int in [1, {prior.output_dim}] (the prior's width), got {components!r}.")
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}.")
     path = Path(path)
-    state = _process_state()
+    state = process_state()
     batch_size = batch_size or default_batch_size(state.device)
     pre = prior.preprocess
     settings = json.loads(json.dumps({
@@ -221,7 +205,7 @@ def precompute_sidecars(prior, source, path, *, batch_size: Optional[int] = None
             old = json.loads(marker.read_text()).get("settings", {})
             old.pop("batch_size", None)  # recorded by earlier versions; it does not change the rows
             if old != settings:
-                raise ValueError(_settings_diff(path, old, settings, finished=marker.name == SIDECARS))
+                raise ValueError(settings_diff(path, old, settings, finished=marker.name == SIDECARS))
     if (path / SIDECARS).is_file():
         return ShardedTargets.open(path)
     state.wait_for_everyone()
@@ -278,8 +262,8 @@ def precompute_sidecars(prior, source, path, *, batch_size: Optional[int] = None
 
 def _shard_rows(prior, pre, source, shard, batch_size, precision, views, device):
     """Keys, float32 rows ``[n, d]`` (``[n, k, d]`` with views) and image-bytes digests of one data shard."""
-    from .precompute import _PRECISIONS
-    from .priors import Preprocess
+    from ..priors import Preprocess
+    from .write import embed
 
     keys: list[str] = []
     digests: list[int] = []
@@ -287,27 +271,16 @@ def _shard_rows(prior, pre, source, shard, batch_size, precision, views, device)
     out: list[torch.Tensor] = []
     batch: list[torch.Tensor] = []
     k = views.k if views is not None else 1
-    amp = _PRECISIONS[precision]
 
     def flush():
         if not batch:
             return
         shapes = {tuple(t.shape) for t in batch}
         x = (pre.batch(torch.stack(batch)) if len(shapes) == 1 else
-             torch.stack([pre.batch(t.unsqueeze(0))[0] for t in batch])).to(device)
-        with torch.inference_mode():
-            if amp is None:
-                y = prior(x)
-            else:
-                with torch.autocast(device_type=device.type, dtype=amp):
-                    y = prior(x)
-        y = y.float().cpu()
-        bad = (~torch.isfinite(y).all(1)).nonzero().flatten()
-        if len(bad):
-            first = keys[len(keys) - len(batch) // k + int(bad[0]) // k]
-            raise ValueError(f"Prior {prior.spec} gave NaN/Inf features for {len(bad)} row(s) of shard {shard!r} "
-                             f"(e.g. key {first!r}, {precision}); nothing was written for this shard.")
-        out.append(y)
+             torch.stack([pre.batch(t.unsqueeze(0))[0] for t in batch]))
+        first = len(keys) - len(batch) // k  # the key of the batch's first row
+        out.append(embed(prior, x, precision, device,
+                         lambda bad: f"keys {[keys[first + i // k] for i in bad]} of shard {shard!r}").cpu())
         batch.clear()
 
     for key, image, raw in source.samples(shard):

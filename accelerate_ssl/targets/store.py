@@ -24,100 +24,19 @@ The metadata records the file's byte size (truncation is detected on open) and i
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
 import mmap
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from ..atomic import atomic_write_text  # noqa: F401  (re-exported for precompute)
 from ..atomic import atomic_path
-
-METADATA = "metadata.json"
-TARGETS = "targets.npy"
-IDENTITY = "identity.npy"
-MANIFEST = "manifest.json"
-CHUNKS = "chunks"
-PCA_DIR = "pca"
-AT_WRITE_PCA = "at-write.safetensors"
-#: stored dtypes: the name in metadata.json -> the dtype of the .npy file (bfloat16: its uint16 bit patterns)
-DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
-FLOAT16_MAX = 65504.0
-
-
-def refuse_float16_overflow(rows: np.ndarray, first_row: int = 0) -> None:
-    """Refuse float32 rows that float16 cannot hold (|x| > 65504 would become inf), naming the rows and the fix (one
-    check for every store kind: TargetStore rows and sidecar rows)."""
-    too_big = np.abs(rows).max(axis=-1) > FLOAT16_MAX if rows.size else np.zeros(len(rows), bool)
-    if too_big.any():
-        bad = (first_row + np.flatnonzero(too_big)).tolist()
-        raise ValueError(
-            f"{len(bad)} target row(s) hold values beyond float16's range (|x| up to {float(np.abs(rows).max()):.4g} > "
-            f"{FLOAT16_MAX:g}), e.g. rows {bad[:10]}: they would be stored as inf. Use dtype='bfloat16' (--dtype "
-            "bfloat16: float32's range in the same 2 bytes) or float32; with components=k the reduced rows are "
-            "z-scored and fit in float16.")
-
-
-def encode_rows(rows, dtype: str, first_row: int = 0) -> np.ndarray:
-    """float32 rows -> the stored dtype (bfloat16: round-to-nearest-even, as torch, kept as uint16 bit patterns).
-    Refuses values float16 cannot hold (:func:`refuse_float16_overflow`)."""
-    rows = np.ascontiguousarray(rows, dtype=np.float32)
-    if dtype == "float32":
-        return rows
-    if dtype == "float16":
-        refuse_float16_overflow(rows, first_row)
-        return rows.astype(np.float16)
-    if dtype == "bfloat16":
-        bits = torch.tensor(rows).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)  # (a copy)
-        return bits
-    raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
-
-
-def decode_rows(stored: np.ndarray, dtype: str) -> np.ndarray:
-    """Stored rows -> float32 (exact: every float16 / bfloat16 value is a float32)."""
-    if dtype == "bfloat16":
-        return (np.asarray(stored, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return np.array(stored, dtype=np.float32)
-FORMAT = "accelerate-ssl-targets"
-FORMAT_VERSION = 1
-
-
-def file_sha256(file: Path) -> str:
-    """sha256 of a file, read in 16 MiB blocks (recorded at precompute, checked by :meth:`TargetStore.verify`)."""
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-class TargetStoreMismatchError(ValueError):
-    """The store was computed for another dataset (length or content differ)."""
-
-
-class TargetStoreCorruptError(ValueError):
-    """A store file is unreadable, truncated, or disagrees with metadata.json."""
-
-
-class TargetStoreIncompleteError(TargetStoreCorruptError):
-    """The folder holds an interrupted precompute (chunks, no metadata.json)."""
-
-
-def read_json(path: Path) -> dict:
-    try:
-        value = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise TargetStoreCorruptError(f"{path} is not valid JSON ({err}); the store is damaged: recompute it "
-                                      "(delete the folder and rerun the precompute).") from err
-    if not isinstance(value, dict):
-        raise TargetStoreCorruptError(f"{path} does not hold a JSON object; recompute the store.")
-    return value
-
+from ..checksum import file_sha256
+from .format import (AT_WRITE_PCA, CHUNKS, DTYPES, FORMAT, FORMAT_VERSION, IDENTITY, MANIFEST, METADATA, PCA_DIR,
+                     TARGETS, TargetStoreCorruptError, TargetStoreIncompleteError, TargetStoreMismatchError, decode_rows,
+                     encode_rows, read_json, refuse_float16_overflow)
 
 class TargetStore:
     """Memory-mapped prior targets with their provenance (contract: ``accelerate_ssl.targets.store``).
@@ -472,94 +391,3 @@ class _DecodedRows:
 # ------------------------------------------------------------------------------------------------
 # CLI: accelerate-ssl store verify <path>
 # ------------------------------------------------------------------------------------------------
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    verbs = parser.add_subparsers(dest="store_verb", metavar="VERB", required=True)
-    verify = verbs.add_parser("verify", help="read a store once: its file checksum, every row finite, and (--data) "
-                                             "every row against its data set item",
-                              description="Read a target store once: compare the targets file's sha256 with the one "
-                                          "recorded when it was written, and check that every row is finite. With "
-                                          "--data, also check item by item that row i belongs to item i of that data "
-                                          "set, naming the rows that do not. A sidecar folder (streamed data): every "
-                                          "sidecar's sha256, key list and rows; with --data wds:/hf:, every shard, "
-                                          "key and image digest of that stream against its sidecar.")
-    verify.add_argument("path", help="the store folder, or a sidecar folder of streamed data (written by "
-                                     "`accelerate-ssl precompute --out`)")
-    verify.add_argument("--data", default=None, type=_data_spec,
-                        help="also check, item by item, that row i belongs to item i of this data set (the --data "
-                             "given to precompute; every file name, array row or image is compared); for a sidecar "
-                             "folder, the stream (wds:/hf:) it was computed on: every shard, key and image digest")
-    verify.add_argument("--split", default="train", help="with --data (and hf:): as for precompute")
-    verify.add_argument("--data-root", default=None, help="with --data: as for precompute")
-    verify.add_argument("--limit", type=int, default=None, help="with --data: as for precompute")
-    verify.add_argument("--fraction", type=_fraction, default=None, help="with --data: as for precompute")
-    verify.add_argument("--json", action="store_true", help="print the result as JSON")
-    verify.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-
-
-def _data_spec(value: str) -> str:
-    from ..data.spec import data_spec
-
-    return data_spec(value)
-
-
-def _fraction(value: str) -> float:
-    from .precompute import _fraction_arg
-
-    return _fraction_arg(value)
-
-
-def run(args: argparse.Namespace) -> int:
-    from .sidecar import SIDECARS, ShardedTargets, SidecarError
-
-    if (Path(args.path) / SIDECARS).is_file():  # a sidecar folder (streamed data)
-        return _run_sidecars(args, ShardedTargets, SidecarError)
-    try:
-        store = TargetStore.open(args.path)
-        summary = store.verify(progress=not args.no_progress)
-        if args.data is not None:
-            from ..data.spec import open_data
-
-            dataset = open_data(args.data, args.split, root=args.data_root, limit=args.limit, fraction=args.fraction)
-            summary.update(store.verify_rows(dataset, progress=not args.no_progress))  # names the rows that differ
-            store.check_dataset(dataset)
-    except (FileNotFoundError, ValueError) as err:  # the store's errors, and a data set that cannot be read
-        if args.json:
-            print(json.dumps({"path": args.path, "ok": False, "error": str(err)}))
-        print(f"accelerate-ssl store verify: error: {err}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps({"path": args.path, "ok": True, **summary}))
-    else:
-        note = "checksum matches" if summary["checksum"] == "ok" else "no checksum recorded (an older store): rows only"
-        rows = (f", every row belongs to its item of {args.data} (compared by {summary['kind']})"
-                if args.data is not None else "")
-        print(f"{args.path}: ok, {summary['rows']} rows x {summary['dim']}, every row finite, {note}{rows}")
-    return 0
-
-
-def _run_sidecars(args: argparse.Namespace, sharded, error) -> int:
-    """`store verify <sidecar folder> [--data wds:... / hf:...]`: every sidecar read with its checks (sha256, keys,
-    rows finite); with --data, every shard, key and content digest against that stream."""
-    from ..data.streams import is_stream_spec
-
-    try:
-        unused = [f"--{name.replace('_', '-')}" for name in ("data_root", "limit", "fraction") if getattr(args, name) is not None]
-        if unused:
-            raise ValueError(f"{' and '.join(unused)} select items of a map-style data set; a sidecar folder is checked "
-                             "against its whole stream: drop them.")
-        if args.data is not None and not is_stream_spec(args.data):
-            raise ValueError(f"{args.path} is a sidecar folder of streamed data; --data {args.data} is not a stream. "
-                             "Pass the stream it was computed on: --data wds:<shard pattern> or --data hf:<path or name>.")
-        targets = sharded.open(args.path)
-        summary = targets.verify(progress=not args.no_progress)
-        if args.data is not None:
-            summary.update(targets.verify_stream(args.data, split=args.split, progress=not args.no_progress))
-    except (FileNotFoundError, ImportError, ValueError, error) as err:
-        print(json.dumps({"path": args.path, "ok": False, "error": str(err)}) if args.json else
-              f"accelerate-ssl store verify: error: {err}", file=sys.stdout if args.json else sys.stderr)
-        return 1
-    print(json.dumps({"path": args.path, "ok": True, **summary}) if args.json else
-          f"{args.path}: ok, {summary['shards']} sidecar shard(s), {summary['rows']} rows x {summary['dim']}, every "
-          "checksum and key list matches" + (f", every sample of {args.data} has its own row (key and content, "
-                                             f"{summary['samples_checked']} samples)" if args.data is not None else ""))
-    return 0

@@ -25,7 +25,7 @@ An explicit ``weights=<file>`` always wins; the spec still chooses the architect
 **Preprocessing** is the weights' own: timm's pretrained config for that tag (size, crop_pct,
 interpolation, mean/std), open_clip's preprocess config for that tag (CLIP mean/std, bicubic),
 torchvision's ``weights.transforms()`` (resize, crop, mean/std, interpolation). Grayscale images are
-repeated to 3 channels (see :class:`~accelerate_ssl.targets.priors.Preprocess`).
+repeated to 3 channels (see :class:`~accelerate_ssl.priors.Preprocess`).
 
 **Provenance** (``Prior.describe()``, recorded in every TargetStore): hub id, tag, revision, the
 weights file name and the sha256 of the bytes actually loaded.
@@ -43,8 +43,9 @@ from typing import Optional, Sequence
 import torch
 
 from ..optional import require
-from .priors import (IMAGENET_MEAN, Preprocess, Prior, _info, _load_weights, _preprocess, _probe_dim, _reject_unknown,
-                     _sha256, _strip_classifier, _torchvision_model, load_state_dict_file, register_prior)
+from ..checksum import file_sha256
+from .registry import (IMAGENET_MEAN, Preprocess, Prior, load_state_dict_file, load_weights, preprocess_with, prior_info,
+                       probe_dim, register_prior, reject_unknown, strip_classifier, torchvision_model)
 
 # Weights file names, in the order the zoos themselves prefer them.
 TIMM_HUB_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -173,7 +174,7 @@ def _revision(path: Path) -> Optional[str]:
 
 def _provenance(path: Path, hub_id: str, tag: Optional[str], source: str) -> dict:
     return {"source": source, "hub_id": hub_id, "tag": tag, "revision": _revision(path),
-            "weights_file": Path(path).name, "weights_sha256": _sha256(path)}
+            "weights_file": Path(path).name, "weights_sha256": file_sha256(path)}
 
 
 def _close(name: str, candidates: Sequence[str]) -> str:
@@ -184,7 +185,7 @@ def _close(name: str, candidates: Sequence[str]) -> str:
 # ----------------------------------------------------------------------------------------------
 # timm
 # ----------------------------------------------------------------------------------------------
-def _timm_name(arch: str, spec: str) -> str:
+def timm_name(arch: str, spec: str) -> str:
     """``<model>[.<tag>]`` -> the full ``<model>.<tag>`` timm knows (default tag when none is given)."""
     require("timm", "timm:<model> priors")
     import timm
@@ -233,7 +234,7 @@ def _timm_preprocess(model, overrides: dict) -> Preprocess:
     mean = list(data_cfg["mean"])
     stats = "imagenet" if tuple(round(m, 3) for m in mean) == tuple(round(m, 3) for m in IMAGENET_MEAN) else "model"
     interp = data_cfg.get("interpolation")
-    return _preprocess({"channels": 3, "resize": int(size / crop_pct), "crop": size, "mean": mean,
+    return preprocess_with({"channels": 3, "resize": int(size / crop_pct), "crop": size, "mean": mean,
                         "std": list(data_cfg["std"]), "interpolation": interp if interp in ("bilinear", "bicubic")
                         else "bicubic", "stats": stats}, overrides)
 
@@ -275,7 +276,7 @@ def _timm_prior(arch: str, weights: Optional[str] = None, offline: Optional[bool
         prov = _provenance(path, repo, None, "hf-hub")
         name = model.pretrained_cfg.get("architecture", repo)
     else:
-        name = _timm_name(arch, spec)
+        name = timm_name(arch, spec)
         if weights is not None:
             state = load_state_dict_file(weights)  # a readable state_dict, or a clear error
             model = _create_timm(name, overrides.get("size"), spec, file=weights)
@@ -295,14 +296,14 @@ def _timm_prior(arch: str, weights: Optional[str] = None, offline: Optional[bool
             model = _create_timm(name, overrides.get("size"), spec, file=str(path))
             prov = _provenance(path, where, name.split(".", 1)[1], "hf-hub" if kind == "hf" else "url")
     pre = _timm_preprocess(model, overrides)
-    _reject_unknown(overrides, spec)
-    return Prior(model, spec, pre, _info("timm", name, weights, int(model.num_features), **prov))
+    reject_unknown(overrides, spec)
+    return Prior(model, spec, pre, prior_info("timm", name, weights, int(model.num_features), **prov))
 
 
 # ----------------------------------------------------------------------------------------------
 # open_clip
 # ----------------------------------------------------------------------------------------------
-def _quiet_open_clip(fn, *args, **kwargs):
+def quiet_open_clip(fn, *args, **kwargs):
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)  # open_clip logs at INFO/WARNING while it builds a model
@@ -328,7 +329,7 @@ def open_clip_tag_source(arch: str, tag: str) -> tuple[str, str, Sequence[str], 
     raise ValueError(f"open_clip lists no download location for {arch}/{tag}; pass weights=<file>.")
 
 
-def _open_clip_name(arch: str, spec: str, need_tag: bool) -> tuple[str, Optional[str]]:
+def open_clip_name(arch: str, spec: str, need_tag: bool) -> tuple[str, Optional[str]]:
     require("open_clip", "open_clip:<model> priors")
     import open_clip
 
@@ -360,19 +361,19 @@ def _open_clip_prior(arch: str, weights: Optional[str] = None, offline: Optional
                              "architecture instead: open_clip:<arch>[/<tag>] with weights=<file>.")
         config = resolve_hf_file(spec, repo, ["open_clip_config.json"], offline)
         path = resolve_hf_file(spec, repo, OPEN_CLIP_HUB_FILES, offline)
-        clip = _quiet_open_clip(open_clip.create_model, f"local-dir:{config.parent}")
+        clip = quiet_open_clip(open_clip.create_model, f"local-dir:{config.parent}")
         name, prov = repo, _provenance(path, repo, None, "hf-hub")
     else:
-        name, tag = _open_clip_name(arch, spec, need_tag=weights is None)
+        name, tag = open_clip_name(arch, spec, need_tag=weights is None)
         if tag:
             tag_cfg = open_clip.get_pretrained_cfg(name, tag)
         quick_gelu = bool(tag_cfg.get("quick_gelu", False))
         if weights is not None:
-            clip = _quiet_open_clip(open_clip.create_model, name, pretrained=None, force_quick_gelu=quick_gelu)
+            clip = quiet_open_clip(open_clip.create_model, name, pretrained=None, force_quick_gelu=quick_gelu)
             state = load_state_dict_file(weights)
             if any(k.startswith("visual.") for k in state):
                 state = {k[len("visual."):]: v for k, v in state.items() if k.startswith("visual.")}
-            _load_weights(clip.visual, state, repr(weights))
+            load_weights(clip.visual, state, repr(weights))
             prov = {"source": "file", "hub_id": None, "tag": tag}
         else:
             kind, where, files, tag_cfg = open_clip_tag_source(name, tag)
@@ -380,7 +381,7 @@ def _open_clip_prior(arch: str, weights: Optional[str] = None, offline: Optional
                 path = resolve_hf_file(spec, where, files, offline)
             else:
                 path = resolve_url_file(spec, where, open_clip_url_file(where), offline)
-            clip = _quiet_open_clip(open_clip.create_model, name, pretrained=str(path), force_quick_gelu=quick_gelu)
+            clip = quiet_open_clip(open_clip.create_model, name, pretrained=str(path), force_quick_gelu=quick_gelu)
             prov = _provenance(path, where, tag, "hf-hub" if kind == "hf" else "url")
     visual = clip.visual
     cfg = dict(getattr(visual, "preprocess_cfg", {}) or {})
@@ -388,13 +389,13 @@ def _open_clip_prior(arch: str, weights: Optional[str] = None, offline: Optional
     size = cfg.get("size", visual.image_size)
     size = int(size[0] if isinstance(size, (tuple, list)) else size)
     interp = cfg.get("interpolation", "bicubic")
-    pre = _preprocess({"channels": 3, "resize": size, "crop": size,
+    pre = preprocess_with({"channels": 3, "resize": size, "crop": size,
                        "mean": list(cfg.get("mean", open_clip.OPENAI_DATASET_MEAN)),
                        "std": list(cfg.get("std", open_clip.OPENAI_DATASET_STD)),
                        "interpolation": interp if interp in ("bilinear", "bicubic") else "bicubic", "stats": "clip"},
                       overrides)
-    _reject_unknown(overrides, spec)
-    return Prior(visual, spec, pre, _info("open_clip", name, weights, int(visual.output_dim), **prov))
+    reject_unknown(overrides, spec)
+    return Prior(visual, spec, pre, prior_info("open_clip", name, weights, int(visual.output_dim), **prov))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -416,7 +417,7 @@ def torchvision_weights(arch: str, member: Optional[str], spec: str):
 def _torchvision_prior(arch: str, weights: Optional[str] = None, offline: Optional[bool] = None, **overrides) -> Prior:
     spec = f"torchvision:{arch}"
     name, _, member = arch.partition("/")
-    model = _torchvision_model(name, spec)
+    model = torchvision_model(name, spec)
     enum_member = torchvision_weights(name, member, spec)
     if weights is None:
         path = resolve_url_file(spec, enum_member.url, torch_hub_file(enum_member.url), offline)
@@ -424,14 +425,14 @@ def _torchvision_prior(arch: str, weights: Optional[str] = None, offline: Option
         weights_file = str(path)
     else:
         prov, weights_file = {"source": "file", "hub_id": None, "tag": str(enum_member).split(".", 1)[1]}, weights
-    removed = _strip_classifier(model)
-    _load_weights(model, load_state_dict_file(weights_file), repr(weights_file), ignore_prefixes=removed)
+    removed = strip_classifier(model)
+    load_weights(model, load_state_dict_file(weights_file), repr(weights_file), ignore_prefixes=removed)
     t = enum_member.transforms()
     interp = getattr(t.interpolation, "value", str(t.interpolation))
-    pre = _preprocess({"channels": 3, "resize": int(t.resize_size[0]), "crop": int(t.crop_size[0]),
+    pre = preprocess_with({"channels": 3, "resize": int(t.resize_size[0]), "crop": int(t.crop_size[0]),
                        "mean": list(t.mean), "std": list(t.std),
                        "interpolation": interp if interp in ("bilinear", "bicubic") else "bilinear",
                        "stats": "imagenet" if tuple(t.mean) == IMAGENET_MEAN else "model"}, overrides)
-    _reject_unknown(overrides, spec)
-    dim = _probe_dim(model, 3, pre.crop or 224)
-    return Prior(model, spec, pre, _info("torchvision", name, weights, dim, **prov))
+    reject_unknown(overrides, spec)
+    dim = probe_dim(model, 3, pre.crop or 224)
+    return Prior(model, spec, pre, prior_info("torchvision", name, weights, dim, **prov))

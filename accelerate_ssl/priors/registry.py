@@ -23,7 +23,7 @@ and every CLI verb (``--prior SPEC [--weights FILE]``):
 =========================================  ===================================================================
 
 The zoo families (timm, open_clip, torchvision) load through each zoo's own mechanism and caches,
-offline-first, with the weights' own preprocessing: see :mod:`accelerate_ssl.targets.zoo`. An
+offline-first, with the weights' own preprocessing: see :mod:`accelerate_ssl.priors.zoo`. An
 explicit ``weights=<file>`` always wins over the caches.
 
 Every prior outputs pooled features with the classifier removed (``output_dim``); for ViTs that is
@@ -35,7 +35,6 @@ luminance for a 1-channel network).
 from __future__ import annotations
 
 import difflib
-import hashlib
 import json
 import warnings
 from pathlib import Path
@@ -47,6 +46,7 @@ from torch import nn
 
 from ..optional import require
 from ..atomic import atomic_path
+from ..checksum import file_sha256
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -184,7 +184,7 @@ class Preprocess:
 # the prior module
 # ----------------------------------------------------------------------------------------------
 class Prior(nn.Module):
-    """A frozen feature extractor with its own preprocessing (contract: ``accelerate_ssl.targets.priors``).
+    """A frozen feature extractor with its own preprocessing (contract: ``accelerate_ssl.priors``).
 
     Attributes:
         spec: the spec it was created from (``"random:resnet18"``).
@@ -292,6 +292,9 @@ def rebuild_prior(recorded: dict, offline: Optional[bool] = None) -> Prior:
         options["seed"] = int(recorded.get("seed") or 0)
         if recorded.get("arch") in backbones.BACKBONES:
             options["in_channels"] = int((recorded.get("preprocess") or {}).get("channels", 1))
+    crop = (recorded.get("preprocess") or {}).get("crop")
+    if family == "timm" and crop:
+        options["size"] = int(crop)  # a ViT is built for the input size its rows were made at
     if recorded.get("checkpoint"):
         spec = f"checkpoint:{recorded['checkpoint']}"  # the absolute path recorded (the spec's may be relative)
     weights = recorded.get("weights")
@@ -324,12 +327,6 @@ def _check_file(path, what: str) -> Path:
     return p
 
 
-def _sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def load_state_dict_file(path) -> dict[str, torch.Tensor]:
@@ -356,7 +353,7 @@ def load_state_dict_file(path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _load_weights(model: nn.Module, state: dict, source: str, ignore_prefixes: Sequence[str] = ()) -> None:
+def load_weights(model: nn.Module, state: dict, source: str, ignore_prefixes: Sequence[str] = ()) -> None:
     state = {k: v for k, v in state.items() if not any(k == p or k.startswith(p + ".") for p in ignore_prefixes)}
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
@@ -371,7 +368,7 @@ def _load_weights(model: nn.Module, state: dict, source: str, ignore_prefixes: S
         )
 
 
-def _strip_classifier(model: nn.Module) -> list[str]:
+def strip_classifier(model: nn.Module) -> list[str]:
     """Replace the final classifier of a torchvision-style model by Identity; return the removed prefixes."""
     removed = []
     if isinstance(getattr(model, "fc", None), nn.Linear):
@@ -396,7 +393,7 @@ def _strip_classifier(model: nn.Module) -> list[str]:
     return removed
 
 
-def _probe_dim(model: nn.Module, channels: int, size: int) -> int:
+def probe_dim(model: nn.Module, channels: int, size: int) -> int:
     model.eval()
     with torch.inference_mode():
         out = model(torch.zeros(1, channels, size, size))
@@ -405,7 +402,7 @@ def _probe_dim(model: nn.Module, channels: int, size: int) -> int:
     return int(out.flatten(1).shape[1])
 
 
-def _preprocess(defaults: dict, overrides: dict) -> Preprocess:
+def preprocess_with(defaults: dict, overrides: dict) -> Preprocess:
     cfg = dict(defaults)
     if "size" in overrides:
         size = overrides.pop("size")
@@ -420,7 +417,7 @@ def _preprocess(defaults: dict, overrides: dict) -> Preprocess:
     return Preprocess(**cfg)
 
 
-def _reject_unknown(overrides: dict, spec: str, extra: Sequence[str] = ()) -> None:
+def reject_unknown(overrides: dict, spec: str, extra: Sequence[str] = ()) -> None:
     if overrides:
         raise TypeError(f"Unknown option(s) {sorted(overrides)} for prior {spec!r}; allowed: "
                         f"{sorted(_PREPROCESS_OVERRIDES | set(extra))}.")
@@ -438,10 +435,10 @@ class _Features(nn.Module):
         return f(x) if f is not None and not hasattr(self.net, "reset_classifier") else self.net(x)
 
 
-def _info(family: str, arch: str, weights, output_dim: int, **extra) -> dict:
+def prior_info(family: str, arch: str, weights, output_dim: int, **extra) -> dict:
     info = {"family": family, "arch": arch, "output_dim": output_dim,
             "weights": str(Path(weights).resolve()) if weights else None,
-            "weights_sha256": _sha256(weights) if weights else None}
+            "weights_sha256": file_sha256(weights) if weights else None}
     info.update(extra)
     return info
 
@@ -469,21 +466,21 @@ def _random_prior(arch: str, weights: Optional[str] = None, offline: Optional[bo
                 raise ValueError(f"in_channels={in_channels} is only for the backbones {sorted(backbones.BACKBONES)}; "
                                  f"torchvision's {arch} takes 3 channels (grayscale is repeated).")
             channels = 3
-            model = _torchvision_model(arch, spec)
-            _strip_classifier(model)
+            model = torchvision_model(arch, spec)
+            strip_classifier(model)
             prefix = ""
     if weights:
         state = load_state_dict_file(weights)
         if prefix and not any(k.startswith(prefix) for k in state):
             state = {prefix + k: v for k, v in state.items()}
-        _load_weights(model, state, repr(weights), ignore_prefixes=("fc", "classifier", "head", "heads.head", "net.fc"))
-    pre = _preprocess({"channels": channels, "mean": [0.5], "std": [0.5], "stats": "default"}, overrides)
-    _reject_unknown(overrides, spec, ("seed", "in_channels"))
-    dim = _probe_dim(model, channels, pre.crop or 32)
-    return Prior(model, spec, pre, _info("random", arch, weights, dim, seed=int(seed)))
+        load_weights(model, state, repr(weights), ignore_prefixes=("fc", "classifier", "head", "heads.head", "net.fc"))
+    pre = preprocess_with({"channels": channels, "mean": [0.5], "std": [0.5], "stats": "default"}, overrides)
+    reject_unknown(overrides, spec, ("seed", "in_channels"))
+    dim = probe_dim(model, channels, pre.crop or 32)
+    return Prior(model, spec, pre, prior_info("random", arch, weights, dim, seed=int(seed)))
 
 
-def _torchvision_model(arch: str, spec: str, **kwargs) -> nn.Module:
+def torchvision_model(arch: str, spec: str, **kwargs) -> nn.Module:
     """A randomly initialised torchvision classification model (``kwargs`` to its constructor), or an error
     naming the closest architecture names."""
     import torchvision
@@ -561,11 +558,11 @@ def _load_checkpoint(path: Path, spec: str, weights: Optional[str], overrides: d
             raise ValueError(f"{str(path)!r} names no architecture: write it with save_prior_checkpoint(...) or put "
                              f"{{'arch': ..., 'arch_kwargs': ..., 'preprocess_config': ...}} in {str(sidecar)!r}.")
         net = _build_arch(meta["arch"], dict(meta.get("arch_kwargs") or {}))
-        _load_weights(net, load_state_dict_file(path), repr(str(path)))
+        load_weights(net, load_state_dict_file(path), repr(str(path)))
         if hasattr(net, "reset_classifier"):
             net.reset_classifier(0)
         else:
-            _strip_classifier(net)
+            strip_classifier(net)
         model: nn.Module = _Features(net)
         arch_name = meta["arch"]
     else:
@@ -579,12 +576,12 @@ def _load_checkpoint(path: Path, spec: str, weights: Optional[str], overrides: d
             raise ValueError(f"TorchScript prior {str(path)!r} has no preprocessing: pass mean=, std= (and size=) or "
                              f"write {{'preprocess_config': {{...}}}} to {str(sidecar)!r}.")
     pre_cfg = dict((meta or {}).get("preprocess_config") or {"channels": 3})
-    pre = _preprocess(Preprocess.from_config(pre_cfg).config, overrides)
-    _reject_unknown(overrides, spec)
-    dim = _probe_dim(model, pre.channels, pre.crop or 32)
+    pre = preprocess_with(Preprocess.from_config(pre_cfg).config, overrides)
+    reject_unknown(overrides, spec)
+    dim = probe_dim(model, pre.channels, pre.crop or 32)
     where = {"checkpoint": str(path.resolve())} if provenance == "path" else {}
-    return Prior(model, spec, pre, _info(spec.split(":", 1)[0], arch_name, None, dim, **where,
-                                         checkpoint_sha256=_sha256(path)))
+    return Prior(model, spec, pre, prior_info(spec.split(":", 1)[0], arch_name, None, dim, **where,
+                                         checkpoint_sha256=file_sha256(path)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -638,5 +635,3 @@ def _shipped_prior(arch: str, weights: Optional[str] = None, offline: Optional[b
         raise ValueError(f"{spec} ships with its weights; drop weights=.")
     return _load_checkpoint(shipped_prior_file(arch), spec, None, overrides, provenance="name")
 
-
-from . import zoo as _zoo  # noqa: E402,F401  - registers the timm / open_clip / torchvision families

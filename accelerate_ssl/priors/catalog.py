@@ -16,7 +16,7 @@ import torch
 
 from ..optional import require
 from . import zoo
-from .priors import SHIPPED_PRIORS, _strip_classifier, create_prior, list_priors, shipped_prior_file
+from .registry import SHIPPED_PRIORS, create_prior, list_priors, shipped_prior_file, strip_classifier
 
 #: Priors we recommend, with the licence of their weights (timm's own pretrained config names it for timm).
 RECOMMENDED: list[tuple[str, str, Optional[str]]] = [
@@ -53,7 +53,7 @@ def describe_prior(spec: str) -> dict:
             repo = name[len("hf-hub:"):]
             out.update(source=repo, cache=str(zoo.hf_repo_dir(repo)), cached=_hf_cached(repo, zoo.TIMM_HUB_FILES))
             return out
-        full = zoo._timm_name(name, spec)
+        full = zoo.timm_name(name, spec)
         with torch.device("meta"):
             model = timm.create_model(full, pretrained=False, num_classes=0)
         kind, where, files = zoo.timm_weights_source(full)
@@ -70,10 +70,10 @@ def describe_prior(spec: str) -> dict:
             repo = name[len("hf-hub:"):]
             out.update(source=repo, cache=str(zoo.hf_repo_dir(repo)), cached=_hf_cached(repo, zoo.OPEN_CLIP_HUB_FILES))
             return out
-        arch, tag = zoo._open_clip_name(name, spec, need_tag=True)
+        arch, tag = zoo.open_clip_name(name, spec, need_tag=True)
         kind, where, files, _ = zoo.open_clip_tag_source(arch, tag)
         cache = zoo.hf_repo_dir(where) if kind == "hf" else zoo.open_clip_url_file(where)
-        clip = zoo._quiet_open_clip(open_clip.create_model, arch, pretrained=None, device="meta")
+        clip = zoo.quiet_open_clip(open_clip.create_model, arch, pretrained=None, device="meta")
         size = clip.visual.image_size
         out.update(name=f"{arch}/{tag}", source=where, cache=str(cache),
                    cached=_hf_cached(where, files) if kind == "hf" else cache.is_file(),
@@ -88,7 +88,7 @@ def describe_prior(spec: str) -> dict:
             model = torchvision.models.get_model(arch, weights=None)
         head = getattr(model, "fc", None) or getattr(model, "classifier", None)
         dim = head.in_features if isinstance(head, torch.nn.Linear) else None
-        _strip_classifier(model)
+        strip_classifier(model)
         cache = zoo.torch_hub_file(weights.url)
         out.update(name=f"{arch}/{str(weights).split('.', 1)[1]}", source=weights.url, cache=str(cache),
                    cached=cache.is_file(), output_dim=dim, params=_params(model),
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
                 print(json.dumps({"families": list_priors(), "recommended": rows}, indent=1))
                 return 0
             print(f"families: {', '.join(list_priors())}   (grammar: accelerate-ssl priors show SPEC; "
-                  "docs: accelerate_ssl.targets.priors)")
+                  "docs: accelerate_ssl.priors)")
             print(f"{'spec':42s} {'dim':>5s} {'params':>7s} {'input':>5s} {'cached':>6s}  about")
             for r in rows:
                 print(f"{r['spec']:42s} {r['output_dim'] or '?':>5} {_human_size(r['params']):>7s} "

@@ -1,14 +1,16 @@
-"""Run by tests/test_integration_accelerate.py under ``accelerate launch`` (2 gloo CPU processes): a training script
-written the way Accelerate's ``examples/by_feature/checkpointing.py`` is (``accelerator.prepare``, ``save_state`` every
-N steps, ``load_state`` and ``accelerator.skip_first_batches`` to resume mid-epoch), plus the README's ReLA lines
-(marked ``# README``; the test checks that each README line is here, verbatim).
+"""The README's Accelerate resume lines in a script written the way Hugging Face Accelerate's
+``examples/by_feature/checkpointing.py`` is (``accelerator.prepare``, ``save_state`` every N steps, ``load_state`` and
+``accelerator.skip_first_batches`` to resume mid-epoch), at test size: 48 random 8x8 images, a small classifier, the
+CPU, for tests/test_integration_accelerate.py under ``accelerate launch`` (2 gloo processes). ReLA's lines are marked
+``# ReLA: ...`` (the test checks that they are the README's, verbatim, and counts them); ``# test`` lines only observe.
 
-    accelerate launch ... _accelerate_resume_worker.py OUT [--checkpointing_steps N [--hold]] [--resume_from_checkpoint DIR]
+    accelerate launch ... accelerate_checkpointing.py OUT [--checkpointing_steps N [--hold]] [--resume_from_checkpoint DIR]
 
-``targets/train`` (a store over ``images.npy``) is in the working directory. Item i of the training set carries i as
-its label, so each step can compare the rows ReLA read with the store's rows of the batch's own samples. Every step is
-appended to ``OUT/steps-<rank>.jsonl`` as it ends. ``--hold``: after the first checkpoint, rank 0 writes ``OUT/saved``
-and every process waits to be killed (a job preempted right after its checkpoint).
+``images.npy`` is in the working directory; ReLA makes its targets under ``rela-targets`` there (the first run, both
+processes together) and reopens them in the others. Item i of the training set carries i as its label, so each step
+compares the rows ReLA read with the store's rows of the batch's own samples. Every step is appended to
+``OUT/steps-<rank>.jsonl`` as it ends. ``--hold``: after the first checkpoint, rank 0 writes ``OUT/saved`` and every
+process waits to be killed (a job preempted right after its checkpoint).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from accelerate.utils import set_seed
 from torch import nn
 from torch.utils.data import DataLoader
 
-from accelerate_ssl import ReLA  # README
+from accelerate_ssl import ReLA  # ReLA: added
 from accelerate_ssl.data import ArrayImageDataset
+from recipe_check import ReadSpy  # test
 
 BATCH_SIZE = 4
 
@@ -42,30 +45,10 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.backbone = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh())
-        self.classifier = nn.Linear(16, 4)
+        self.classifier = nn.Linear(16, 48)  # one class per image
 
     def forward(self, x):
         return self.classifier(self.backbone(x))
-
-
-class ReadSpy:
-    """The rows ReLA reads from the store (``rela.targets.store = ReadSpy(store)``)."""
-
-    def __init__(self, store):
-        self.store, self.reads = store, []
-
-    def __getitem__(self, idx):
-        rows = self.store[idx]
-        self.reads.append(torch.as_tensor(rows).clone())
-        return rows
-
-    def __len__(self):
-        return len(self.store)
-
-    def __getattr__(self, name):
-        if name in ("store", "reads"):
-            raise AttributeError(name)
-        return getattr(self.store, name)
 
 
 def training_function(args) -> None:
@@ -73,16 +56,15 @@ def training_function(args) -> None:
     num_epochs = 2
     set_seed(0)
     images = np.load("images.npy")
-    clean_train_set = ArrayImageDataset(images, np.arange(len(images)))  # the store's data set, no augmentation
     train_dataset = ArrayImageDataset(images, np.arange(len(images)), transform=to_tensor)
     train_dataloader = DataLoader(train_dataset, shuffle=True, batch_size=BATCH_SIZE)
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)
-    rela = ReLA("targets/train", accelerator.unwrap_model(model).backbone, dataset=clean_train_set,  # README
-                total_steps=num_epochs * len(train_dataloader))  # README
-    accelerator.register_for_checkpointing(rela)  # README
-    spy = rela.targets.store = ReadSpy(rela.targets.store)
+    rela = ReLA.from_prior("shipped:digits-byol", accelerator.unwrap_model(model).backbone, train_dataloader,  # ReLA: added
+                           total_steps=num_epochs * len(train_dataloader))  # ReLA: added
+    accelerator.register_for_checkpointing(rela)  # ReLA: added
+    spy = rela.targets.store = ReadSpy(rela.targets.store)  # test
 
     out = Path(args.out)
     (out / f"pid-{accelerator.process_index}").write_text(str(os.getpid()))
@@ -95,7 +77,7 @@ def training_function(args) -> None:
         starting_epoch = resume_step // len(train_dataloader)
         resume_step -= starting_epoch * len(train_dataloader)
         overall_step = starting_epoch * len(train_dataloader)
-        assert rela.steps == overall_step + resume_step  # lambda, step count and head came back with the state
+        assert rela.steps == overall_step + resume_step  # test: lambda, step count and head came back with the state
 
     for epoch in range(starting_epoch, num_epochs):
         model.train()
@@ -106,21 +88,20 @@ def training_function(args) -> None:
             overall_step += resume_step
         else:
             active_dataloader = train_dataloader
-        for step, batch in enumerate(rela.track(active_dataloader)):  # README
+        for step, batch in enumerate(rela.track(active_dataloader)):  # ReLA: changed, was: for step, batch in enumerate(active_dataloader):
             images, labels = batch
-            loss = F.cross_entropy(model(images), labels % 4)
-            reads = len(spy.reads)
-            loss = rela.wrap(loss)  # README
+            reads = len(spy.reads)  # test
+            loss = rela.wrap(F.cross_entropy(model(images), labels))  # ReLA: changed, was: loss = F.cross_entropy(model(images), labels)
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
             overall_step += 1
-            own = labels.cpu()
-            read = spy.reads[-1] if len(spy.reads) == reads + 1 else None
-            log.write(json.dumps({"step": overall_step, "epoch": epoch, "own": own.tolist(),
-                                  "read_is_own": read is not None and torch.equal(read, torch.as_tensor(spy.store[own])),
-                                  "loss": float(loss.detach())}) + "\n")
-            log.flush()
+            own = labels.cpu()  # test
+            read = spy.reads[-1] if len(spy.reads) == reads + 1 else None  # test
+            log.write(json.dumps({"step": overall_step, "epoch": epoch, "own": own.tolist(),  # test
+                                  "read_is_own": read is not None and torch.equal(read, torch.as_tensor(spy.store[own])),  # test
+                                  "loss": float(loss.detach())}) + "\n")  # test
+            log.flush()  # test
             if args.checkpointing_steps and overall_step % args.checkpointing_steps == 0:
                 accelerator.save_state(str(out / "ckpt" / f"step_{overall_step}"))
                 accelerator.wait_for_everyone()

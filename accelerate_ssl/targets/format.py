@@ -1,0 +1,103 @@
+"""What a stored row is, for every kind of target folder: file layout names, row encodings, errors.
+
+Stores (:mod:`.store`, written by :mod:`.precompute`) and sidecar folders (:mod:`.sidecar`) both keep rows as float32,
+float16 or bfloat16 (:data:`DTYPES` as ``.npy`` files, bfloat16 as its uint16 bit patterns; :data:`TORCH_DTYPES` for
+safetensors sidecars), refuse values float16 cannot hold (:func:`refuse_float16_overflow`), and read them back as
+float32. This module holds no I/O policy: the readers and the writers sit above it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+METADATA = "metadata.json"
+TARGETS = "targets.npy"
+IDENTITY = "identity.npy"
+MANIFEST = "manifest.json"
+CHUNKS = "chunks"
+PCA_DIR = "pca"
+AT_WRITE_PCA = "at-write.safetensors"
+#: stored dtypes: the name in metadata.json -> the dtype of the .npy file (bfloat16: its uint16 bit patterns)
+DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
+FLOAT16_MAX = 65504.0
+
+
+def refuse_float16_overflow(rows: np.ndarray, first_row: int = 0) -> None:
+    """Refuse float32 rows that float16 cannot hold (|x| > 65504 would become inf), naming the rows and the fix (one
+    check for every store kind: TargetStore rows and sidecar rows)."""
+    too_big = np.abs(rows).max(axis=-1) > FLOAT16_MAX if rows.size else np.zeros(len(rows), bool)
+    if too_big.any():
+        bad = (first_row + np.flatnonzero(too_big)).tolist()
+        raise ValueError(
+            f"{len(bad)} target row(s) hold values beyond float16's range (|x| up to {float(np.abs(rows).max()):.4g} > "
+            f"{FLOAT16_MAX:g}), e.g. rows {bad[:10]}: they would be stored as inf. Use dtype='bfloat16' (--dtype "
+            "bfloat16: float32's range in the same 2 bytes) or float32; with components=k the reduced rows are "
+            "z-scored and fit in float16.")
+
+
+def encode_rows(rows, dtype: str, first_row: int = 0) -> np.ndarray:
+    """float32 rows -> the stored dtype (bfloat16: round-to-nearest-even, as torch, kept as uint16 bit patterns).
+    Refuses values float16 cannot hold (:func:`refuse_float16_overflow`)."""
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    if dtype == "float32":
+        return rows
+    if dtype == "float16":
+        refuse_float16_overflow(rows, first_row)
+        return rows.astype(np.float16)
+    if dtype == "bfloat16":
+        bits = torch.tensor(rows).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)  # (a copy)
+        return bits
+    raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
+
+
+def decode_rows(stored: np.ndarray, dtype: str) -> np.ndarray:
+    """Stored rows -> float32 (exact: every float16 / bfloat16 value is a float32)."""
+    if dtype == "bfloat16":
+        return (np.asarray(stored, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.array(stored, dtype=np.float32)
+FORMAT = "accelerate-ssl-targets"
+FORMAT_VERSION = 1
+
+
+class TargetStoreMismatchError(ValueError):
+    """The store was computed for another dataset (length or content differ)."""
+
+
+class TargetStoreCorruptError(ValueError):
+    """A store file is unreadable, truncated, or disagrees with metadata.json."""
+
+
+class TargetStoreIncompleteError(TargetStoreCorruptError):
+    """The folder holds an interrupted precompute (chunks, no metadata.json)."""
+
+
+def read_json(path: Path) -> dict:
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise TargetStoreCorruptError(f"{path} is not valid JSON ({err}); the store is damaged: recompute it "
+                                      "(delete the folder and rerun the precompute).") from err
+    if not isinstance(value, dict):
+        raise TargetStoreCorruptError(f"{path} does not hold a JSON object; recompute the store.")
+    return value
+
+
+#: stored dtypes of safetensors sidecar rows (the same names as :data:`DTYPES`)
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class SidecarError(ValueError):
+    """A sidecar does not belong to the data it is joined with, or is damaged."""
+
+
+def cast_rows(rows: torch.Tensor, dtype: str) -> torch.Tensor:
+    """float32 rows -> the stored dtype (``float32`` / ``float16`` / ``bfloat16``); refuses values fp16 cannot hold."""
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {dtype!r}.")
+    if dtype == "float16":
+        refuse_float16_overflow(rows.detach().float().cpu().numpy())
+    return rows.to(TORCH_DTYPES[dtype]).contiguous()

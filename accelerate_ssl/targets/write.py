@@ -1,0 +1,263 @@
+"""The writer's parts that stores (:mod:`.precompute`) and sidecars (:mod:`.sidecar`) share: which process does what,
+how an item's image is read and preprocessed, the prior's forward over a batch with its checks, and how a run's
+settings are compared with an earlier run's.
+
+- :func:`process_state`: the processes of an initialised ``torch.distributed`` group, or accelerate's ``PartialState``
+  under ``accelerate launch`` (the work is sharded), else one
+  process; :data:`PRECISIONS` and :func:`default_batch_size`.
+- :func:`image_tensor` / :func:`check_first_item`: the image of a data set item (dict field, tuple position) as a
+  tensor, refused with the fix when the prior cannot take it; :func:`input_batches`: the DataLoader a store's
+  precompute reads, each batch's images preprocessed in the workers with each row's identity digest.
+- :func:`embed`: one batch of preprocessed images through the prior, under the precision's autocast, checked for
+  shape and NaN/Inf (the one forward both writers run).
+- :func:`settings_diff`: what differs between a folder's recorded settings and a new run's.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+#: images per prior forward when ``batch_size`` is not given. A GPU wants large batches; on CPU small ones are faster,
+#: their activations staying in cache (``python benchmarks/precompute.py --sweep``, 1 thread: at 32, 0.97x the fastest
+#: batch size's images/s for a 32/64/128 ConvNet at 28 px and 0.91x for a ResNet-18 at 224 px; at 256, 0.68x and 0.63x).
+DEFAULT_BATCH_SIZE = {"cuda": 256, "cpu": 32}
+
+
+def default_batch_size(device: torch.device) -> int:
+    """:data:`DEFAULT_BATCH_SIZE` for ``device`` (CPU's for any device without an entry)."""
+    return DEFAULT_BATCH_SIZE.get(torch.device(device).type, DEFAULT_BATCH_SIZE["cpu"])
+
+
+
+def image_tensor(item: Any, image_key=None, where: str = "an item") -> torch.Tensor:
+    """The image of a data set item (:func:`~accelerate_ssl.data.items.item_image`: ``image_key``, else the common
+    fields of dict items, the first image of a tuple) as a tensor ``[C, H, W]`` (uint8 stays uint8); an image the
+    prior cannot take is refused naming ``where``, the item's structure and the fix."""
+    from ..data.items import UnreadableItemError, describe_item, item_image
+    from ..priors import Preprocess
+
+    image = item_image(item, image_key, where)
+    try:
+        return Preprocess.to_tensor(image)
+    except (TypeError, ValueError) as err:
+        raise UnreadableItemError(f"Cannot read the image of {where}: it is {describe_item(item)}; {err} Name the "
+                                  "value that holds the image with image_key= / --image-field.") from None
+
+
+def image_channels(dataset, image_key=None) -> int:
+    """Channels of the image of ``dataset[0]`` (to build a random backbone prior that matches the data)."""
+    from ..data.items import dataset_name
+
+    return int(image_tensor(dataset[0], image_key, f"item 0 of {dataset_name(dataset)}").shape[0])
+
+
+class _Images(torch.utils.data.Dataset):
+    """Yields the image of each item (``image_key``, :func:`image_tensor`) as a tensor ``[C, H, W]`` (uint8 stays
+    uint8: cheap to ship) and the row's identity digest (:class:`~accelerate_ssl.data.fingerprint.RowIdentity` under
+    the fingerprint ``like``, written to ``identity.npy``)."""
+
+    def __init__(self, dataset, image_key=None, like: Optional[dict] = None):
+        from ..data.fingerprint import RowIdentity
+        from ..data.items import dataset_name
+
+        self.dataset, self.image_key, self.name = dataset, image_key, dataset_name(dataset)
+        self.identity = RowIdentity(dataset, like=like)
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        item = self.dataset[i]
+        return image_tensor(item, self.image_key, f"item {i} of {self.name}"), self.identity(i, item)
+
+
+
+def check_first_item(dataset, image_key=None):
+    """Where the image of the items is (:func:`~accelerate_ssl.data.items.image_location` on item 0; a dict field
+    found by default is printed once), refusing with the fix what precompute cannot read: solo-learn's
+    ``(index, views, label)`` items (whose first element is the index), a list of views per item, an item without an
+    image (naming the data set, the item's structure and ``image_key=``)."""
+    from ..data.items import announce_image_field, dataset_name, image_location
+
+    item = dataset[0]
+    first = item[0] if isinstance(item, (tuple, list)) and item else item
+    if isinstance(first, (int, np.integer)) and isinstance(item, (tuple, list)) and len(item) == 3:
+        raise TypeError(f"{type(dataset).__name__} yields (index, views, label) items like solo-learn's training data "
+                        "set: precompute needs the clean images in the same order. Pass "
+                        "accelerate_ssl.integrations.solo_learn.precompute_dataset(train_dataset), or use "
+                        "`accelerate-ssl precompute --data solo:<data.train_path>`.")
+    if isinstance(first, (list, tuple)):
+        raise TypeError(f"{type(dataset).__name__} yields a list of {len(first)} images per item (augmented views?); "
+                        "precompute needs one clean image per sample: pass the same data set without its multi-view "
+                        "transform (targets describe the unaugmented image).")
+    where = f"item 0 of {dataset_name(dataset)}"
+    key = image_location(item, image_key, where)
+    image_tensor(item, key, where)  # an image the prior can take
+    announce_image_field(dataset_name(dataset), item, key, image_key)
+    return key
+
+
+
+class _Collate:
+    """Stacks images and applies the prior's preprocessing as one batched tensor op (in the loader
+    workers when ``num_workers > 0``); images of different sizes are preprocessed one by one."""
+
+    def __init__(self, preprocess):
+        self.preprocess = preprocess
+
+    def __call__(self, items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        images = [im for im, _ in items]
+        return self._images(images), torch.tensor([digest for _, digest in items], dtype=torch.int64)
+
+    def _images(self, images: list[torch.Tensor]) -> torch.Tensor:
+        if all(im.shape == images[0].shape and im.dtype == images[0].dtype for im in images):
+            return self.preprocess.batch(torch.stack(images))
+        out = [self.preprocess.batch(im.unsqueeze(0))[0] for im in images]
+        if any(o.shape != out[0].shape for o in out):
+            raise ValueError("Images of different sizes give different input sizes for this prior: create it with "
+                             "size=<pixels> (e.g. create_prior(spec, size=224)) so they are resized and cropped.")
+        return torch.stack(out)
+
+
+class _ChunkBatches(torch.utils.data.Sampler):
+    """Batches of consecutive rows that never cross a chunk boundary, over the given chunks (made as they are
+    iterated: holding every row index as a Python int would cost ~80 MB per million rows)."""
+
+    def __init__(self, chunks: list[tuple[int, int]], batch_size: int):
+        self.chunks, self.batch_size = list(chunks), batch_size
+
+    def __iter__(self):
+        for a, b in self.chunks:
+            for s in range(a, b, self.batch_size):
+                yield list(range(s, min(s + self.batch_size, b)))
+
+    def __len__(self):
+        return sum(-(-(b - a) // self.batch_size) for a, b in self.chunks)
+
+
+def resolve_preprocess(prior, dataset):
+    pre = prior.preprocess
+    if pre.stats == "default" and getattr(dataset, "mean", None) is not None and getattr(dataset, "std", None) is not None:
+        pre = pre.with_stats(list(dataset.mean), list(dataset.std), "dataset")
+    return pre
+
+
+class _OneProcess:
+    """The part of accelerate's ``PartialState`` precompute uses, for a plain single-process run."""
+
+    process_index, num_processes, is_main_process = 0, 1, True
+
+    def __init__(self):
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def wait_for_everyone(self) -> None:
+        pass
+
+
+class _ProcessGroup:
+    """The same, for the processes of an initialised ``torch.distributed`` group (Lightning's DDP, ``torchrun``, an
+    ``Accelerator`` already created): each process its rank's share, a barrier of the group."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.process_index, self.num_processes = dist.get_rank(), dist.get_world_size()
+        self.is_main_process = self.process_index == 0
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def wait_for_everyone(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def process_state():
+    """The processes that share a precompute: those of an initialised ``torch.distributed`` group when there is one
+    (Lightning's DDP, ``torchrun`` after ``init_process_group``, an ``Accelerator`` made earlier); else accelerate's
+    ``PartialState`` when accelerate is installed (so ``accelerate launch`` shards the work); else a single process.
+    Several processes with neither are refused with the fix."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return _ProcessGroup()
+    try:
+        from accelerate import PartialState
+    except ImportError:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from ..optional import require
+
+            require("accelerate", "precompute in several processes (or call torch.distributed.init_process_group first)")
+        return _OneProcess()
+    # cpu=True when there is no GPU: `accelerate launch --multi_gpu` then still runs gloo CPU processes
+    # (accelerate would otherwise see no GPU and treat every process as a lone one).
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
+
+def input_batches(dataset, preprocess, batch_size: int, num_workers: int = 0, pin_memory: bool = False,
+                  ranges: Optional[list[tuple[int, int]]] = None, image_key=None,
+                  fingerprint: Optional[dict] = None) -> torch.utils.data.DataLoader:
+    """The loader precompute reads: ``(images preprocessed for the prior, each row's identity digest)`` batches over
+    the rows ``[a, b)`` of each of ``ranges`` (default: every row), a batch never crossing a range; the images are
+    stacked and preprocessed in the loader workers. ``image_key``: where each item's image is; ``fingerprint``: the
+    data set's, whose definition the identity digests follow. (``benchmarks/gpu.py`` times it alone.)"""
+    return torch.utils.data.DataLoader(
+        _Images(dataset, image_key, fingerprint), batch_sampler=_ChunkBatches(ranges or [(0, len(dataset))], batch_size),
+        num_workers=num_workers, collate_fn=_Collate(preprocess), pin_memory=pin_memory, persistent_workers=False,
+    )
+
+
+
+def settings_diff(path: Path, old: dict, new: dict, finished: bool) -> str:
+    """Which settings differ, down to the leaf keys, with the stored and the requested value of each."""
+
+    def leaves(a, b, prefix):
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b), key=str):
+                yield from leaves(a.get(k), b.get(k), f"{prefix}.{k}" if prefix else str(k))
+        elif a != b:
+            yield f"{prefix}: {_short(a)} in the store vs {_short(b)} now"
+
+    differ = list(leaves(old, new, ""))
+    what = "a finished store" if finished else "an unfinished precompute"
+    return (f"{str(path)!r} holds {what} with other settings ({'; '.join(differ[:6])}{'; ...' if len(differ) > 6 else ''}). "
+            f"Use another --out / path, or delete {str(path)!r} to recompute it.")
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def embed(prior, x: torch.Tensor, precision: str, device: torch.device,
+          where: Callable[[list[int]], str] = lambda rows: f"rows {rows}") -> torch.Tensor:
+    """``prior(x)`` for one batch of preprocessed images, in inference mode (under ``precision``'s autocast), as float32
+    rows ``[B, prior.output_dim]`` on ``device``; a wrong output shape or NaN/Inf rows are refused, ``where(positions)``
+    naming those rows for the message (dataset indices, keys)."""
+    amp = PRECISIONS[precision]
+    x = x.to(device, non_blocking=True)
+    with torch.inference_mode():
+        if amp is None:
+            out = prior(x)
+        else:
+            with torch.autocast(device_type=torch.device(device).type, dtype=amp):
+                out = prior(x)
+    out = out.float()
+    dim = int(prior.output_dim)
+    if out.shape != (x.shape[0], dim):
+        raise ValueError(f"Prior {prior.spec} returned shape {tuple(out.shape)}, expected ({x.shape[0]}, {dim}); its "
+                         "output_dim is wrong.")
+    bad = (~torch.isfinite(out).all(dim=1)).nonzero().flatten()
+    if len(bad):
+        cause = ("fp16 overflow is the usual cause: rerun with --precision bf16 or fp32" if precision == "fp16" else
+                 "check the prior's weights and these samples")
+        raise ValueError(f"Prior {prior.spec} gave NaN/Inf features for {len(bad)} row(s), e.g. "
+                         f"{where([int(i) for i in bad[:10]])} ({precision}); {cause}. Nothing was written for them.")
+    return out

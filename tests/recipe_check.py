@@ -1,0 +1,215 @@
+"""What every README recipe test uses: the recipe's code block and its stated line count read from the README, the
+count measured on the test script, and a log of the rows ReLA read at each step of the script's run.
+
+**Markers.** A recipe test script is written the way the host's own example is; the lines ReLA adds end in
+``# ReLA: added``, the lines it changes in ``# ReLA: changed, was: <the host's line>``, and lines that only observe the
+run for the test (never part of a recipe) in ``# test``. :func:`plain_script` removes the added and test lines and
+puts the host's lines back, so the difference between the host's script and the recipe is exactly the marked lines.
+
+**The README.** Each recipe is introduced by a sentence stating ``N added, M changed`` and followed by its
+````python`` block: the lines ReLA adds or changes, and the host's lines around them (``# yours``), each of which must
+appear verbatim in the test script (comments and ``...`` aside).
+
+**Rows.** :class:`RecipeLog` wraps the store ReLA reads, and after each ``wrap`` compares the rows read with the
+store's rows of the samples the batch really holds (their indices, carried by the batch for the test).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+ADDED, CHANGED, TEST = "# ReLA: added", "# ReLA: changed, was: ", "# test"
+COUNT = re.compile(r"\*\*(\d+)\s+added,\s+(\d+)\s+changed\*\*")
+
+
+# ---------------------------------------------------------------------------------------------- the README
+def code(line: str) -> str:
+    """A line without its trailing comment (two spaces then ``#``) and surrounding white space."""
+    return re.split(r"\s{2,}#", line, maxsplit=1)[0].strip()
+
+
+def readme_recipe(anchor: str, text: Optional[str] = None) -> tuple[int, int, list[str]]:
+    """``(added, changed, lines)`` of the recipe whose introduction contains ``anchor`` (in the README, or ``text``):
+    the first ``**N added, M changed**`` after it, and the code lines of the first ````python`` block after that
+    (comments, blank lines and ``...`` lines left out)."""
+    text = README.read_text() if text is None else text
+    pattern = r"\s+".join(re.escape(word) for word in anchor.split())  # the anchor may be wrapped over lines
+    found = list(re.finditer(pattern, text))
+    assert len(found) == 1, f"README: {anchor!r} must occur exactly once, found {len(found)}"
+    rest = text[found[0].end():]
+    count = COUNT.search(rest)
+    assert count is not None, f"README: no '**N added, M changed**' after {anchor!r}"
+    block = rest[count.end():].split("```python\n", 1)[1].split("```", 1)[0]
+    assert "```" not in rest[count.end():].split("```python\n", 1)[0], f"README: the count after {anchor!r} is not the next block's"
+    lines = [code(line) for line in block.splitlines()]
+    return int(count.group(1)), int(count.group(2)), [line for line in lines if line and not line.startswith(("#", "..."))]
+
+
+def readme_command(anchor: str, text: Optional[str] = None) -> list[str]:
+    """The words of the first ``accelerate-ssl ...`` command of a ````bash`` block after ``anchor`` (its comment off)."""
+    import shlex
+
+    text = README.read_text() if text is None else text
+    pattern = r"\s+".join(re.escape(word) for word in anchor.split())
+    rest = text[re.search(pattern, text).end():]
+    for block in re.findall(r"```bash\n(.*?)```", rest, flags=re.S):
+        for line in block.splitlines():
+            if line.startswith("accelerate-ssl "):
+                return shlex.split(line, comments=True)
+    raise AssertionError(f"README: no accelerate-ssl command after {anchor!r}")
+
+
+# ---------------------------------------------------------------------------------------------- the script
+def comment(line: str) -> str:
+    """A line's trailing comment (after two spaces), ``""`` when it has none."""
+    parts = re.split(r"\s{2,}(?=#)", line.rstrip(), maxsplit=1)
+    return parts[1] if len(parts) == 2 else ""
+
+
+def kind(line: str) -> str:
+    """``"added"``, ``"changed"``, ``"test"`` or ``""``, by the line's marker comment."""
+    note = comment(line)
+    if note.startswith(ADDED):
+        return "added"
+    if note.startswith(CHANGED):
+        return "changed"
+    return "test" if note.startswith(TEST) else ""
+
+
+def marked(source: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """The script's added lines and its changed lines with the host's line each replaced (code only)."""
+    added, changed = [], []
+    for line in source.splitlines():
+        if kind(line) == "added":
+            added.append(code(line))
+        elif kind(line) == "changed":
+            changed.append((code(line), comment(line)[len(CHANGED):].strip()))
+    return added, changed
+
+
+def plain_script(source: str) -> str:
+    """The host's script: the added and test lines removed, each changed line given back its host line (indentation
+    kept)."""
+    out = []
+    for line in source.splitlines():
+        if kind(line) in ("added", "test"):
+            continue
+        if kind(line) == "changed":
+            indent = line[: len(line) - len(line.lstrip())]
+            line = indent + comment(line)[len(CHANGED):].strip()
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+RELA_NAMES = {"rela", "ReLA", "ReLACallback", "ShardedTargets"}
+
+
+def check_recipe(script: Path, anchor: str, readme: Optional[str] = None) -> tuple[int, int]:
+    """The README recipe introduced by ``anchor`` is what ``script`` adds and changes, and says so.
+
+    - every code line of the README's block is a line of the script (verbatim, comments aside);
+    - every line the script marks as added or changed is in the README's block (the README shows all of them);
+    - the README's ``N added, M changed`` is the number of marked lines;
+    - without the marked lines (and the test's), the script is a valid script of the host with no ReLA left in it.
+
+    Returns ``(added, changed)``."""
+    stated_added, stated_changed, block = readme_recipe(anchor, readme)
+    source = script.read_text()
+    lines = {code(line) for line in source.splitlines()}
+    assert [line for line in block if line not in lines] == [], f"README lines of {anchor!r} missing from {script.name}"
+    added, changed = marked(source)
+    shown = set(block)
+    assert [line for line in added + [c for c, _ in changed] if line not in shown] == [], \
+        f"lines {script.name} marks as ReLA's are not in the README's {anchor!r} block"
+    assert (len(added), len(changed)) == (stated_added, stated_changed), (
+        f"README says {stated_added} added, {stated_changed} changed for {anchor!r}; {script.name} marks "
+        f"{len(added)} added, {len(changed)} changed")
+    assert all(new != was for new, was in changed)
+    plain = plain_script(source)
+    tree = ast.parse(plain)  # the host's script is valid Python
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | {
+        a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    left = names & RELA_NAMES
+    assert not left, f"{script.name} without its marked lines still uses {sorted(left)}"
+    assert "accelerate_ssl.integrations" not in plain and "from accelerate_ssl import" not in plain
+    return len(added), len(changed)
+
+
+# ---------------------------------------------------------------------------------------------- the run
+class ReadSpy:
+    """Wraps a target store and records every block of rows read from it (``rela.targets.store = ReadSpy(store)``)."""
+
+    def __init__(self, store):
+        self.store, self.reads = store, []
+
+    def __getitem__(self, idx):
+        import torch
+
+        rows = self.store[idx]
+        self.reads.append(torch.as_tensor(rows).clone())
+        return rows
+
+    def __len__(self):
+        return len(self.store)
+
+    def __getattr__(self, name):
+        if name in ("store", "reads"):
+            raise AttributeError(name)
+        return getattr(self.store, name)
+
+
+class RecipeLog:
+    """The rows a recipe's ReLA read, step by step, against the rows of the samples each batch holds.
+
+    ``watch(rela)`` once ReLA exists; ``step(rela, own)`` right after each ``wrap``, ``own`` the batch's own dataset
+    indices (or keys, with ``keys=``); ``save(rank)`` writes ``$RECIPE_LOG/rank-<rank>.json`` when ``RECIPE_LOG`` is set (the rank: ``$RANK`` when not
+    given)."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+        self.spy: Optional[ReadSpy] = None
+        self._seen = 0
+
+    def watch(self, rela) -> None:
+        if not isinstance(rela.targets.store, ReadSpy):
+            rela.targets.store = ReadSpy(rela.targets.store)
+        self.spy, self._seen = rela.targets.store, len(rela.targets.store.reads)
+
+    def step(self, rela, own) -> None:
+        import torch
+
+        if self.spy is None or rela.targets.store is not self.spy:
+            raise RuntimeError("RecipeLog.step before RecipeLog.watch(rela)")
+        own = torch.as_tensor(own).reshape(-1).cpu().long()
+        reads = self.spy.reads[self._seen:]
+        self._seen = len(self.spy.reads)
+        expected = torch.as_tensor(self.spy.store[own.numpy()])
+        self.steps.append({"own": own.tolist(), "reads": len(reads), "lambda": float(rela.stats["lambda"]),
+                           "own_rows": len(reads) == 1 and torch.equal(reads[0], expected)})
+
+    def save(self, rank: Optional[int] = None) -> None:
+        folder = os.environ.get("RECIPE_LOG")
+        if not folder:
+            return
+        rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) if rank is None else rank
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"rank-{rank}.json").write_text(json.dumps({"rank": rank, "steps": self.steps}))
+
+
+def read_logs(folder: Path, ranks: int = 1) -> list[list[dict]]:
+    """Each rank's steps, as :meth:`RecipeLog.save` wrote them."""
+    return [json.loads((folder / f"rank-{r}.json").read_text())["steps"] for r in range(ranks)]
+
+
+def assert_every_row_is_the_samples_own(steps: list[dict]) -> None:
+    assert steps, "the recipe trained no step"
+    bad = [s for s in steps if not s["own_rows"]]
+    assert not bad, f"{len(bad)} of {len(steps)} steps read rows that are not their samples' own: {bad[:2]}"
