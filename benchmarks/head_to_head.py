@@ -352,6 +352,10 @@ def analyse(a, units: dict, timing: dict, precompute: dict) -> dict:
                 row["effect"] = {"mean": statistics.fmean(diff), "sd_of_difference": statistics.stdev(diff),
                                  "in_plain_sd": statistics.fmean(diff) / row["top1"]["plain"]["sd"],
                                  "in_difference_sd": statistics.fmean(diff) / statistics.stdev(diff)}
+            if step and "online" in row["top1"]:
+                diff = [c - o for c, o in zip(acc["cached"], acc["online"])]
+                row["cached_minus_online"] = {"mean": statistics.fmean(diff), "sd_of_difference": statistics.stdev(diff),
+                                              "per_seed": diff}
             rows.append(row)
         out["equal_clock"][clock] = rows
     lt_seeds = [s for s in seeds if ("lightly-train", s) in units]
@@ -391,6 +395,15 @@ def tables(result: dict) -> str:
             lines.append(f"| {r['cached_step']} | {r['seconds']:.0f} | " + " | ".join(
                 f"{r['top1'][m]['mean']:.2f} ± {r['top1'][m]['sd']:.2f}" if m in r["top1"] else "–" for m in ms) + " | " +
                 (f"{e['mean']:+.2f} | {e['in_plain_sd']:.1f} | {e['in_difference_sd']:.1f} |" if e else " | | |"))
+    lines += ["", "Cached against online, same teacher, at equal clock (the seconds of each probe of the cached run):", "",
+              "| clock | ReLA steps | s | cached - online, points (mean ± sd of the difference) | seeds |",
+              "|---|---:|---:|---:|---|"]
+    for clock in ("side_by_side", "cpu"):
+        for r in an["equal_clock"][clock]:
+            if "cached_minus_online" in r:
+                d = r["cached_minus_online"]
+                lines.append(f"| {CLOCKS[clock]} | {r['cached_step']} | {r['seconds']:.0f} | {d['mean']:+.2f} ± "
+                             f"{d['sd_of_difference']:.2f} | {', '.join(f'{v:+.1f}' for v in d['per_seed'])} |")
     lines += ["", "| method | clock | s to plain's final accuracy (seeds) | speed-up over plain (seeds) | geometric mean | "
               "95 % interval for one more run |", "|---|---|---|---|---|---|"]
     for clock, per in an["reach_plain_final"].items():
