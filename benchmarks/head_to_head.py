@@ -20,10 +20,10 @@ median times of the steps it took (lambda = 1: a ReLA step of its kind; afterwar
 for ``cached``. Each run's own measured seconds are kept too; lightly-train's clock is its own, measured.
 Every unit is cached as one JSON in ``--runs`` when it ends (rerun the same command to resume).
 
-    python benchmarks/head_to_head.py                          # plain, cached, online: 5 seeds (~75 min, one core)
+    python benchmarks/head_to_head.py                          # plain, cached, online: 5 seeds (~1 h, one busy core)
     python benchmarks/head_to_head.py --methods lightly-train --lightly-train-python /path/to/venv/bin/python \
-        --lightly-train-seeds 0 --out /tmp/lt.json                # lightly-train, seed 0 (its unit only)
-    python benchmarks/head_to_head.py --methods plain cached online lightly-train --lightly-train-seeds 0 \
+        --lightly-train-seeds 0 1 --out /tmp/lt.json              # lightly-train, seeds 0 and 1 (its units only)
+    python benchmarks/head_to_head.py --methods plain cached online lightly-train --lightly-train-seeds 0 1 \
         --lightly-train-python /path/to/venv/bin/python           # every finished unit: the JSON and the PNG
     python benchmarks/head_to_head.py --tables benchmarks/results/head_to_head.json     # the README tables
 """
