@@ -8,9 +8,10 @@ components, least-squares head; linear probe on the 10k test images). Units, eac
 * ``plain``: plain BYOL for ``--full-steps``, probed at ``--plain-probes``;
 * ``rela``: BYOL + ReLA with one prior for one budget (a ``--cells`` entry), probed at its end, with the recipe's step
   while lambda == 1 (``--rela-steps``: ``one-view``, the default, or ``two-view``, the former one);
-* ``timing``: one process, the steps of plain BYOL, ReLA (one and two views) and an online teacher (the prior
-  run on the student's view every step, as online distillation does it) interleaved one by one: median step
-  times measured side by side, the most load-robust ratios on a shared machine.
+* ``timing``: one process, the steps of plain BYOL, ReLA (one and two views) and an online teacher (the same ReLA
+  step with the prior run on the student's view every step, ``train_ssl(..., teacher=)``, as online distillation
+  does it) interleaved one by one: median step times measured side by side, the most load-robust ratios on a
+  shared machine.
 
 Speed-ups (per seed, and on the mean curves): wall-clock = plain's training seconds to reach ReLA's accuracy /
 (ReLA's training seconds + the precompute of the prior's targets); CPU = the same in process CPU seconds; steps =
@@ -189,44 +190,12 @@ def run_unit(args, unit: tuple) -> dict:
             "load_average_end": os.getloadavg()}
 
 
-class OnlineTeacher(torch.nn.Module):
-    """Online distillation as a method of the recipe: the prior embeds the very view the student sees, every step
-    (one view), PCA-reduced as the store's targets; the student's features go through a linear head (least-squares
-    start) and the cosine loss (ReLA v2 Eq. 9) pulls them to it."""
-
-    n_views = 1
-
-    def __init__(self, backbone, prior, pca, mean, std):
-        super().__init__()
-        from accelerate_ssl.recipes.views import FASHION_MNIST_MEAN, FASHION_MNIST_STD
-
-        self.backbone, self.prior, self.pca = backbone, prior, pca
-        self.head = torch.nn.Linear(backbone.feature_dim, pca.n_components)
-        self.norm = (FASHION_MNIST_MEAN, FASHION_MNIST_STD, torch.tensor(mean).view(1, -1, 1, 1),
-                     torch.tensor(std).view(1, -1, 1, 1))
-        self.fitted = False
-
-    def step_loss(self, features, views, index):
-        from accelerate_ssl.rela import fit_transport_head, rela_loss
-
-        m, s, pm, ps = self.norm
-        with torch.no_grad():  # the view in the prior's own normalisation, as at precompute
-            target = self.pca.transform(self.prior.eval()(((views[0] * s + m) - pm) / ps))
-        if not self.fitted:
-            fit_transport_head(self.head, features[0], target)
-            self.fitted = True
-        return rela_loss(self.head(features[0]), target)
-
-    def update_momentum(self, m: float) -> None:
-        return None
-
-
 def timing(args, train, prior: str) -> dict:
     """Median step time of each kind, the kinds' steps interleaved one by one in this process (same batches)."""
     from torch.utils.data import DataLoader
 
     from accelerate_ssl.backbones import ConvNet
-    from accelerate_ssl.recipes import BYOL, images_to_tensor, loader_batches, train_ssl
+    from accelerate_ssl.recipes import BYOL, images_to_tensor, loader_batches, prior_teacher, train_ssl
     from accelerate_ssl.rela import ReLA
     from accelerate_ssl.schedules import Constant
     from accelerate_ssl.priors import create_prior
@@ -241,25 +210,23 @@ def timing(args, train, prior: str) -> dict:
         method = BYOL(backbone, backbone.feature_dim)
         loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True,
                             generator=torch.Generator().manual_seed(0))
-        rela = None
-        if kind in ("one-view", "two-view"):
+        rela = teacher = None
+        if kind != "plain":  # online: the same ReLA term, its rows from the prior run on the step's view
             rela = ReLA(store, backbone, dataloader=loader, schedule=Constant(1.0), feature_dim=backbone.feature_dim,
                         n_components=r.components)
-        elif kind == "online":
-            pre = store.metadata["prior"]["preprocess"]
-            method = OnlineTeacher(backbone, create_prior(prior_spec(prior)), store.pca(r.components), pre["mean"], pre["std"])
+            teacher = prior_teacher(create_prior(prior_spec(prior))) if kind == "online" else None
         params = [p for p in method.parameters() if p.requires_grad] + (list(rela.parameters()) if rela else [])
         batches = loader_batches(loader, lambda images: images_to_tensor(images.squeeze(1)))
-        kinds[kind] = (method, rela, batches, torch.optim.AdamW(params, lr=r.lr), [], [])
+        kinds[kind] = (method, rela, teacher, batches, torch.optim.AdamW(params, lr=r.lr), [], [])
     g = torch.Generator().manual_seed(1)
     for i in range(args.timing_steps + 2):
-        for kind, (method, rela, batches, opt, wall, cpu) in kinds.items():
+        for kind, (method, rela, teacher, batches, opt, wall, cpu) in kinds.items():
             log = train_ssl(method, batches, 1, optimizer=opt, view_generator=g, rela=rela, rela_views="weak",
-                            rela_step="two-view" if kind == "two-view" else "one-view")
+                            rela_step="two-view" if kind == "two-view" else "one-view", teacher=teacher)
             if i >= 2:  # warm-up steps excluded
                 wall.append(log["step_seconds"][0])
                 cpu.append(log["step_cpu_seconds"][0])
-    out = {k: {"median_step_seconds": statistics.median(v[4]), "median_step_cpu_seconds": statistics.median(v[5])}
+    out = {k: {"median_step_seconds": statistics.median(v[5]), "median_step_cpu_seconds": statistics.median(v[6])}
            for k, v in kinds.items()}
     for _, rela, *_ in kinds.values():
         if rela is not None:

@@ -54,3 +54,32 @@ def test_extract_features_on_the_librarys_pil_datasets():
         assert torch.allclose(feats[0], net(x0)[0], atol=1e-6)
     res = evaluate_backbone(net, data, data, epochs=100)
     assert res["linear_top1"] > 30 and res["knn_top1"] > 50  # 10 classes (chance 10 %); kNN of a set on itself
+
+
+def test_few_label_probe_uses_k_labels_per_class_and_is_seeded():
+    from accelerate_ssl.evaluate import few_label_probe
+
+    xtr, ytr = _blobs(300, 0)
+    xte, yte = _blobs(200, 1)
+    out = few_label_probe(xtr, ytr, xte, yte, per_class=5, seed=0)
+    assert out["labelled"] == 15 and out["top1"] > 90  # 5 labels per blob suffice
+    assert few_label_probe(xtr, ytr, xte, yte, per_class=5, seed=0) == out
+    noisy = ytr[torch.randperm(len(ytr), generator=torch.Generator().manual_seed(2))]
+    assert few_label_probe(xtr, noisy, xte, yte, per_class=5, seed=0)["top1"] < 70
+    import pytest
+
+    with pytest.raises(ValueError, match="fewer than"):
+        few_label_probe(xtr, ytr, xte, yte, per_class=1000)
+
+
+def test_recipe_probe_reports_the_few_label_probe_when_asked():
+    from accelerate_ssl.recipes import Probe
+
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(60, 1, 8, 8, generator=g)
+    labels = torch.arange(60) % 3
+    backbone = nn.Sequential(nn.Flatten(), nn.Linear(64, 4))
+    plain = Probe(images, labels, images[:30], labels[:30], epochs=2).evaluate(backbone)
+    few = Probe(images, labels, images[:30], labels[:30], epochs=2, few_labels=5).evaluate(backbone)
+    assert "few_label_top1" not in plain and 0 <= few["few_label_top1"] <= 100
+    assert few["linear_top1"] == plain["linear_top1"]

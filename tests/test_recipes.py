@@ -198,3 +198,72 @@ def test_mean_run_averages_checkpoints_and_refuses_misaligned_seeds():
     b["curve"][1]["step"] = 6
     with pytest.raises(ValueError, match="different steps"):
         mean_run([a, b])
+
+
+# ---------------------------------------------------------------------------------------------- online teacher
+def _indexed(batches, seen):
+    """The batch source, recording each batch's indices (so a test teacher can return the store's rows)."""
+    for x, index in batches:
+        seen.append(index)
+        yield x, index
+
+
+def test_online_teacher_is_one_switch_away_from_the_cached_rows():
+    """A teacher that returns exactly the store's rows of the batch trains the same weights as the cached lookup:
+    the online path differs from the cached one only in where the rows come from."""
+    store = torch.randn(64, 6, generator=torch.Generator().manual_seed(5))
+    weights = {}
+    for kind in ("cached", "online"):
+        model, opt = _byol()
+        rela = ReLA(store, model.backbone, schedule=Constant(1.0), feature_dim=model.backbone.feature_dim,
+                    n_components=4)
+        opt.add_param_group({"params": list(rela.parameters())})
+        seen, views = [], []
+        teacher = (lambda v: (views.append(v.shape), store[seen[-1]])[1]) if kind == "online" else None
+        batches = _indexed(tensor_batches(IMAGES, random_batches(64, 16, torch.Generator().manual_seed(0))), seen)
+        log = train_ssl(model, batches, 3, optimizer=opt, view_generator=torch.Generator().manual_seed(2), rela=rela,
+                        rela_views="weak", teacher=teacher)
+        rela.close()
+        weights[kind] = [p.detach().clone() for p in model.backbone.parameters()]
+        if kind == "online":
+            assert views == [(16, 1, 12, 12)] * 3  # one view per ReLA-only step, each embedded once
+        assert log["lambda_per_step"] == [1.0, 1.0, 1.0]
+    for a, b in zip(*weights.values()):
+        torch.testing.assert_close(a, b)
+
+
+def test_online_teacher_embeds_every_view_until_the_schedule_finishes():
+    from accelerate_ssl.schedules import Epochs
+
+    model, opt = _byol()
+    proj = torch.randn(144, 6, generator=torch.Generator().manual_seed(3))
+    calls = []
+
+    def teacher(v):
+        calls.append(v.shape[0])
+        return v.flatten(1) @ proj
+
+    rela = ReLA(torch.randn(64, 6), model.backbone, schedule=Epochs(0.5, total_steps=4),
+                feature_dim=model.backbone.feature_dim)
+    opt.add_param_group({"params": list(rela.parameters())})
+    batches = tensor_batches(IMAGES, random_batches(64, 16, torch.Generator().manual_seed(0)))
+    train_ssl(model, batches, 4, optimizer=opt, view_generator=torch.Generator().manual_seed(2), rela=rela,
+              rela_views="weak", rela_step="two-view", teacher=teacher)
+    rela.close()
+    assert calls == [16, 16, 16, 16]  # two views on each of the two ReLA steps; none once ReLA has finished
+    with pytest.raises(ValueError, match="teacher"):
+        train_ssl(model, iter(()), 1, optimizer=opt, view_generator=torch.Generator(), teacher=teacher)
+
+
+def test_prior_teacher_gives_the_prior_its_own_normalisation():
+    from accelerate_ssl.recipes import images_to_tensor, prior_teacher
+
+    class Stub(nn.Module):
+        preprocess_config = {"mean": [0.5], "std": [0.25]}
+
+        def forward(self, x):
+            return x.flatten(1)
+
+    pixels = torch.randint(0, 256, (3, 5, 5), dtype=torch.uint8)
+    got = prior_teacher(Stub())(images_to_tensor(pixels))
+    torch.testing.assert_close(got, ((pixels.float() / 255 - 0.5) / 0.25).flatten(1), rtol=1e-5, atol=1e-5)

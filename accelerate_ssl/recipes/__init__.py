@@ -18,9 +18,9 @@ from .methods import BYOL, METHODS, Supervised, create_method
 from .probe import Probe, cost_speedup, mean_run, speedup, steps_to_reach
 from .train import (cosine_lr, cosine_momentum, loader_batches, random_batches, shuffled_batches, tensor_batches,
                     train_ssl, warmup_cosine_lr)
-from .views import BYOL_VIEWS, WEAK_VIEWS, ViewConfig, images_to_tensor, random_views
+from .views import BYOL_VIEWS, WEAK_VIEWS, ViewConfig, images_to_tensor, prior_teacher, random_views
 
 __all__ = ["BYOL", "METHODS", "Supervised", "create_method", "Probe", "cost_speedup", "mean_run", "speedup", "steps_to_reach",
            "cosine_lr", "cosine_momentum", "loader_batches", "random_batches", "shuffled_batches", "tensor_batches",
            "train_ssl", "warmup_cosine_lr", "BYOL_VIEWS", "WEAK_VIEWS", "ViewConfig", "images_to_tensor",
-           "random_views"]
+           "prior_teacher", "random_views"]

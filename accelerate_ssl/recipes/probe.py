@@ -28,12 +28,12 @@ class Probe:
     """
 
     def __init__(self, train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor,
-                 *, epochs: int = 30, seed: int = 0, knn_k: int = 20):
+                 *, epochs: int = 30, seed: int = 0, knn_k: int = 20, few_labels: Optional[int] = None):
         if len(train_x) != len(train_y) or len(test_x) != len(test_y):
             raise ValueError("Probe: images and labels must have the same length (train and test).")
         self.train_x, self.train_y = train_x, torch.as_tensor(train_y).long()
         self.test_x, self.test_y = test_x, torch.as_tensor(test_y).long()
-        self.epochs, self.seed, self.knn_k = epochs, seed, knn_k
+        self.epochs, self.seed, self.knn_k, self.few_labels = epochs, seed, knn_k, few_labels
 
     def _features(self, backbone: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """Train and test features (:func:`accelerate_ssl.evaluate.extract_features`: eval mode, float32, CPU)."""
@@ -53,14 +53,18 @@ class Probe:
         return self._linear(*self._features(backbone))
 
     def evaluate(self, backbone: nn.Module) -> dict:
-        """``{"linear_top1", "knn_top1", "probe_seconds"}`` of ``backbone``."""
-        from ..evaluate import knn_accuracy
+        """``{"linear_top1", "knn_top1", "probe_seconds"}`` of ``backbone``, and ``"few_label_top1"``
+        (:func:`accelerate_ssl.evaluate.few_label_probe`, ``few_labels`` per class) when ``few_labels`` is set."""
+        from ..evaluate import few_label_probe, knn_accuracy
 
         t = time.perf_counter()
         ftr, fte = self._features(backbone)
-        return {"linear_top1": self._linear(ftr, fte),
-                "knn_top1": knn_accuracy(ftr, self.train_y, fte, self.test_y, k=self.knn_k),
-                "probe_seconds": time.perf_counter() - t}
+        out = {"linear_top1": self._linear(ftr, fte),
+               "knn_top1": knn_accuracy(ftr, self.train_y, fte, self.test_y, k=self.knn_k)}
+        if self.few_labels:
+            out["few_label_top1"] = few_label_probe(ftr, self.train_y, fte, self.test_y, per_class=self.few_labels,
+                                                    seed=self.seed)["top1"]
+        return {**out, "probe_seconds": time.perf_counter() - t}
 
 
 # ---------------------------------------------------------------------------------------------- curves

@@ -12,7 +12,9 @@ training use. A run is:
 - **views** (:mod:`.views`) drawn from one seeded generator;
 - optionally a :class:`~accelerate_ssl.ReLA`: the step's loss is then
   ``rela.wrap(ssl_loss) = lambda L_ReLA + (1 - lambda) L_SSL`` (ReLA v2 Eq. 10), the SSL loss passed as a
-  callable so a ReLA-only step (lambda == 1) never computes it;
+  callable so a ReLA-only step (lambda == 1) never computes it. Its targets are the store's rows (cached), or,
+  with ``teacher=``, the prior run on every view the student sees, every step (online distillation: the same
+  loss, head and schedule, the one thing caching replaces);
 - learning-rate and EMA-momentum schedules (:func:`warmup_cosine_lr`, :func:`cosine_momentum`) or
   constants;
 - probes at checkpoints (:class:`~accelerate_ssl.recipes.probe.Probe`).
@@ -132,6 +134,7 @@ def train_ssl(
     on_step: Optional[Callable[[int, float], None]] = None,
     start_step: int = 0,
     progress: Optional[str] = None,
+    teacher: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> dict:
     """Train ``method`` for ``steps - start_step`` optimiser steps; return its log.
 
@@ -148,6 +151,12 @@ def train_ssl(
     initialisation), then the full method runs. ``rela_step="two-view"``: ``n_views`` views (``rela_views``)
     and the EMA update every step, as before the cheaper step existed.
 
+    ``teacher`` (with ``rela``): online targets instead of the store's rows. On every step whose ReLA term is computed
+    (until the schedule has finished), ``teacher(view)`` embeds each view the student forwards, under ``no_grad``,
+    and the rows go to ``rela.wrap(..., targets=)`` (one row per view; the store gives one per image, shared by its
+    views): the same PCA, head and loss as the cached rows. Its forward is part of the step's time. ``teacher``
+    takes the views as the loop makes them (normalised like the batch source's images).
+
     ``probe(backbone) -> top-1 %`` runs at every step in ``checkpoints`` (``start_step``: before training); each
     checkpoint's record also holds ``checkpoint_extras()``. ``on_step(step, loss)`` runs after every step
     (e.g. to save a resumable checkpoint). ``progress``: the tqdm bar's label (None: no bar).
@@ -160,6 +169,8 @@ def train_ssl(
         raise ValueError(f"rela_views must be one of {RELA_VIEWS}, got {rela_views!r}.")
     if rela_step not in RELA_STEPS:
         raise ValueError(f"rela_step must be one of {RELA_STEPS}, got {rela_step!r}.")
+    if teacher is not None and rela is None:
+        raise ValueError("train_ssl: teacher= gives ReLA its targets online; pass rela= too.")
     backbone = method.backbone
     momentum_at = momentum if callable(momentum) else (lambda step, m=float(momentum): m)
     cuda = any(p.is_cuda for p in method.parameters())
@@ -211,7 +222,13 @@ def train_ssl(
         ssl_loss = lambda: method.step_loss(fs, vs, index)  # noqa: E731
         if rela is not None:
             lambdas.append(rela.lam)
-            loss = rela.wrap(ssl_loss, index=index)
+            if teacher is not None and not rela.schedule.finished:  # online: the prior embeds the very views
+                distinct = [i for i, v in enumerate(vs) if all(v is not u for u in vs[:i])]  # "clean": one tensor
+                with torch.no_grad():
+                    rows = torch.cat([teacher(vs[i]) for i in distinct])
+                loss = rela.wrap(ssl_loss, targets=rows, features=torch.cat([fs[i] for i in distinct]))
+            else:
+                loss = rela.wrap(ssl_loss, index=index)
         else:
             loss = ssl_loss()
         optimizer.zero_grad(set_to_none=True)

@@ -24,6 +24,20 @@ def images_to_tensor(data: torch.Tensor) -> torch.Tensor:
     return data.float().div(255.0).sub(FASHION_MNIST_MEAN).div(FASHION_MNIST_STD).unsqueeze(1)
 
 
+def prior_teacher(prior):
+    """A prior as :func:`~accelerate_ssl.recipes.train.train_ssl`'s online ``teacher``: the loop's views (normalised
+    with :func:`images_to_tensor`'s statistics) are given to the prior in its own normalisation, as at precompute."""
+    pre = prior.preprocess_config
+    mean = torch.tensor(pre["mean"], dtype=torch.float32).view(1, -1, 1, 1)
+    std = torch.tensor(pre["std"], dtype=torch.float32).view(1, -1, 1, 1)
+
+    def teacher(views: torch.Tensor) -> torch.Tensor:
+        pixels = views * FASHION_MNIST_STD + FASHION_MNIST_MEAN
+        return prior((pixels - mean.to(views.device)) / std.to(views.device))
+
+    return teacher
+
+
 @dataclass
 class ViewConfig:
     """A random view: resized crop (area fraction ``scale``, aspect ``ratio``), horizontal flip, and
