@@ -4,8 +4,8 @@
 2. :func:`linear_probe`: features standardised with the *train* mean/std, one ``nn.Linear`` trained with
    Adam on the precomputed features (the ReLA papers: Adam, lr 3e-4; our calibration used lr 1e-3 and
    30 epochs), top-1 accuracy on the test features. Each epoch is a few matmuls, so it is fast on CPU.
-3. :func:`few_label_probe`: the same classifier from only ``k`` labelled training images per class (seeded), the
-   features standardised by every training image's (labels are scarce, images are not), full-batch Adam.
+3. :func:`few_label_probe`: the same classifier from only ``k`` labelled training images per class (seeded),
+   standardised by those labelled images as :func:`linear_probe` does, full-batch Adam.
 4. :func:`knn_accuracy`: weighted kNN on L2-normalised features (cosine similarity), the common SSL
    practice (InstDisc / DINO): the k nearest train samples vote with weight ``exp(sim / T)``,
    ``k=20``, ``T=0.07`` by default.
@@ -158,8 +158,8 @@ def few_label_probe(
 ) -> dict:
     """Top-1 % of a linear classifier trained on ``per_class`` labelled training images of each class.
 
-    The labelled images are drawn per class with ``seed``; every training feature (labelled or not) gives the
-    standardisation; the classifier is :func:`linear_probe`'s, trained full-batch (Adam ``lr``, ``weight_decay``,
+    The labelled images are drawn per class with ``seed``; the classifier is :func:`linear_probe`'s, with its
+    standardisation by the (labelled) training features, trained full-batch (Adam ``lr``, ``weight_decay``,
     ``epochs``). Returns ``{"top1": %, "per_class", "labelled"}``."""
     ytr = train_labels.long()
     g = torch.Generator().manual_seed(1000 + seed)
@@ -170,10 +170,8 @@ def few_label_probe(
             raise ValueError(f"few_label_probe: class {c} has {len(members)} training images, fewer than {per_class}.")
         picked.append(members[torch.randperm(len(members), generator=g)[:per_class]])
     sel = torch.cat(picked)
-    mean = train_features.mean(0, keepdim=True)
-    std = train_features.std(0, keepdim=True).clamp_min(1e-6)
-    out = linear_probe(((train_features - mean) / std)[sel], ytr[sel], (test_features - mean) / std, test_labels,
-                       epochs=epochs, lr=lr, weight_decay=weight_decay, batch_size=None, seed=seed)
+    out = linear_probe(train_features[sel], ytr[sel], test_features, test_labels, epochs=epochs, lr=lr,
+                       weight_decay=weight_decay, batch_size=None, seed=seed)
     return {"top1": out["top1"], "per_class": per_class, "labelled": len(sel)}
 
 
