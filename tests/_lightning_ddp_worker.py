@@ -25,6 +25,8 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from recipe_check import ReadSpy  # noqa: E402  (this folder is on the path when run as a script, and in the tests)
+
 N, SIDE, DIM = 40, 6, 8
 
 
@@ -53,26 +55,6 @@ class IndexImages(Dataset):
 def own_index(batch) -> torch.Tensor:
     """The dataset indices of the samples in a batch, read from the images themselves."""
     return batch[0][0][:, 0, 0, 0].round().long().cpu()
-
-
-class ReadSpy:
-    """Wraps a target store: records every block of rows ReLA reads (``rela.targets.store = ReadSpy(store)``)."""
-
-    def __init__(self, store):
-        self.store, self.reads = store, []
-
-    def __getitem__(self, idx):
-        rows = self.store[idx]
-        self.reads.append(torch.as_tensor(rows).clone())
-        return rows
-
-    def __len__(self):
-        return len(self.store)
-
-    def __getattr__(self, name):
-        if name in ("store", "reads"):
-            raise AttributeError(name)
-        return getattr(self.store, name)
 
 
 def make_module(pl, head_in_user_optimizer: bool = True):
