@@ -61,7 +61,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    p.add_argument("--prior", default="shipped:fashion-mnist-byol-20k")
+    p.add_argument("--prior", nargs="+", default=["shipped:fashion-mnist-byol-20k"],
+                   help="the teacher; several: ReLA over each prior's store at once (plain and cached only)")
+    p.add_argument("--raw", action="store_true", help="ReLA on the rows as the priors wrote them (no standardisation)")
     p.add_argument("--ssl", default="vicreg", help="the SSL objective (recipes.create_method)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--steps", type=int, default=200, help="optimiser steps of every run")
@@ -75,6 +77,7 @@ def parse_args(argv=None):
     p.add_argument("--schedule", default="switch", help="lambda schedule, planned for --steps")
     p.add_argument("--timing-steps", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="where the students, the teacher and the precompute run")
     p.add_argument("--lightly-train-python", help="python of a venv with lightly-train (else that method is skipped)")
     p.add_argument("--lightly-train-seeds", type=int, nargs="+", help="its seeds (default: --seeds)")
     p.add_argument("--cache", default=str(ROOT / "benchmarks/cache/head_to_head"))
@@ -90,12 +93,17 @@ def parse_args(argv=None):
     if "lightly-train" in a.methods and not a.lightly_train_python:
         a.methods = [m for m in a.methods if m != "lightly-train"]
     a.lightly_train_seeds = a.lightly_train_seeds or a.seeds
+    a.priors, a.prior = a.prior, " + ".join(a.prior)
+    if len(a.priors) > 1 and {"online", "lightly-train"} & set(a.methods):
+        p.error("several --prior: only --methods plain cached (one teacher runs online)")
     return a
 
 
 def numeric_settings(a) -> dict:
-    return {k: getattr(a, k) for k in ("prior", "ssl", "lr", "steps", "probes", "canvas", "train_size", "test_size", "batch_size",
-                                       "widths", "components", "schedule", "threads")}
+    """The settings that decide a unit's result (the device only when it is not the CPU)."""
+    keys = ("prior", "ssl", "lr", "steps", "probes", "canvas", "train_size", "test_size", "batch_size", "widths",
+            "components", "schedule", "threads") + (("device",) if a.device != "cpu" else ()) + (("raw",) if a.raw else ())
+    return {k: getattr(a, k) for k in keys}
 
 
 # ---------------------------------------------------------------------------------------------- data, probe, prior
@@ -138,25 +146,35 @@ def untrained_file(a, seed: int) -> Path:
     return Path(a.runs) / f"untrained-{key}.json"
 
 
-def store_dir(a) -> Path:
-    return Path(a.cache) / f"targets-{a.prior.replace(':', '-').replace('/', '-')}-c{a.canvas}-{a.train_size}"
+def store_dir(a, prior: str) -> Path:
+    return Path(a.cache) / f"targets-{prior.replace(':', '-').replace('/', '-')}-c{a.canvas}-{a.train_size}"
+
+
+def prior_name(prior: str) -> str:
+    """A short name of a prior spec (its ReLA term's name)."""
+    return Path(prior.split(":", 1)[-1]).stem
 
 
 def prepare_targets(a, train) -> dict:
-    """The prior's store over the clean training scenes (once), with the precompute's measured cost."""
+    """Each prior's store over the clean training scenes (once), with the precompute's measured cost (summed)."""
     from accelerate_ssl.targets.precompute import precompute_targets
     from accelerate_ssl.priors import create_prior
 
-    memo = store_dir(a).with_suffix(".json")
-    if memo.is_file() and (store_dir(a) / "metadata.json").is_file():
-        return json.loads(memo.read_text())
-    torch.set_num_threads(a.threads)
-    load, t, c = os.getloadavg(), time.perf_counter(), time.process_time()
-    precompute_targets(create_prior(a.prior), train, store_dir(a), progress=True, command=f"head_to_head.py ({a.prior})")
-    info = {"seconds": time.perf_counter() - t, "cpu_seconds": time.process_time() - c,
-            "load_average_start": load, "load_average_end": os.getloadavg()}
-    atomic_write_json(memo, info, indent=1)
-    return info
+    infos = []
+    for prior in a.priors:
+        memo = store_dir(a, prior).with_suffix(".json")
+        if not (memo.is_file() and (store_dir(a, prior) / "metadata.json").is_file()):
+            torch.set_num_threads(a.threads)
+            load, t, c = os.getloadavg(), time.perf_counter(), time.process_time()
+            precompute_targets(create_prior(prior).to(a.device), train, store_dir(a, prior), progress=True,
+                               command=f"head_to_head.py ({prior})")
+            atomic_write_json(memo, {"seconds": time.perf_counter() - t, "cpu_seconds": time.process_time() - c,
+                                     "load_average_start": load, "load_average_end": os.getloadavg()}, indent=1)
+        infos.append(json.loads(memo.read_text()))
+    if len(infos) == 1:
+        return infos[0]
+    return {"seconds": sum(i["seconds"] for i in infos), "cpu_seconds": sum(i["cpu_seconds"] for i in infos),
+            "priors": dict(zip(a.priors, infos))}
 
 
 # ---------------------------------------------------------------------------------------------- units
@@ -171,23 +189,24 @@ def build(a, kind: str, seed: int, train, xtr, schedule=None):
 
     torch.manual_seed(seed)
     backbone = ConvNet(widths=tuple(a.widths))
-    method = create_method(a.ssl, backbone, backbone.feature_dim)
+    method = create_method(a.ssl, backbone, backbone.feature_dim).to(a.device)
     rela = teacher = None
     params = [p for p in method.parameters() if p.requires_grad]
     if kind in ("cached", "online"):
-        rela = ReLA(TargetStore.open(store_dir(a), dataset=train), backbone, dataset=train,
+        stores = {prior_name(p): TargetStore.open(store_dir(a, p), dataset=train) for p in a.priors}
+        rela = ReLA(stores if len(stores) > 1 else next(iter(stores.values())), backbone, dataset=train,
                     schedule=schedule or create_schedule(a.schedule, total_steps=a.steps),
-                    feature_dim=backbone.feature_dim, n_components=a.components)
+                    feature_dim=backbone.feature_dim, n_components=None if a.raw else a.components).to(a.device)
         params += list(rela.parameters())
         if kind == "online":
-            teacher = prior_teacher(create_prior(a.prior))
+            teacher = prior_teacher(create_prior(a.prior).to(a.device))
     return method, rela, teacher, torch.optim.AdamW(params, lr=a.lr, weight_decay=0.01)
 
 
 def batches(a, xtr, seed: int):
     from accelerate_ssl.recipes import shuffled_batches, tensor_batches
 
-    return tensor_batches(xtr, shuffled_batches(len(xtr), a.batch_size, seed))
+    return tensor_batches(xtr.to(a.device), shuffled_batches(len(xtr), a.batch_size, seed))
 
 
 def train_unit(a, kind: str, seed: int, train, test, xtr, xte) -> dict:
@@ -257,8 +276,9 @@ def timing_unit(a, train, xtr) -> dict:
     from accelerate_ssl.targets.precompute import precompute_targets
     from accelerate_ssl.priors import create_prior
 
-    kinds = {k: (*build(a, k, 0, train, xtr, Constant(1.0)), batches(a, xtr, 0), [], []) for k in ("plain", "cached", "online")}
-    prior, per_image = create_prior(a.prior), []
+    kinds = {k: (*build(a, k, 0, train, xtr, Constant(1.0)), batches(a, xtr, 0), [], [])
+             for k in ("plain", "cached", "online")[:3 if len(a.priors) == 1 else 2]}
+    priors, per_image = {p: create_prior(p).to(a.device) for p in a.priors}, []
     g = torch.Generator().manual_seed(1)
     for i in range(a.timing_steps + 2):
         for kind, (method, rela, teacher, opt, source, wall, cpu) in kinds.items():
@@ -272,7 +292,12 @@ def timing_unit(a, train, xtr) -> dict:
             chunk = ArrayImageDataset(train.data[lo:lo + 1024].numpy(), train.targets[lo:lo + 1024].numpy())
             with tempfile.TemporaryDirectory() as tmp:
                 t = time.perf_counter()
-                precompute_targets(prior, chunk, Path(tmp) / "s", progress=False)
+                many = len(priors) > 1  # several priors: one pass over the chunk, as precompute_targets does them
+                precompute_targets(list(priors.values()) if many else priors[a.priors[0]], chunk,
+                                   [Path(tmp) / f"s{i}" for i in range(len(priors))] if many else Path(tmp) / "s",
+                                   progress=False)
+                if torch.device(a.device).type == "cuda":
+                    torch.cuda.synchronize()
                 per_image.append((time.perf_counter() - t) / 1024)
     for _, rela, *_ in kinds.values():
         if rela is not None:
@@ -434,7 +459,7 @@ def tables(result: dict) -> str:
     for n in k:
         lines.append(f"| {n} | {k[n]['median_step_seconds'] * 1e3:.0f} | {k[n]['median_step_cpu_seconds'] * 1e3:.0f} | "
                      f"{k[n]['median_step_seconds'] / k['plain']['median_step_seconds']:.2f} | "
-                     f"{k[n]['median_step_seconds'] / k['online']['median_step_seconds']:.2f} |")
+                     + (f"{k[n]['median_step_seconds'] / k['online']['median_step_seconds']:.2f} |" if "online" in k else "– |"))
     pre = result["timing"]["precompute_seconds_per_image"]
     lines.append(f"\nPrecompute: {pre * 1e3:.2f} ms per image side by side ({pre * s['train_size']:.1f} s for "
                  f"{s['train_size']} scenes); alone {result['precompute']['seconds']:.1f} s wall, "
@@ -485,7 +510,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     Path(a.runs).mkdir(parents=True, exist_ok=True)
     train, test, xtr, xte = data(a)
-    while a.worker[0] and not store_dir(a).with_suffix(".json").is_file():
+    while a.worker[0] and not all(store_dir(a, p).with_suffix(".json").is_file() for p in a.priors):
         time.sleep(10)  # worker 0 makes the store
     precompute = prepare_targets(a, train)
     units = [("timing", 0)] + [(m, s) for s in a.seeds for m in a.methods
@@ -495,6 +520,9 @@ def main(argv=None) -> int:
         f = Path(a.runs) / f"{u[0]}-{u[1]}.json"
         r = json.loads(f.read_text()) if f.is_file() else None
         return r if r is not None and r["settings"] == numeric_settings(a) else None
+
+    while a.worker[0] and cached(("timing", 0)) is None:
+        time.sleep(5)  # the step times are measured alone, before the other workers start
 
     for i, u in enumerate(units):
         f = Path(a.runs) / f"{u[0]}-{u[1]}.json"
@@ -514,9 +542,14 @@ def main(argv=None) -> int:
     if len(done) < len(units):
         print(f"{len(units) - len(done)} units left to the other workers; rerun when they are done")
         return 0
+    if "plain" not in a.methods:
+        print("every unit of these methods is done; the results compare against plain SSL: rerun with --methods plain ...")
+        return 0
     result = {"command": shlex.join(["python", "benchmarks/head_to_head.py", *sys.argv[1:]]),
               "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "platform": platform.platform(),
                           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "load_average_start": load,
+                          "device": torch.cuda.get_device_name(a.device) if torch.device(a.device).type == "cuda" else "cpu",
+                          "cuda": torch.version.cuda,
                           "load_average_end": os.getloadavg()},
               "settings": {**numeric_settings(a), "seeds": a.seeds, "methods": a.methods},
               "precompute": precompute, "timing": done[("timing", 0)],
