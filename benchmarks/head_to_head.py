@@ -19,6 +19,9 @@ interleaved one by one, the precompute interleaved in chunks of 1024 images), an
 median times of the steps it took (lambda = 1: a ReLA step of its kind; afterwards: a plain step), plus the precompute
 for ``cached``. Each run's own measured seconds are kept too; lightly-train's clock is its own, measured.
 Every unit is cached as one JSON in ``--runs`` when it ends (rerun the same command to resume).
+``--device cuda`` runs the students, the teacher and the precompute on a GPU (the probes' linear fits stay on the
+CPU). Several ``--prior``: plain against ReLA over every prior's store at once (``--methods plain cached``; one teacher
+per online run, so no online or lightly-train unit), ``--raw`` without the standardisation of the rows.
 
     python benchmarks/head_to_head.py                          # plain, cached, online: 5 seeds (~1 h, one busy core)
     python benchmarks/head_to_head.py --methods lightly-train --lightly-train-python /path/to/venv/bin/python \
@@ -490,7 +493,9 @@ def figure(result: dict, path: Path) -> None:
                 ax.plot(r[clock], r["top1"], color="C3", marker="s", ms=3, lw=1,
                         label=f"{LABEL['lightly-train']} (seed {an['lightly_train']['seeds'][j]})")
         ax.axhline(an["gap"]["top1"]["plain_final"], color="gray", ls=":", lw=1)
-        ax.set_xlabel(f"{CLOCKS[clock]}, s (one thread; precompute / teacher forward included)")
+        where = s.get("device", "cpu")
+        where = f"{s['threads']} thread(s)" if where == "cpu" else result["machine"].get("device", where)
+        ax.set_xlabel(f"{CLOCKS[clock]}, s ({where}; precompute / teacher forward included)")
     axes[0].set_ylabel("linear probe top-1 % (test scenes)")
     axes[1].legend(fontsize=8, loc="lower right")
     fig.suptitle(f"Fashion-MNIST on {s['canvas']} px cluttered canvases: {s['ssl']}, student ConvNet "
