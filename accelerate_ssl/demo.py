@@ -200,9 +200,10 @@ def _uint8_tensor(image):
 
 
 def train_byol(args, train, probe, steps: int, checkpoints: list[int], store=None, desc: str = "BYOL",
-               seed: int = 0, rela_options: Optional[dict] = None) -> dict:
+               seed: int = 0, rela_options: Optional[dict] = None, per_view: bool = False) -> dict:
     """BYOL for ``steps`` steps (ReLA when ``store`` is given: a store, or several priors' as ``ReLA`` takes them),
-    probing at ``checkpoints``; ``rela_options`` are more ``ReLA`` arguments (they win over the recipe's).
+    probing at ``checkpoints``; ``rela_options`` are more ``ReLA`` arguments (they win over the recipe's);
+    ``per_view`` (a spatial store): each view's target pooled from the stored map over its crop box.
 
     Both runs seed the same way, so they share the initial weights and the order of the batches; the
     only difference is ``rela.wrap`` around the BYOL loss. Returns the curve and per-step lambda.
@@ -232,7 +233,7 @@ def train_byol(args, train, probe, steps: int, checkpoints: list[int], store=Non
         log = train_ssl(model, loader_batches(loader, lambda images: images_to_tensor(images.squeeze(1)).to(device)), steps,
                         optimizer=opt, view_generator=torch.Generator().manual_seed(seed + 1), rela=rela,
                         rela_views=args.rela_views, rela_step=getattr(args, "rela_step", "one-view"),
-                        checkpoints=checkpoints, probe=probe, progress=desc)
+                        checkpoints=checkpoints, probe=probe, progress=desc, per_view=per_view)
     finally:
         if rela is not None:
             rela.close()

@@ -171,3 +171,94 @@ def test_the_readme_block_is_lines_of_a_loop_that_runs(tmp_path, monkeypatch, fa
         for g, rows in ((g1, targets[: len(index)]), (g2, targets[len(index):])):
             torch.testing.assert_close(rows, pool_boxes(maps, grid_boxes(g, store.spatial, store.metadata["preprocess"])))
         assert not torch.allclose(targets[: len(index)], store[index], atol=1e-3)  # not the whole-image rows
+
+
+def _rela(store, seed=0):
+    torch.manual_seed(seed)
+    backbone = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(256, 12))
+    return backbone, ReLA(store, backbone, dataset=tiny_dataset(N), feature_dim=12, n_components=4, total_steps=4,
+                          witness=False)
+
+
+def test_wrap_geometry_pools_each_views_rows_at_the_batchs_index(store):
+    """wrap(index=, geometry=) is wrap(targets=) with the rows view_targets pools at that index, for two views stacked
+    as the features are; whole-image views give the index path's loss; refusals name the fix."""
+    idx = torch.tensor([2, 5, 11, 20])
+    g = torch.cat([_geometry([(0, 0, 8, 16), (4, 4, 16, 16), (0, 8, 16, 16), (2, 2, 14, 14)], [0, 1, 0, 1]),
+                   _geometry([(8, 0, 16, 16), (0, 0, 16, 8), (3, 1, 11, 9), (0, 0, 16, 16)], [1, 0, 0, 0])])
+    x = torch.rand(8, 1, 16, 16)
+    losses = {}
+    for how in ("geometry", "targets"):
+        backbone, rela = _rela(store)
+        feats = backbone(x)
+        kw = {"index": idx, "geometry": g} if how == "geometry" else {
+            "targets": view_targets(store, idx.repeat(2), g)}
+        losses[how] = rela.wrap(torch.tensor(0.0), features=feats, **kw)
+    torch.testing.assert_close(losses["geometry"], losses["targets"])
+    whole = torch.stack([whole_image(16, 16) for _ in range(4)])
+    out = {}
+    for how in ("geometry", "index"):
+        backbone, rela = _rela(store)
+        feats = backbone(x[:4])
+        out[how] = rela.wrap(torch.tensor(0.0), features=feats, index=idx,
+                             **({"geometry": whole} if how == "geometry" else {}))
+    torch.testing.assert_close(out["geometry"], out["index"], rtol=1e-5, atol=1e-6)
+    backbone, rela = _rela(store)
+    with pytest.raises(ValueError, match="one\\s+row of 7 per view"):
+        rela.wrap(torch.tensor(0.0), features=backbone(x[:4]), index=idx, geometry=g[:3])
+    flat = ReLA(torch.randn(N, 6), backbone, feature_dim=12, total_steps=4, witness=False)
+    with pytest.raises(ValueError, match="spatial=k"):
+        flat.wrap(torch.tensor(0.0), features=backbone(x[:4]), index=idx, geometry=g[:4])
+    with pytest.raises(ValueError, match="Pass one of them"):
+        rela.wrap(torch.tensor(0.0), features=backbone(x[:4]), targets=store[idx], geometry=g[:4])
+
+
+def test_random_views_geometry_is_the_box_the_view_shows():
+    """The box random_views reports, sampled at the view's pixel centres (RoIAlign, one sample per bin: what the
+    affine resample reads) and mirrored when flipped, is the view itself."""
+    from torchvision.ops import roi_align
+
+    from accelerate_ssl.recipes import ViewConfig, random_views
+
+    x = torch.rand(6, 1, 32, 32)
+    cfg = ViewConfig(scale=(0.3, 0.9), jitter=0.0)
+    plain = random_views(x, cfg, torch.Generator().manual_seed(3))
+    views, geometry = random_views(x, cfg, torch.Generator().manual_seed(3), geometry=True)
+    assert torch.equal(views, plain) and geometry.shape == (6, 7)  # the same draws, the same views
+    assert set(geometry[:, 4].tolist()) == {0.0, 1.0} and (geometry[:, 5:] == 32).all()
+    rois = torch.cat([torch.arange(6.0)[:, None], geometry[:, :4]], 1)
+    crops = roi_align(x, rois, output_size=32, spatial_scale=1.0, sampling_ratio=1, aligned=True)
+    crops = torch.where(geometry[:, 4, None, None, None] > 0.5, crops.flip(-1), crops)
+    torch.testing.assert_close(crops, views, rtol=0, atol=1e-5)
+    assert (crops - views.flip(-1)).abs().max() > 0.1  # the comparison sees a wrong flip
+
+
+def test_train_ssl_per_view_passes_each_views_pooled_rows(store, monkeypatch):
+    """train_ssl(per_view=True) hands wrap the geometry of the views it drew, one row per view, and trains."""
+    from accelerate_ssl.recipes import create_method, train_ssl
+
+    seen = []
+    real = ReLA.wrap
+
+    def spy(self, loss, **kw):
+        seen.append(kw)
+        return real(self, loss, **kw)
+
+    monkeypatch.setattr(ReLA, "wrap", spy)
+    torch.manual_seed(0)
+    backbone = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+    method = create_method("vicreg", backbone, 8)
+    rela = ReLA(store, backbone, dataset=tiny_dataset(N), feature_dim=8, n_components=4, total_steps=3, witness=False)
+    x = torch.rand(N, 1, 16, 16)
+    batches = iter([(x[i:i + 6], torch.arange(i, i + 6)) for i in (0, 6, 12)])
+    log = train_ssl(method, batches, 3, optimizer=torch.optim.AdamW(list(method.parameters()) + list(rela.parameters())),
+                    view_generator=torch.Generator().manual_seed(1), rela=rela, rela_views="weak", per_view=True)
+    assert len(log["step_seconds"]) == 3 and len(seen) == 3
+    for kw in seen:
+        views = kw["geometry"].shape[0] // 6  # one view while lambda = 1 (one-view steps), else both
+        assert kw["geometry"].shape == (6 * views, 7) and kw["features"].shape == (6 * views, 8)
+        assert len(kw["index"]) == 6 and views in (1, 2)
+        assert ((kw["geometry"][:, 2] - kw["geometry"][:, 0]) < 16).any()  # weak views crop: not every box is whole
+    with pytest.raises(ValueError, match="Pass one"):
+        train_ssl(method, batches, 1, optimizer=torch.optim.SGD(method.parameters(), lr=0.1),
+                  view_generator=torch.Generator(), rela=rela, per_view=True, teacher=lambda v: v)

@@ -135,6 +135,7 @@ def train_ssl(
     start_step: int = 0,
     progress: Optional[str] = None,
     teacher: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    per_view: bool = False,
 ) -> dict:
     """Train ``method`` for ``steps - start_step`` optimiser steps; return its log.
 
@@ -157,6 +158,9 @@ def train_ssl(
     views): the same PCA, head and loss as the cached rows. Its forward is part of the step's time. ``teacher``
     takes the views as the loop makes them (normalised like the batch source's images).
 
+    ``per_view`` (with ``rela`` over a spatial store): every view's target is pooled from the stored map over the
+    view's crop box, mirrored for a flip (``rela.wrap(..., geometry=)``), instead of the whole image's row.
+
     ``probe(backbone) -> top-1 %`` runs at every step in ``checkpoints`` (``start_step``: before training); each
     checkpoint's record also holds ``checkpoint_extras()``. ``on_step(step, loss)`` runs after every step
     (e.g. to save a resumable checkpoint). ``progress``: the tqdm bar's label (None: no bar).
@@ -169,8 +173,10 @@ def train_ssl(
         raise ValueError(f"rela_views must be one of {RELA_VIEWS}, got {rela_views!r}.")
     if rela_step not in RELA_STEPS:
         raise ValueError(f"rela_step must be one of {RELA_STEPS}, got {rela_step!r}.")
-    if teacher is not None and rela is None:
-        raise ValueError("train_ssl: teacher= gives ReLA its targets online; pass rela= too.")
+    if (teacher is not None or per_view) and rela is None:
+        raise ValueError("train_ssl: teacher= and per_view= change where ReLA's targets come from; pass rela= too.")
+    if teacher is not None and per_view:
+        raise ValueError("train_ssl: teacher= embeds every view online; per_view= pools cached maps. Pass one.")
     backbone = method.backbone
     momentum_at = momentum if callable(momentum) else (lambda step, m=float(momentum): m)
     cuda = any(p.is_cuda for p in method.parameters())
@@ -212,12 +218,15 @@ def train_ssl(
             method.update_momentum(0.0)  # the momentum network restarts from the student ReLA trained
             method._ema_behind = False
         n = 1 if one_view else method.n_views
+        geometry = None
         if rela_only and rela_views == "clean":  # one forward pass of the images themselves
             vs = [x] * n
             fs = [backbone(x)] * n
         else:
             cfg = WEAK_VIEWS if (rela_only and rela_views == "weak") else views
-            vs = [random_views(x, cfg, view_generator) for _ in range(n)]
+            drawn = [random_views(x, cfg, view_generator, geometry=per_view) for _ in range(n)]
+            vs = [d[0] for d in drawn] if per_view else drawn
+            geometry = torch.cat([d[1] for d in drawn]) if per_view else None
             fs = [backbone(v) for v in vs]
         ssl_loss = lambda: method.step_loss(fs, vs, index)  # noqa: E731
         if rela is not None:
@@ -227,6 +236,8 @@ def train_ssl(
                 with torch.no_grad():
                     rows = torch.cat([teacher(vs[i]) for i in distinct])
                 loss = rela.wrap(ssl_loss, targets=rows, features=torch.cat([fs[i] for i in distinct]))
+            elif geometry is not None:  # cached maps, pooled over each view's box
+                loss = rela.wrap(ssl_loss, index=index, geometry=geometry, features=torch.cat(fs))
             else:
                 loss = rela.wrap(ssl_loss, index=index)
         else:

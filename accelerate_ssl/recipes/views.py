@@ -61,13 +61,17 @@ BYOL_VIEWS = ViewConfig()
 WEAK_VIEWS = ViewConfig(scale=(0.5, 1.0), jitter=0.0)
 
 
-def random_views(x: torch.Tensor, config: ViewConfig, generator: torch.Generator | None = None) -> torch.Tensor:
+def random_views(x: torch.Tensor, config: ViewConfig, generator: torch.Generator | None = None,
+                 geometry: bool = False):
     """One random view of every image in ``x`` ``[B, C, H, W]`` (normalised), batched.
 
     The crop is an affine resample: a box of area ``s`` (``s ~ U(scale)``) and aspect ``r`` placed
     uniformly inside the image, stretched back to full size, mirrored with probability ``flip``.
     One ``torch.rand(b, 6)`` draw for the geometry and one ``torch.rand(b, 2)`` for the jitter, from
     ``generator``: a seeded generator gives the same views on every run.
+
+    ``geometry=True`` returns ``(views, geometry)``: each view's crop box in ``x``'s pixels, its flip and ``x``'s size
+    (``[B, 7]``, :data:`~accelerate_ssl.targets.views.GEOMETRY_FIELDS`), for ``rela.wrap(loss, geometry=)``.
     """
     b = x.shape[0]
     dev = x.device
@@ -91,10 +95,17 @@ def random_views(x: torch.Tensor, config: ViewConfig, generator: torch.Generator
     else:
         background = x.amin()
         out = F.grid_sample(x - background, grid, mode="bilinear", padding_mode="zeros", align_corners=False) + background
+    box = None
+    if geometry:  # the sampling grid spans input x in [tx - sx, tx + sx] (normalised, align_corners=False): pixels
+        h, w = x.shape[-2:]
+        box = torch.stack([(tx - sx + 1) * w / 2, (ty - sy + 1) * h / 2, (tx + sx + 1) * w / 2, (ty + sy + 1) * h / 2,
+                           (flip < 0).float(), torch.full_like(tx, float(h)), torch.full_like(tx, float(w))], 1)
+        box[:, [0, 2]] = box[:, [0, 2]].clamp(0, w)
+        box[:, [1, 3]] = box[:, [1, 3]].clamp(0, h)
     if config.jitter > 0:
         j = torch.rand(b, 2, generator=generator).to(dev)
         contrast = 1 + config.jitter * (2 * j[:, 0] - 1)
         brightness = config.jitter * (2 * j[:, 1] - 1)
         mean = out.mean(dim=(1, 2, 3), keepdim=True)
         out = (out - mean) * contrast.view(b, 1, 1, 1) + mean + brightness.view(b, 1, 1, 1)
-    return out
+    return (out, box.cpu()) if geometry else out

@@ -626,6 +626,7 @@ class ReLA:
         features: Union[torch.Tensor, Sequence[torch.Tensor], None] = None,
         targets: Union[torch.Tensor, dict, None] = None,
         keys=None,
+        geometry: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``lambda * L_rela + (1 - lambda) * loss`` for this micro-batch (with several priors ``L_rela`` combines
         theirs, ``balance=``).
@@ -644,6 +645,11 @@ class ReLA:
                 maps the keys through its own key list.
             features: the student features of this batch, one tensor per view or views stacked as
                 blocks of B rows (default: the backbone calls captured since the last wrap).
+            geometry: each view's geometry (``[V B, 7]``, views stacked as blocks of the batch like the features:
+                :class:`~accelerate_ssl.targets.views.RecordGeometry` records it, collated like a label): every view's
+                target is pooled from the spatial store's map over the view's crop box, mirrored for a flip
+                (:func:`~accelerate_ssl.targets.views.view_targets`), at the rows the batch's indices or keys name,
+                instead of the whole image's row. Needs spatial stores (``precompute_targets(spatial=k)``).
         """
         if not self._planned:
             if needs_run_length(self._schedule_name):
@@ -701,6 +707,13 @@ class ReLA:
                     warnings.warn("ReLA.wrap(index=): no data set was checked against this target store, so nothing "
                                   "proves row i belongs to your item i. Pass ReLA(..., dataset=clean_train_set) (or call "
                                   "rela.check_dataset(train_set)).", UserWarning, stacklevel=2)
+        if geometry is not None:  # each view's rows pooled from the maps at the rows the batch's index names
+            if rows is not None:
+                raise ValueError("ReLA.wrap: geometry= pools each view's rows from a spatial store at the batch's "
+                                 "indices; targets= carries rows already. Pass one of them.")
+            rows = {name: self._view_rows(t, index[name] if isinstance(index, dict) else index, geometry)
+                    for name, t in self.priors.items()}
+            index = None
         if index is not None and not isinstance(index, dict):
             index = {name: index for name in self.priors}  # one batch: the same positions in every prior's store
         l_rela = self._rela_term(feats, index, rows=rows, path=path)
@@ -717,6 +730,23 @@ class ReLA:
         self._last = {"lambda": lam, "loss_rela": d, "loss_ssl": None if l_ssl is None else l_ssl.detach(),
                       "priors": self._per_prior}
         return out
+
+    def _view_rows(self, term: PriorTerm, index, geometry) -> torch.Tensor:
+        """Raw rows of every view (``geometry`` ``[V B, 7]``) of the ``B`` samples at ``index``, pooled from the
+        prior's spatial store (:func:`~accelerate_ssl.targets.views.view_targets`)."""
+        from ..targets.views import view_targets
+
+        whose = f"prior {term.name!r}'s" if self._several else "the"
+        if getattr(term.store, "spatial", None) is None:
+            raise ValueError(f"ReLA.wrap(geometry=) pools each view's target from a spatial store's maps, but {whose} "
+                             "store holds one row per image: precompute it with spatial=k (`accelerate-ssl precompute "
+                             "--spatial K`), or drop geometry= (every view then gets its whole image's row).")
+        index = torch.as_tensor(index).reshape(-1)
+        g = torch.as_tensor(geometry)
+        if g.ndim != 2 or len(index) == 0 or len(g) % len(index):
+            raise ValueError(f"ReLA.wrap(geometry=): {tuple(g.shape)} views' geometry for {len(index)} samples; pass one "
+                             "row of 7 per view, views stacked as blocks of the batch in the order of the features.")
+        return view_targets(term.store, index.repeat(len(g) // len(index)), g)
 
     def _key_rows(self, term: PriorTerm, keys) -> torch.Tensor:
         if not hasattr(term.store, "key_rows"):
