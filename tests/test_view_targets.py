@@ -146,10 +146,11 @@ def test_pooled_view_rows_train_through_wrap_targets(store):
 
 def test_the_readme_block_is_lines_of_a_loop_that_runs(tmp_path, monkeypatch, fashion_mnist_available):
     """Every code line of the README's spatial-store block is a line of tests/recipes/spatial_views.py, which trains a
-    few steps on real images: each step's carried targets are the stored maps pooled over that step's recorded boxes."""
+    few steps on real images: each step's targets are the stored maps pooled over that step's recorded boxes."""
     import runpy
     from pathlib import Path
 
+    import accelerate_ssl.targets.views as views
     from recipe_check import README, code
 
     script = Path(__file__).with_name("recipes") / "spatial_views.py"
@@ -158,13 +159,17 @@ def test_the_readme_block_is_lines_of_a_loop_that_runs(tmp_path, monkeypatch, fa
     lines = [code(line) for line in block.splitlines()]
     lines = [line for line in lines if line and not line.startswith(("#", "..."))]
     script_lines = {code(line) for line in script.read_text().splitlines()}
-    assert len(lines) == 8 and [line for line in lines if line not in script_lines] == []
+    assert len(lines) == 7 and [line for line in lines if line not in script_lines] == []
+    pooled, real = [], views.view_targets
+    monkeypatch.setattr(views, "view_targets", lambda *a, **k: pooled.append((a, real(*a, **k))) or pooled[-1][1])
     monkeypatch.chdir(tmp_path)
     run = runpy.run_path(str(script), run_name="__main__")
     assert len(run["losses"]) == 4 and all(np.isfinite(run["losses"]))
     store = run["store"]
     assert store.spatial["grid"] == [3, 3] and store.components == 32 and store.dtype == "float16"
-    for index, g1, g2, targets in run["carried"]:
+    assert len(pooled) == len(run["carried"]) == 4  # wrap pooled every step's views
+    for (index, g1, g2), ((_, rows_index, geometry), targets) in zip(run["carried"], pooled):
+        assert torch.equal(rows_index, torch.cat([index, index])) and torch.equal(geometry, torch.cat([g1, g2]))
         maps = store.maps(index)
         assert targets.shape == (2 * len(index), 32)
         # each view's target is its own image's stored map pooled over its own recorded box

@@ -9,7 +9,7 @@ from torchvision import transforms as T
 from accelerate_ssl import ReLA, create_prior, precompute_targets
 from accelerate_ssl.backbones import ConvNet
 from accelerate_ssl.data import FashionMNIST
-from accelerate_ssl.targets.views import RecordGeometry, view_targets
+from accelerate_ssl.targets.views import RecordGeometry
 
 clean_train_set = FashionMNIST("train", limit=64)
 prior = create_prior("shipped:fashion-mnist-byol-20k")
@@ -35,13 +35,12 @@ rela = ReLA(store, backbone, dataset=clean_train_set, total_steps=len(loader))
 opt = torch.optim.AdamW([*backbone.parameters(), *predictor.parameters()], lr=1e-3)  # ReLA trains its head itself
 losses, carried = [], []  # test
 for index, (view1, geometry1), (view2, geometry2) in loader:
-    feats = backbone(torch.cat([view1, view2]))  # one call on both views, stacked as the targets are
+    feats = backbone(torch.cat([view1, view2]))  # one call on both views, stacked as the geometry is
     z1, z2 = feats.chunk(2)
     ssl_loss = -(F.cosine_similarity(predictor(z1), z2.detach()).mean() + F.cosine_similarity(predictor(z2), z1.detach()).mean()) / 2
-    targets = torch.cat([view_targets(store, index, geometry1), view_targets(store, index, geometry2)])
-    loss = rela.wrap(ssl_loss, targets=targets)
+    loss = rela.wrap(ssl_loss, index=index, geometry=torch.cat([geometry1, geometry2]))
     opt.zero_grad()
     loss.backward()
     opt.step()
     losses.append(float(loss.detach()))  # test
-    carried.append((index, geometry1, geometry2, targets))  # test
+    carried.append((index, geometry1, geometry2))  # test
