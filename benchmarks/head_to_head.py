@@ -75,7 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--train-size", type=int, default=10000)
     p.add_argument("--test-size", type=int, default=5000)
     p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64], help="the ConvNet student's block widths")
+    p.add_argument("--student", choices=("convnet", "vit"), default="convnet",
+                   help="convnet: ConvNet --widths; vit: a 4-block ViT (timm; 4 px patches, width 64, 4 heads, mean pool)")
     p.add_argument("--components", type=int, default=16)
     p.add_argument("--schedule", default="switch", help="lambda schedule, planned for --steps")
     p.add_argument("--timing-steps", type=int, default=30)
@@ -105,7 +107,8 @@ def parse_args(argv=None):
 def numeric_settings(a) -> dict:
     """The settings that decide a unit's result (the device only when it is not the CPU)."""
     keys = ("prior", "ssl", "lr", "steps", "probes", "canvas", "train_size", "test_size", "batch_size", "widths",
-            "components", "schedule", "threads") + (("device",) if a.device != "cpu" else ()) + (("raw",) if a.raw else ())
+            "components", "schedule", "threads") + (("device",) if a.device != "cpu" else ()) + (("raw",) if a.raw else ()) \
+        + (("student",) if a.student != "convnet" else ())
     return {k: getattr(a, k) for k in keys}
 
 
@@ -145,7 +148,8 @@ class Probe:
 
 def untrained_file(a, seed: int) -> Path:
     """The probe of the seed's untrained student (same draw for every method), under the settings that decide it."""
-    key = f"c{a.canvas}-{a.train_size}-{a.test_size}-w{'-'.join(map(str, a.widths))}-seed{seed}"
+    net = f"w{'-'.join(map(str, a.widths))}" if a.student == "convnet" else a.student
+    key = f"c{a.canvas}-{a.train_size}-{a.test_size}-{net}-seed{seed}"
     return Path(a.runs) / f"untrained-{key}.json"
 
 
@@ -181,9 +185,23 @@ def prepare_targets(a, train) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- units
+def student(a):
+    """The student network, drawn from the current torch seed (``.feature_dim`` set)."""
+    from accelerate_ssl.backbones import ConvNet
+
+    if a.student == "convnet":
+        return ConvNet(widths=tuple(a.widths))
+    from accelerate_ssl.optional import require
+
+    timm = require("timm", "the ViT student of head_to_head.py")
+    net = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=a.canvas or 28, patch_size=4,
+                            in_chans=1, embed_dim=64, depth=4, num_heads=4, num_classes=0, global_pool="avg")
+    net.feature_dim = net.num_features
+    return net
+
+
 def build(a, kind: str, seed: int, train, xtr, schedule=None):
     """(method, rela, teacher, optimizer) of one run; every kind draws the student first from the same seed."""
-    from accelerate_ssl.backbones import ConvNet
     from accelerate_ssl.recipes import create_method, prior_teacher
     from accelerate_ssl.rela import ReLA
     from accelerate_ssl.schedules import create_schedule
@@ -191,7 +209,7 @@ def build(a, kind: str, seed: int, train, xtr, schedule=None):
     from accelerate_ssl.targets.store import TargetStore
 
     torch.manual_seed(seed)
-    backbone = ConvNet(widths=tuple(a.widths))
+    backbone = student(a)
     method = create_method(a.ssl, backbone, backbone.feature_dim).to(a.device)
     rela = teacher = None
     params = [p for p in method.parameters() if p.requires_grad]
@@ -231,7 +249,6 @@ def train_unit(a, kind: str, seed: int, train, test, xtr, xte) -> dict:
 
 def lightly_train_unit(a, seed: int, train, test, xtr, xte) -> dict:
     """lightly-train in its own venv (its checkpoints every probe step), then our probe of each checkpoint."""
-    from accelerate_ssl.backbones import ConvNet
     from accelerate_ssl.recipes.views import FASHION_MNIST_MEAN, FASHION_MNIST_STD
 
     folder = Path(a.cache) / f"png-c{a.canvas}-{a.train_size}"
@@ -245,10 +262,11 @@ def lightly_train_unit(a, seed: int, train, test, xtr, xte) -> dict:
             with atomic_path(folder / f"{i:05d}.png", suffix=".png") as tmp:
                 Image.fromarray(image, "L").save(tmp, format="PNG")
         atomic_write_text(folder / "done", str(len(train)))
-    out = Path(a.cache) / f"lightly-train-seed{seed}"
+    out = Path(a.cache) / f"lightly-train-{'' if a.student == 'convnet' else a.student + '-'}seed{seed}"
     every = math.gcd(*[s for s in a.probes if s > 0])
     cmd = [a.lightly_train_python, str(ROOT / "benchmarks/head_to_head_lightly_train.py"), "--data", str(folder),
-           "--out", str(out), "--teacher", a.prior, "--widths", *map(str, a.widths), "--steps", str(a.steps),
+           "--out", str(out), "--teacher", a.prior, "--widths", *map(str, a.widths), "--student", a.student,
+           "--steps", str(a.steps),
            "--every", str(every), "--batch-size", str(a.batch_size), "--image-size", str(a.canvas or 28),
            "--mean", str(FASHION_MNIST_MEAN), "--std", str(FASHION_MNIST_STD), "--seed", str(seed),
            "--threads", str(a.threads)]
@@ -257,12 +275,12 @@ def lightly_train_unit(a, seed: int, train, test, xtr, xte) -> dict:
     record = json.loads((out / "steps.json").read_text())
     probe = Probe(train, test, xtr, xte, seed, untrained_file(a, seed))
     torch.manual_seed(seed)
-    student = ConvNet(widths=tuple(a.widths))
-    curve = [{"step": 0, "top1": probe(student), "seconds": 0.0, "cpu_seconds": 0.0, **probe.last}]
+    net = student(a)
+    curve = [{"step": 0, "top1": probe(net), "seconds": 0.0, "cpu_seconds": 0.0, **probe.last}]
     for c in record["checkpoints"]:
         if c["step"] in a.probes:
-            student.load_state_dict(torch.load(out / f"step_{c['step']}.pt", map_location="cpu"))
-            curve.append({"step": c["step"], "top1": probe(student), "seconds": c["seconds"],
+            net.load_state_dict(torch.load(out / f"step_{c['step']}.pt", map_location="cpu"))
+            curve.append({"step": c["step"], "top1": probe(net), "seconds": c["seconds"],
                           "cpu_seconds": c["cpu_seconds"], **probe.last})
     return {"curve": curve, "lightly_train": {k: v for k, v in record.items() if k != "checkpoints"},
             "command": shlex.join(cmd), "load_average_before": load}

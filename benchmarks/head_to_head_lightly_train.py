@@ -6,8 +6,8 @@ never imported by the package; this file only imports the package's backbone and
     python3 -m venv /work/lt-venv && /work/lt-venv/bin/pip install lightly-train
     /work/lt-venv/bin/python benchmarks/head_to_head_lightly_train.py --data DIR --out DIR ...
 
-``head_to_head.py`` calls it once per seed (``--lightly-train-python``). The student is the benchmark's ConvNet,
-initialised from the same seed as the other methods' students; the teacher is the prior's own network (our spec, our
+``head_to_head.py`` calls it once per seed (``--lightly-train-python``). The student is the benchmark's (its ConvNet,
+or its ViT: ``head_to_head.student``), initialised from the same seed as the other methods' students; the teacher is the prior's own network (our spec, our
 weights), handed to lightly-train as a model wrapper (``forward_features``: the last feature map, ``forward_pool``:
 its global average, as the prior's output). Everything else is lightly-train's default for ``method="distillation"``
 (v3: global + local KL to a queue of teacher features, its views, its optimiser and schedule), except: the image
@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
@@ -54,12 +55,25 @@ class Wrapped(torch.nn.Module):
         return self.net
 
 
+class WrappedViT(Wrapped):
+    """A timm ViT (mean-pooled patch tokens, then its ``fc_norm``) in the same protocol: its patch tokens as a map."""
+
+    def forward_features(self, x):
+        tokens = self.net.forward_features(x)[:, self.net.num_prefix_tokens:]
+        side = int(round(tokens.shape[1] ** 0.5))
+        return {"features": tokens.transpose(1, 2).reshape(len(x), -1, side, side)}
+
+    def forward_pool(self, out):
+        return {"pooled_features": self.net.fc_norm(out["features"].mean((2, 3)))[:, :, None, None]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True, help="folder of the training images (PNG)")
     p.add_argument("--out", required=True)
     p.add_argument("--teacher", required=True, help="prior spec (create_prior)")
     p.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--student", choices=("convnet", "vit"), default="convnet")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--every", type=int, required=True)
     p.add_argument("--batch-size", type=int, default=128)
@@ -78,11 +92,11 @@ def main(argv=None) -> int:
     import lightly_train
 
     from accelerate_ssl.atomic import atomic_torch_save, atomic_write_json
-    from accelerate_ssl.backbones import ConvNet
     from accelerate_ssl.priors import create_prior
+    from head_to_head import student as create_student
 
     torch.manual_seed(a.seed)
-    student = ConvNet(widths=tuple(a.widths))  # the same first draw as the other methods' students
+    student = create_student(argparse.Namespace(student=a.student, widths=a.widths, canvas=a.image_size))  # same draw
     prior = create_prior(a.teacher)
     teacher = Wrapped(prior.model.net, prior.output_dim)
     n_images = sum(1 for f in os.scandir(a.data) if f.name.endswith(".png"))
@@ -106,7 +120,8 @@ def main(argv=None) -> int:
     t0, c0 = time.time(), cpu()
     sampler.start()
     lightly_train.pretrain(
-        out=str(ckpt_dir), data=a.data, model=Wrapped(student, student.feature_dim), method="distillation",
+        out=str(ckpt_dir), data=a.data, model=(WrappedViT if a.student == "vit" else Wrapped)(student, student.feature_dim),
+        method="distillation",
         method_args={"teacher": teacher}, epochs=epochs, batch_size=a.batch_size, num_workers=1, accelerator="cpu",
         devices=1, precision="32-true", seed=a.seed, overwrite=True,
         transform_args={"image_size": (a.image_size, a.image_size), "num_channels": 1,
