@@ -181,6 +181,12 @@ class ReLA:
             same either way.
         drop: the dropping probability of ``balance="drop"``.
         seed: seeds the draws of ``balance="drop"`` (their generator is part of :meth:`state_dict`).
+        dense: the module of the student whose output is its feature map ``[B, C, h, w]`` (a ConvNet's last block):
+            adds the dense term (:mod:`accelerate_ssl.rela.dense`), each location of that map pulled toward the
+            prior's stored map through a dense transport head (a 1x1 conv), the views' boxes pooled when ``wrap``
+            gets ``geometry=``. Needs spatial stores. The dense head is built at the first ``wrap`` (it needs the
+            map's channels), so it is trained by ReLA's own AdamW unless your optimiser is created after that wrap
+            with ``rela.parameters()``.
     """
 
     def __init__(
@@ -209,6 +215,7 @@ class ReLA:
         balance: str = "drop",
         drop: float = 0.5,
         seed: int = 0,
+        dense: Optional[nn.Module] = None,
     ):
         if not isinstance(backbone, nn.Module):
             raise TypeError(f"backbone must be an nn.Module (the student's feature extractor), got {type(backbone).__name__}.")
@@ -231,6 +238,16 @@ class ReLA:
         #: each prior's targets, head and checks, by name (:class:`~accelerate_ssl.rela.term.PriorTerm`), in order
         self.priors: dict[str, PriorTerm] = {name: term(name, t) for name, t in term_names(targets)}
         self._several = len(self.priors) > 1  # (one prior, however given, is ReLA exactly as with a bare store)
+        if dense is not None:
+            flat = [n for n, t in self.priors.items() if getattr(t.store, "spatial", None) is None]
+            if flat:
+                raise ValueError("ReLA(dense=) pulls the student's map toward the prior's stored map, but "
+                                 + (f"prior(s) {flat}" if self._several else "this store") + " hold one row per image: "
+                                 "precompute with spatial=k (`accelerate-ssl precompute --spatial K`).")
+            for t in self.priors.values():
+                t.dense = TransportHead(init=head_init, optimizer="auto" if head_optimizer == "user" else head_optimizer,
+                                        lr=1e-3 if head_lr is None else head_lr,
+                                        weight_decay=0.01 if head_weight_decay is None else head_weight_decay)
         #: the data sets checked against the store, by id, held weakly (an id reused by a new object is checked again)
         self._checked_datasets: dict[int, Callable[[], Any]] = {}
         self._warned_unchecked = False
@@ -282,6 +299,10 @@ class ReLA:
         ref = weakref.ref(self)  # (hooks and callbacks hold ReLA weakly: dropping it removes them)
         self.capture = FeatureCapture(backbone, active=lambda: (r := ref()) is not None and not r.schedule.finished,
                                       capture=capture)
+        from .dense import MapCapture
+
+        self.dense_capture = None if dense is None else MapCapture(
+            dense, active=lambda: (r := ref()) is not None and not r.schedule.finished)
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         def pre(opt, args, kwargs):
@@ -296,6 +317,8 @@ class ReLA:
         for name, w in self._witnesses(witness).items():
             self.priors[name].attach_witness(w, backbone, capture, name if self._several else None)
         handles = [self.capture.handle, register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+        if self.dense_capture is not None:
+            handles.append(self.dense_capture.handle)
         witnesses = [t.witness for t in self.priors.values() if t.witness is not None]
         self._finalizer = weakref.finalize(
             self, lambda hs, ws: ([h.remove() for h in hs], [w.close() for w in ws]), handles, witnesses)
@@ -458,6 +481,10 @@ class ReLA:
     def _heads(self) -> list[nn.Linear]:
         return [t.head for t in self.priors.values() if t.head is not None]
 
+    def _all_heads(self) -> list[nn.Linear]:
+        """Every head that exists: each prior's global head, then its dense one (with ``dense=``, once built)."""
+        return [h.linear for t in self.priors.values() for h in t.transports() if h.linear is not None]
+
     def track(self, dataloader, *, inner: Optional[DataLoader] = None):
         """Record the dataset indices of every batch ``dataloader`` yields (it yields exactly what it did) and
         return the loader to iterate: write ``loader = rela.track(loader)``.
@@ -568,17 +595,18 @@ class ReLA:
                 "ReLA does not know the student feature dim yet, so the transport head does not exist. Pass "
                 "feature_dim=, dataset= or dataloader= to ReLA(...), or create your optimiser after the first wrap()."
             )
-        return (p for h in self._heads() for p in h.parameters())
+        return (p for h in self._all_heads() for p in h.parameters())
 
     def to(self, device) -> "ReLA":
         """Move the heads (and their own optimisers' state) to ``device``."""
         for t in self.priors.values():
-            t.transport.to(device)
+            for h in t.transports():
+                h.to(device)
         return self
 
     # ------------------------------------------------------------------ the loss
     def _rela_term(self, features: Sequence[torch.Tensor], index: dict, rows: Optional[dict] = None,
-                   path: Optional[str] = None) -> torch.Tensor:
+                   path: Optional[str] = None, dense: Optional[tuple] = None) -> torch.Tensor:
         """ReLA's loss over every prior (:func:`~accelerate_ssl.rela.term.combine_losses`); ``index`` / ``rows``: each
         prior's row indices / carried rows, by name. Records each prior's loss and weight for :attr:`stats`."""
         first = next(iter((rows or index).values()))
@@ -610,7 +638,11 @@ class ReLA:
         for name, t in self.priors.items():
             target = t.rows(feats.device, index=None if index is None else index[name],
                             carried=None if rows is None else rows[name])
-            losses.append(t.losses(feats, target, n, path))
+            term_losses = t.losses(feats, target, n, path)
+            if dense is not None:  # (maps, each prior's sample index, geometry): the mean of the global and dense terms
+                maps, sample_index, geometry = dense
+                term_losses = 0.5 * (term_losses + t.dense_losses(maps, sample_index[name], geometry))
+            losses.append(term_losses)
         losses = torch.stack(losses)
         loss, weights = combine_losses(losses, n, self.balance, self.drop, self._drop_generator)
         per_prior = losses.detach().mean(dim=1)
@@ -707,6 +739,19 @@ class ReLA:
                     warnings.warn("ReLA.wrap(index=): no data set was checked against this target store, so nothing "
                                   "proves row i belongs to your item i. Pass ReLA(..., dataset=clean_train_set) (or call "
                                   "rela.check_dataset(train_set)).", UserWarning, stacklevel=2)
+        dense = None
+        if self.dense_capture is not None:
+            maps, map_error = self.dense_capture.take()
+            if map_error is not None:
+                raise map_error
+            if not maps:
+                raise RuntimeError("ReLA(dense=): no feature map of the hooked module was captured since the last wrap; "
+                                   "it must run in training mode with grad enabled on the views of this step.")
+            if rows is not None:
+                raise ValueError("ReLA(dense=) reads each sample's stored map by its index: pass index= or keys= (or "
+                                 "track the loader), not targets=.")
+            per_prior = index if isinstance(index, dict) else {name: index for name in self.priors}
+            dense = (torch.cat(maps) if len(maps) > 1 else maps[0], per_prior, geometry)
         if geometry is not None:  # each view's rows pooled from the maps at the rows the batch's index names
             if rows is not None:
                 raise ValueError("ReLA.wrap: geometry= pools each view's rows from a spatial store at the batch's "
@@ -716,7 +761,7 @@ class ReLA:
             index = None
         if index is not None and not isinstance(index, dict):
             index = {name: index for name in self.priors}  # one batch: the same positions in every prior's store
-        l_rela = self._rela_term(feats, index, rows=rows, path=path)
+        l_rela = self._rela_term(feats, index, rows=rows, path=path, dense=dense)
 
         if lam >= 1.0:
             l_ssl = None if callable(loss) else loss
@@ -811,7 +856,7 @@ class ReLA:
 
     # ------------------------------------------------------------------ optimiser steps
     def _is_user_optimizer(self, opt) -> bool:
-        return all(opt is not t.transport.own_optimizer for t in self.priors.values()) and any(
+        return all(opt is not h.own_optimizer for t in self.priors.values() for h in t.transports()) and any(
             id(p) in self._backbone_param_ids for g in opt.param_groups for p in g["params"])
 
     def _before_optimizer_step(self, opt, args: tuple, kwargs: dict):
@@ -856,12 +901,12 @@ class ReLA:
         """Average the head's gradients across processes, once per backward: a second call before the next ``wrap``
         or optimiser step does nothing (the Lightning callback averages in ``on_before_optimizer_step``, before
         gradient clipping reads them; the closure wrapper or pre-hook of the same step then finds them averaged)."""
-        if not self._heads() or self.head_in_ddp or not is_distributed():
+        if not self._all_heads() or self.head_in_ddp or not is_distributed():
             return
         mark = (self.steps, self._window_count)  # changes with every wrap (a new backward) and every counted step
         if self._head_synced_at == mark:
             return
-        average_gradients([p for h in self._heads() for p in h.parameters()])
+        average_gradients([p for h in self._all_heads() for p in h.parameters()])
         self._head_synced_at = mark
 
     def _after_optimizer_step(self, opt) -> None:
@@ -875,7 +920,8 @@ class ReLA:
 
     def _step(self, user_optimizer) -> None:
         for t in self.priors.values():
-            t.transport.after_user_step(user_optimizer, trained=self._window_count > 0)
+            for h in t.transports():
+                h.after_user_step(user_optimizer, trained=self._window_count > 0)
         if not self._window_count:
             return  # an optimiser step without any wrap (e.g. another phase of the loop)
         if not self.schedule.needs_loss:
@@ -892,6 +938,8 @@ class ReLA:
                 t.witness.after_step()
         if self.schedule.finished:
             self.capture.clear()
+            if self.dense_capture is not None:
+                self.dense_capture.take()
             for t in self.priors.values():
                 if t.witness is not None:
                     t.witness.close()  # nothing left to check: the input hook goes
@@ -986,6 +1034,8 @@ class ReLA:
         self.steps = int(state["steps"])
         self._window_sum, self._window_count = None, 0
         self.capture.clear()
+        if self.dense_capture is not None:
+            self.dense_capture.take()
         self._pending_losses = []
         # rela.stats describes the loaded state (the lambda of the next step), not the last wrap before the load
         self._last = self._no_wrap()

@@ -54,6 +54,8 @@ class PriorTerm:
         self.transport = transport
         self.guard = guard
         self.witness = None  # set by attach_witness
+        #: the dense transport head (a 1x1 conv, :mod:`accelerate_ssl.rela.dense`), with ``ReLA(dense=)``
+        self.dense: Optional[TransportHead] = None
         #: the name said in messages (None for a lone prior, whose messages are those of a single-store ReLA)
         self.label: Optional[str] = None
 
@@ -76,6 +78,22 @@ class PriorTerm:
     @property
     def head(self) -> Optional[nn.Linear]:
         return self.transport.linear
+
+    def transports(self) -> list[TransportHead]:
+        """The heads this prior trains: the global one, and the dense one with ``ReLA(dense=)``."""
+        return [self.transport] + ([self.dense] if self.dense is not None else [])
+
+    def dense_losses(self, maps: torch.Tensor, index, geometry: Optional[torch.Tensor]) -> torch.Tensor:
+        """Per view and sample, this prior's dense loss (:func:`~accelerate_ssl.rela.dense.dense_losses`) of the
+        student's ``maps`` ``[V n, C, h, w]`` against the stored maps of the ``n`` samples at ``index``."""
+        from .dense import dense_losses, dense_target_maps
+
+        index = torch.as_tensor(index).reshape(-1)
+        if maps.shape[0] % len(index):
+            raise ValueError(f"ReLA(dense=): {maps.shape[0]} captured maps for a batch of {len(index)} samples; the "
+                             "hooked module must run once per view, on the views wrap's features come from.")
+        targets = dense_target_maps(self.store, index, maps.shape[0] // len(index), geometry)
+        return dense_losses(self.dense, maps, targets, self.targets.reduce_raw)
 
     # ------------------------------------------------------------------ a batch
     def rows(self, device, index=None, carried: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -104,6 +122,7 @@ class PriorTerm:
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.transport.state_dict(), "store_rows": len(self.store), "store": self.identity(),
+                **({} if self.dense is None else {"dense": self.dense.state_dict()}),
                 "alignment_check": self.guard.state_dict(),
                 "witness": None if self.witness is None else self.witness.state_dict()}
 
@@ -126,6 +145,18 @@ class PriorTerm:
                     f"Checkpoint head{self._of()} is {in_dim}->{out_dim}, this ReLA's is {self.head.in_features}->"
                     f"{self.head.out_features}; use the same backbone and n_components.")
         self.transport.load_state_dict(state)
+        dense = state.get("dense")
+        if (dense is None) != (self.dense is None):
+            raise ValueError(f"This checkpoint{self._of()} was trained {'with' if dense else 'without'} a dense term "
+                             f"and this ReLA is {'without' if dense else 'with'} one: create ReLA with the same dense=.")
+        if dense is not None and dense["head"] is not None:
+            if self.dense.linear is None:
+                self.dense.build(*dense["dims"], self.head.weight.device if self.head is not None else "cpu")
+            if [self.dense.linear.in_features, self.dense.linear.out_features] != list(dense["dims"]):
+                raise ValueError(f"Checkpoint dense head{self._of()} is {dense['dims'][0]}->{dense['dims'][1]}, this "
+                                 f"ReLA's is {self.dense.linear.in_features}->{self.dense.linear.out_features}; use the "
+                                 "same student map and n_components.")
+            self.dense.load_state_dict(dense)
         self.guard.load_state_dict(state.get("alignment_check"))
         if self.witness is not None:
             self.witness.load_state_dict(state.get("witness"))

@@ -1,0 +1,114 @@
+"""ReLA's dense term: the student's feature map pulled toward the prior's stored map, location by location.
+
+A spatial store (``precompute_targets(spatial=k)``) keeps the prior's feature map of each clean image. With
+``ReLA(..., dense=module)`` the output of ``module`` (a ``[B, C, h, w]`` map inside the student, e.g. a ConvNet's
+last block or a ViT's patch tokens reshaped by the user) is recorded by a forward hook, under the same rules as the
+global features (training mode, grad enabled, the hooked module itself: :mod:`accelerate_ssl.rela.capture`).
+Each step, for every view of every sample:
+
+1. its target map: the stored map of its image, pooled over the view's crop box onto the map's own grid (RoIAlign,
+   mirrored for a flip: :func:`~accelerate_ssl.targets.views.view_targets` with ``output_size``) when ``wrap`` gets
+   the views' ``geometry``, else the stored map as it is (the view is then taken to be the whole image);
+2. the student's map pooled to the same grid (adaptive average pooling): the common grid;
+3. a **dense transport head**, a 1x1 convolution ``W_d phi(x)_(r,c) + b_d`` (ReLA v2 Eq. 9 applied at each location),
+   into the prior's reduced space: each location's target vector gets the prior's own standardisation (its store's
+   Eq. 41 PCA, the one the global rows get, so the global row is the mean of the dense targets);
+4. per location ``1 - cos`` (Eq. 9), averaged over the locations: one dense loss per view and sample.
+
+The prior's loss per sample is the mean of its global and dense terms; the schedule, the priors' balance, the
+head's least-squares start and its optimiser policy are the global head's. The identity checks (fingerprint,
+indices, witness, alignment check) run on the global term's rows: the dense targets are the same store rows'
+maps.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .capture import MAX_CAPTURED, untrained_features_error
+
+__all__ = ["MapCapture", "dense_target_maps", "dense_losses"]
+
+
+class MapCapture:
+    """The training-mode ``[B, C, h, w]`` outputs of ``module`` since the last :meth:`take` (a forward hook)."""
+
+    def __init__(self, module: nn.Module, active: Callable[[], bool]):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ReLA(dense=) takes the student's module whose output is its feature map [B, C, h, w], "
+                            f"got {type(module).__name__}.")
+        self.module, self.active = module, active
+        self.captured: list[torch.Tensor] = []
+        self.error: Optional[Exception] = None
+        ref, owner = weakref.ref(self), weakref.ref(module)
+
+        def hook(mod, args, output):
+            capture = ref()
+            if capture is not None and mod is owner():  # a deepcopy (a momentum copy) shares the hook: ignored
+                capture.record(output)
+
+        self.handle = module.register_forward_hook(hook)
+
+    def record(self, output) -> None:
+        if not self.active() or not (self.module.training and torch.is_grad_enabled()):
+            return
+        if not isinstance(output, torch.Tensor) or output.ndim != 4:
+            self.error = ValueError(
+                f"ReLA(dense=): {type(self.module).__name__} returned "
+                f"{type(output).__name__ if not isinstance(output, torch.Tensor) else tuple(output.shape)}, not a "
+                "feature map [B, C, h, w]; pass the module whose output is the map (e.g. a ConvNet's last block).")
+            return
+        if not output.requires_grad:
+            self.error = untrained_features_error(type(self.module).__name__, "output")
+            return
+        self.captured = (self.captured + [output])[-MAX_CAPTURED:]
+
+    def take(self) -> tuple[list[torch.Tensor], Optional[Exception]]:
+        captured, error = self.captured, self.error
+        self.captured, self.error = [], None
+        return captured, error
+
+
+def dense_target_maps(store, index: torch.Tensor, views: int, geometry: Optional[torch.Tensor]) -> torch.Tensor:
+    """Raw target maps ``[V n, C, h, w]`` of ``views`` views of the ``n`` samples at ``index`` (views stacked as
+    blocks of ``n``): each view's box pooled onto the map's grid when ``geometry`` (``[V n, 7]``) is given, else the
+    whole stored map for every view."""
+    from ..targets.views import view_targets
+
+    index = torch.as_tensor(index).reshape(-1)
+    if geometry is not None:
+        h, w = store.grid
+        if h != w:
+            raise ValueError(f"ReLA(dense=) with geometry= pools each view onto a square grid; this store's map is "
+                             f"{h}x{w}.")
+        return view_targets(store, index.repeat(views), geometry, output_size=h)
+    maps = store.maps(index)
+    return maps.repeat(views, 1, 1, 1)
+
+
+def dense_losses(transport, student_maps: torch.Tensor, target_maps: torch.Tensor,
+                 reduce: Callable[[torch.Tensor, torch.device], torch.Tensor]) -> torch.Tensor:
+    """Per view and sample, the mean over locations of ``1 - cos(W_d phi_(r,c) + b_d, y_(r,c))`` (``[V n]``).
+
+    ``student_maps`` ``[V n, C_s, h_s, w_s]`` are pooled to the targets' grid; ``target_maps`` ``[V n, C, h, w]``
+    (raw, as stored) go through ``reduce`` (the prior's standardisation) location by location. The head
+    (``transport``, a :class:`~accelerate_ssl.rela.head.TransportHead`) is built and least-squares fitted by the
+    caller's rules: built here on the first call, fitted on its first batch's locations."""
+    if student_maps.shape[0] != target_maps.shape[0]:
+        raise ValueError(f"ReLA(dense=): the student's maps cover {student_maps.shape[0]} views but there are "
+                         f"{target_maps.shape[0]} target maps (views x samples); the hooked module must run once per "
+                         "view, on the views wrap's features come from.")
+    n, h, w = target_maps.shape[0], target_maps.shape[2], target_maps.shape[3]
+    pooled = F.adaptive_avg_pool2d(student_maps, (h, w))
+    feats = pooled.permute(0, 2, 3, 1).reshape(n * h * w, -1)
+    target = reduce(target_maps.permute(0, 2, 3, 1).reshape(n * h * w, -1), feats.device)
+    if transport.linear is None:
+        transport.build(feats.shape[1], target.shape[1], feats.device)
+    if transport.needs_fit:
+        transport.fit(feats, target)
+    return transport.loss(feats, target, reduction="none").reshape(n, h * w).mean(dim=1)
