@@ -51,3 +51,16 @@ def test_bad_settings_are_refused():
         make_canvases(torch.zeros(4, 28, 28))
     with pytest.raises(ValueError, match="fragment"):
         make_canvases(_items(4).data, fragment_size=0)
+
+
+def test_masks_are_the_items_visible_pixels_and_leave_the_canvases_unchanged():
+    items = _items(32)
+    plain = make_canvases(items.data, size=48, seed=4)
+    canvases, masks = make_canvases(items.data, size=48, seed=4, masks=True)
+    assert torch.equal(canvases, plain) and masks.dtype == torch.bool and masks.shape == canvases.shape
+    alone = make_canvases(items.data, size=48, seed=4, fragments=0)  # the same draws up to the clutter
+    # without clutter the mask is the item's pixels; clutter only hides some of them, never adds any
+    _, alone_masks = make_canvases(items.data, size=48, seed=4, fragments=0, masks=True)
+    assert (alone_masks == (alone >= 26)).float().mean() > 0.999  # intensity >= 0.1 (up to the uint8 rounding)
+    assert not (masks & ~alone_masks).any() and (alone_masks & ~masks).any()
+    assert torch.equal(Canvas(items, seed=4).masks, masks)

@@ -21,12 +21,16 @@ __all__ = ["Canvas", "make_canvases"]
 
 
 def make_canvases(items: torch.Tensor, size: int = 48, scale: tuple[float, float] = (0.6, 1.2), fragments: int = 3,
-                  fragment_size: int = 12, seed: int = 0, chunk: int = 2048) -> torch.Tensor:
+                  fragment_size: int = 12, seed: int = 0, chunk: int = 2048, masks: bool = False):
     """uint8 items ``[N, h, w]`` -> uint8 canvases ``[N, size, size]`` (see the module docstring).
 
     An item is resized by ``s ~ U(scale)`` (its side becomes ``s * h`` pixels, at most ``size``) and placed uniformly
     where it fits; each fragment is a ``fragment_size`` square window, centred in the middle half of a randomly drawn
-    other item placed the same way, laid over the canvas by pixel-wise maximum."""
+    other item placed the same way, laid over the canvas by pixel-wise maximum.
+
+    ``masks=True`` returns ``(canvases, masks)``: bool ``[N, size, size]``, True where the pixel shows the item (its
+    intensity at least 0.1 and not below the clutter laid over it): the exact mask of the labelled object. The
+    canvases are the same either way."""
     if items.dtype != torch.uint8 or items.ndim != 3:
         raise ValueError(f"make_canvases: items must be uint8 [N, H, W], got {items.dtype} {tuple(items.shape)}.")
     n, h, w = items.shape
@@ -39,6 +43,7 @@ def make_canvases(items: torch.Tensor, size: int = 48, scale: tuple[float, float
     g = torch.Generator().manual_seed(seed)
     x = items.float().unsqueeze(1) / 255.0
     out = torch.empty(n, size, size, dtype=torch.uint8)
+    shown = torch.empty(n, size, size, dtype=torch.bool) if masks else None
     pixels = torch.arange(size)
     for start in range(0, n, chunk):
         b = min(n, start + chunk) - start
@@ -54,6 +59,7 @@ def make_canvases(items: torch.Tensor, size: int = 48, scale: tuple[float, float
             return F.grid_sample(src, grid, mode="bilinear", padding_mode="zeros", align_corners=False), centre, side
 
         canvas, _, _ = place(x[start:start + b])
+        item = canvas
         for _ in range(fragments):
             piece, centre, side = place(x[torch.randint(n, (b,), generator=g)])
             at = ((centre + side * 0.5 * (2 * torch.rand(b, 2, generator=g) - 1)) + 1) / 2 * size - fragment_size / 2
@@ -61,8 +67,10 @@ def make_canvases(items: torch.Tensor, size: int = 48, scale: tuple[float, float
             inside = ((pixels.view(1, size, 1) >= y0) & (pixels.view(1, size, 1) < y0 + fragment_size)
                       & (pixels.view(1, 1, size) >= x0) & (pixels.view(1, 1, size) < x0 + fragment_size))
             canvas = torch.maximum(canvas, piece * inside.unsqueeze(1))
+        if masks:
+            shown[start:start + b] = ((item >= 0.1) & (item >= canvas)).squeeze(1)
         out[start:start + b] = (canvas.squeeze(1) * 255).round().clamp(0, 255).to(torch.uint8)
-    return out
+    return (out, shown) if masks else out
 
 
 class Canvas(ArrayImageDataset):
@@ -77,7 +85,9 @@ class Canvas(ArrayImageDataset):
 
     def __init__(self, items: ArrayImageDataset, size: int = 48, scale: tuple[float, float] = (0.6, 1.2),
                  fragments: int = 3, fragment_size: int = 12, seed: int = 0, transform: Optional[Callable] = None):
-        images = make_canvases(items.data, size, tuple(scale), fragments, fragment_size, seed)
+        images, masks = make_canvases(items.data, size, tuple(scale), fragments, fragment_size, seed, masks=True)
+        #: bool ``[N, size, size]``: where each scene shows its item (the labelled object's exact mask)
+        self.masks = masks
         name = f"canvas{size}-{getattr(items, 'name', 'items')}-s{scale[0]:g}-{scale[1]:g}-f{fragments}x{fragment_size}-seed{seed}"
         super().__init__(images.numpy(), items.targets.numpy(), transform, name=name)
         self.config = {"size": size, "scale": list(scale), "fragments": fragments, "fragment_size": fragment_size,
