@@ -37,3 +37,17 @@ def cpu_one_thread(monkeypatch):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_spatial_store(tmp_path_factory):
+    """A spatial store of 24 random 16 px images (``_precompute_worker.tiny_dataset(24)``) by a random ConvNet
+    64/128/256 prior: a 2x2 map of stride 8, reduced to 5 components, computed on the CPU path."""
+    import accelerate_ssl.targets.precompute as pc
+    from _precompute_worker import tiny_dataset
+    from accelerate_ssl.priors import create_prior
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        return pc.precompute_targets(create_prior("random:convnet"), tiny_dataset(24),
+                                     tmp_path_factory.mktemp("spatial") / "s", batch_size=8, progress=False, spatial=5)

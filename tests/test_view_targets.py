@@ -7,10 +7,8 @@ import torch
 from torchvision import transforms as T
 from torchvision.transforms import v2
 
-import accelerate_ssl.targets.precompute as pc
 from _precompute_worker import tiny_dataset
 from accelerate_ssl import ReLA
-from accelerate_ssl.priors import create_prior
 from accelerate_ssl.targets.views import RecordGeometry, grid_boxes, pool_boxes, view_targets, whole_image
 
 N = 24
@@ -20,12 +18,8 @@ pytestmark = pytest.mark.usefixtures("cpu_one_thread")
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """16 px images, random ConvNet 64/128/256: a 2x2 map of stride 8, reduced to 5 components."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.cuda, "is_available", lambda: False)
-        return pc.precompute_targets(create_prior("random:convnet"), tiny_dataset(N),
-                                     tmp_path_factory.mktemp("views") / "s", batch_size=8, progress=False, spatial=5)
+def store(tiny_spatial_store):
+    return tiny_spatial_store
 
 
 def _geometry(boxes, flips, size=16):
