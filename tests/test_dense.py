@@ -114,3 +114,34 @@ def test_dense_checkpoints_round_trip_and_refusals_name_the_fix(store, tmp_path)
     student, rela = student_and_rela(store)
     with pytest.raises(ValueError, match="not targets="):
         rela.wrap(torch.tensor(0.0), targets=store[idx], features=student(images(idx)))
+
+
+def test_geometry_with_one_backbone_call_per_view_and_several_priors_is_the_index_path_for_whole_views(store):
+    """Views forwarded one call each (the usual loop) with whole-image geometry train exactly as index= does: the
+    per-view rows keep the batch's sample count (for the priors' balance and the checks)."""
+    idx = torch.tensor([3, 6, 10, 15])
+    x = images(idx)
+    whole = torch.stack([whole_image(16, 16) for _ in range(8)])
+    losses = []
+    for geometry in (whole, None):
+        torch.manual_seed(0)
+        student = ConvNet(widths=(8, 16))
+        rela = ReLA({"a": store, "b": store}, student, dataset=tiny_dataset(N), feature_dim=16, n_components=4,
+                    schedule="constant:1", witness=False, seed=3)
+        student(x), student(x.flip(-1))  # two views, one call each
+        losses.append(rela.wrap(torch.tensor(0.0), index=idx, geometry=geometry))
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+
+
+def test_a_refused_checkpoint_changes_nothing(store):
+    idx = torch.tensor([2, 3, 5, 8])
+    student, flat = student_and_rela(store, dense=False)
+    flat.wrap(torch.tensor(0.0), index=idx, features=student(images(idx)))
+    student, rela = student_and_rela(store, seed=5)
+    rela.wrap(torch.tensor(0.0), index=idx, features=student(images(idx)))
+    before = rela.head.weight.clone()
+    with pytest.raises(ValueError, match="without a dense term"):
+        rela.load_state_dict(flat.state_dict())
+    assert torch.equal(rela.head.weight, before)
+    with pytest.raises(ValueError, match="head_in_ddp=False"):
+        ReLA(store, student, dense=student.features, feature_dim=16, head_in_ddp=True, witness=False)

@@ -177,6 +177,9 @@ def train_ssl(
         raise ValueError("train_ssl: teacher= and per_view= change where ReLA's targets come from; pass rela= too.")
     if teacher is not None and per_view:
         raise ValueError("train_ssl: teacher= embeds every view online; per_view= pools cached maps. Pass one.")
+    if per_view and any(getattr(t.store, "spatial", None) is None for t in rela.priors.values()):
+        raise ValueError("train_ssl(per_view=True) pools each view's target from a spatial store's maps, but ReLA holds "
+                         "a store of one row per image: precompute it with spatial=k, or use per_view=False.")
     backbone = method.backbone
     momentum_at = momentum if callable(momentum) else (lambda step, m=float(momentum): m)
     cuda = any(p.is_cuda for p in method.parameters())

@@ -239,6 +239,9 @@ class ReLA:
         self.priors: dict[str, PriorTerm] = {name: term(name, t) for name, t in term_names(targets)}
         self._several = len(self.priors) > 1  # (one prior, however given, is ReLA exactly as with a bare store)
         if dense is not None:
+            if head_in_ddp:
+                raise ValueError("ReLA(dense=) builds its dense heads at the first wrap, so they cannot be in your DDP "
+                                 "module: use head_in_ddp=False (ReLA averages every head's gradients itself).")
             flat = [n for n, t in self.priors.items() if getattr(t.store, "spatial", None) is None]
             if flat:
                 raise ValueError("ReLA(dense=) pulls the student's map toward the prior's stored map, but "
@@ -606,14 +609,15 @@ class ReLA:
 
     # ------------------------------------------------------------------ the loss
     def _rela_term(self, features: Sequence[torch.Tensor], index: dict, rows: Optional[dict] = None,
-                   path: Optional[str] = None, dense: Optional[tuple] = None) -> torch.Tensor:
+                   path: Optional[str] = None, dense: Optional[tuple] = None,
+                   samples: Optional[int] = None) -> torch.Tensor:
         """ReLA's loss over every prior (:func:`~accelerate_ssl.rela.term.combine_losses`); ``index`` / ``rows``: each
         prior's row indices / carried rows, by name. Records each prior's loss and weight for :attr:`stats`."""
         first = next(iter((rows or index).values()))
-        n = len(first) if rows is not None else len(torch.as_tensor(first).reshape(-1))
+        n = samples or (len(first) if rows is not None else len(torch.as_tensor(first).reshape(-1)))
         if n == 0:
             raise ValueError("ReLA.wrap got an empty batch (no sample indices / target rows).")
-        if rows is not None and any(len(r) != n for r in rows.values()):
+        if rows is not None and any(len(r) != (len(first) if samples else n) for r in rows.values()):
             raise ValueError(f"ReLA.wrap(targets=): the priors' rows cover different numbers of samples "
                              f"({ {k: len(r) for k, r in rows.items()} }); pass each prior's rows of this batch.")
         for f in features:
@@ -739,7 +743,7 @@ class ReLA:
                     warnings.warn("ReLA.wrap(index=): no data set was checked against this target store, so nothing "
                                   "proves row i belongs to your item i. Pass ReLA(..., dataset=clean_train_set) (or call "
                                   "rela.check_dataset(train_set)).", UserWarning, stacklevel=2)
-        dense = None
+        dense, samples = None, None
         if self.dense_capture is not None:
             maps, map_error = self.dense_capture.take()
             if map_error is not None:
@@ -758,10 +762,12 @@ class ReLA:
                                  "indices; targets= carries rows already. Pass one of them.")
             rows = {name: self._view_rows(t, index[name] if isinstance(index, dict) else index, geometry)
                     for name, t in self.priors.items()}
+            first = next(iter(index.values())) if isinstance(index, dict) else index
+            samples = len(torch.as_tensor(first).reshape(-1))  # the rows are per view, [V n, d]: n samples
             index = None
         if index is not None and not isinstance(index, dict):
             index = {name: index for name in self.priors}  # one batch: the same positions in every prior's store
-        l_rela = self._rela_term(feats, index, rows=rows, path=path, dense=dense)
+        l_rela = self._rela_term(feats, index, rows=rows, path=path, dense=dense, samples=samples)
 
         if lam >= 1.0:
             l_ssl = None if callable(loss) else loss

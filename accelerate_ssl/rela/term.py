@@ -103,12 +103,14 @@ class PriorTerm:
 
     def losses(self, feats: torch.Tensor, target: torch.Tensor, n: int, path: Optional[str]) -> torch.Tensor:
         """Per-row ReLA losses ``1 - cos(W phi(x) + b, y)`` (ReLA v2 Eq. 9) of ``feats`` (``[V n, D]``: views stacked
-        as blocks of the ``n`` samples) against this prior's rows ``target`` (``[n, d]``), ``[V n]``. The witness
+        as blocks of the ``n`` samples) against this prior's rows ``target`` (``[n, d]``, or ``[V n, d]``: one per
+        view, ``wrap(geometry=)``; the witness then compares the first view's), ``[V n]``. The witness
         re-embeds some of the batch's inputs first (on its steps); the head is least-squares fitted on the first
         batch (whose predictions the alignment check does not observe), the others are observed."""
         if self.witness is not None:  # the prior re-embeds some of this batch's inputs (on its witnessed steps)
-            self.witness.observe(target, n, lambda e: self.targets.reduce_raw(e, feats.device), path)
-        target = target.repeat(feats.shape[0] // n, 1)  # views are stacked blocks of n, all share a target
+            self.witness.observe(target[:n], n, lambda e: self.targets.reduce_raw(e, feats.device), path)
+        if target.shape[0] != feats.shape[0]:  # one row per sample: views are stacked blocks of n, sharing it
+            target = target.repeat(feats.shape[0] // n, 1)
         if self.transport.needs_fit:  # fitted on this batch: its loss is not observed by the guard (fitted rows align)
             self.transport.fit(feats, target)
             return self.transport.loss(feats, target, reduction="none")
@@ -129,6 +131,15 @@ class PriorTerm:
     def check_state(self, state: dict[str, Any]) -> None:
         """Refuse a checkpoint of this prior trained on other targets (before anything is loaded)."""
         check_store_identity(state.get("store"), self.identity(), self.label)
+        dense = state.get("dense")
+        if (dense is None) != (self.dense is None):
+            raise ValueError(f"This checkpoint{self._of()} was trained {'with' if dense else 'without'} a dense term "
+                             f"and this ReLA is {'without' if dense else 'with'} one: create ReLA with the same dense=.")
+        if dense is not None and dense.get("dims") and self.dense.linear is not None \
+                and [self.dense.linear.in_features, self.dense.linear.out_features] != list(dense["dims"]):
+            raise ValueError(f"Checkpoint dense head{self._of()} is {dense['dims'][0]}->{dense['dims'][1]}, this ReLA's "
+                             f"is {self.dense.linear.in_features}->{self.dense.linear.out_features}; use the same "
+                             "student map and n_components.")
         if state.get("store_rows") not in (None, len(self.store)):
             raise ValueError(
                 f"This checkpoint{self._of()} was trained with a {state['store_rows']}-row target store, this ReLA has "
@@ -146,9 +157,6 @@ class PriorTerm:
                     f"{self.head.out_features}; use the same backbone and n_components.")
         self.transport.load_state_dict(state)
         dense = state.get("dense")
-        if (dense is None) != (self.dense is None):
-            raise ValueError(f"This checkpoint{self._of()} was trained {'with' if dense else 'without'} a dense term "
-                             f"and this ReLA is {'without' if dense else 'with'} one: create ReLA with the same dense=.")
         if dense is not None and dense["head"] is not None:
             if self.dense.linear is None:
                 self.dense.build(*dense["dims"], self.head.weight.device if self.head is not None else "cpu")
