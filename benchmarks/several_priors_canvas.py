@@ -57,6 +57,7 @@ def analyse(a) -> dict:
     final = {s: plain[s]["curve"][-1]["top1"] for s in a.seeds}
     steps = plain[a.seeds[0]]["settings"]["steps"]
     out = {"plain": {"final": stats(list(final.values())), "steps": steps,
+                     "device": plain[a.seeds[0]]["settings"].get("device", "cpu"),
                      "curve": {str(c["step"]): stats([plain[s]["curve"][i]["top1"] for s in a.seeds])
                                for i, c in enumerate(plain[a.seeds[0]]["curve"])}},
            "settings": {}}
@@ -98,17 +99,17 @@ def table(res: dict) -> str:
     an = res["analysis"]
     probes = list(next(iter(an["settings"].values()))["curve"])
     head = " | ".join(f"step {p}" for p in probes[1:])
-    lines = [f"| setting | rows | {head} | steps to plain's final (seeds) | speed-up, side by side | cached step / plain |",
-             "|---|---|" + "---|" * (len(probes) - 1) + "---|---|---|"]
+    lines = [f"| setting | rows | run on | {head} | steps to plain's final (seeds) | speed-up, side by side | "
+             "cached step / plain |", "|---|---|---|" + "---|" * (len(probes) - 1) + "---|---|---|"]
     plain = an["plain"]["curve"]
-    lines.append("| plain VICReg | | " + " | ".join(f"{plain[p]['mean']:.2f} ± {plain[p]['sd']:.2f}" if p in plain else ""
-                                                for p in probes[1:]) + " | | 1.00x | 1.00 |")
+    lines.append(f"| plain VICReg | | {an['plain']['device']} | " + " | ".join(
+        f"{plain[p]['mean']:.2f} ± {plain[p]['sd']:.2f}" if p in plain else "" for p in probes[1:]) + " | | 1.00x | 1.00 |")
     for label, r in an["settings"].items():
         c = r["curve"]
         reach = ", ".join("–" if k is None else f"{k:.0f}" for k in r["steps_to_plain_final"])
         sp = "not reached by every seed" if r["speedup_geomean"] is None else (
             f"{r['speedup_geomean']:.2f}x ({', '.join(f'{x:.1f}' for x in r['speedup_side_by_side'])})")
-        lines.append(f"| {label} | {'as written' if r['raw'] else 'standardised'} | "
+        lines.append(f"| {label} | {'as written' if r['raw'] else 'standardised'} | {r['device']} | "
                      + " | ".join(f"{c[p]['mean']:.2f} ± {c[p]['sd']:.2f}" for p in probes[1:])
                      + f" | {reach} | {sp} | {r['cached_step_over_plain_step']:.2f} |")
     lines.append(f"\nPlain VICReg's final accuracy: {an['plain']['final']['mean']:.2f} ± {an['plain']['final']['sd']:.2f} % "
