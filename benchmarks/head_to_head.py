@@ -516,9 +516,11 @@ def figure(result: dict, path: Path) -> None:
         ax.set_xlabel(f"{CLOCKS[clock]}, s ({where}; precompute / teacher forward included)")
     axes[0].set_ylabel("linear probe top-1 % (test scenes)")
     axes[1].legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"Fashion-MNIST on {s['canvas']} px cluttered canvases: {s['ssl']}, student ConvNet "
-                 f"{'/'.join(map(str, s['widths']))}, teacher {s['prior']}, {len(s['seeds'])} seeds (mean ± sd, thin: seeds)",
-                 fontsize=9)
+    data = f"on {s['canvas']} px cluttered canvases" if s["canvas"] else "(28 px images)"
+    net = (f"ConvNet {'/'.join(map(str, s['widths']))}" if s.get("student", "convnet") == "convnet"
+           else "ViT (4 blocks, width 64, 4 px patches)")
+    fig.suptitle(f"Fashion-MNIST {data}: {s['ssl']}, student {net}, teacher {s['prior']}, {len(s['seeds'])} seeds "
+                 "(mean ± sd, thin: seeds)", fontsize=9)
     fig.tight_layout()
     save_figure(fig, path, dpi=110)
 
