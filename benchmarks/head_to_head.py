@@ -29,6 +29,8 @@ per online run, so no online or lightly-train unit), ``--raw`` without the stand
     python benchmarks/head_to_head.py --methods plain cached online lightly-train --lightly-train-seeds 0 1 \
         --lightly-train-python /path/to/venv/bin/python           # every finished unit: the JSON and the PNG
     python benchmarks/head_to_head.py --tables benchmarks/results/head_to_head.json     # the README tables
+    python benchmarks/head_to_head.py --student vit --canvas 0 --steps 400 --probes 0 100 200 400 \
+        --cache benchmarks/cache/h2h_vit --out benchmarks/results/head_to_head_vit.json  # the ViT student (README)
 """
 
 from __future__ import annotations
