@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from accelerate_ssl.atomic import atomic_write_json  # noqa: E402
+from accelerate_ssl.results import write_results  # noqa: E402
 
 TEACHER_WIDTHS = (32, 64, 128)
 #: name -> (kind, settings); the order is the order the units are handed to workers
@@ -260,7 +261,7 @@ def main(argv=None) -> None:
     Path(a.runs).mkdir(parents=True, exist_ok=True)
     if a.collect:
         res = collect(a)
-        atomic_write_json(a.out, res, indent=1)
+        write_results(Path(a.out), res, root=ROOT)
         figure(res, Path(a.out).with_suffix(".png"))
         print(res["table"])
         return
