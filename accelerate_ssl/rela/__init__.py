@@ -302,10 +302,13 @@ class ReLA:
         ref = weakref.ref(self)  # (hooks and callbacks hold ReLA weakly: dropping it removes them)
         self.capture = FeatureCapture(backbone, active=lambda: (r := ref()) is not None and not r.schedule.finished,
                                       capture=capture)
-        from .dense import MapCapture
+        from .dense import feature_map
 
-        self.dense_capture = None if dense is None else MapCapture(
-            dense, active=lambda: (r := ref()) is not None and not r.schedule.finished)
+        if dense is not None and not isinstance(dense, nn.Module):
+            raise TypeError(f"ReLA(dense=) takes the student's module whose output is its feature map [B, C, h, w], "
+                            f"got {type(dense).__name__}.")
+        self.dense_capture = None if dense is None else FeatureCapture(
+            dense, active=lambda: (r := ref()) is not None and not r.schedule.finished, convert=feature_map)
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         def pre(opt, args, kwargs):
@@ -945,7 +948,7 @@ class ReLA:
         if self.schedule.finished:
             self.capture.clear()
             if self.dense_capture is not None:
-                self.dense_capture.take()
+                self.dense_capture.clear()
             for t in self.priors.values():
                 if t.witness is not None:
                     t.witness.close()  # nothing left to check: the input hook goes
@@ -1041,7 +1044,7 @@ class ReLA:
         self._window_sum, self._window_count = None, 0
         self.capture.clear()
         if self.dense_capture is not None:
-            self.dense_capture.take()
+            self.dense_capture.clear()
         self._pending_losses = []
         # rela.stats describes the loaded state (the lambda of the next step), not the last wrap before the load
         self._last = self._no_wrap()

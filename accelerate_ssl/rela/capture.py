@@ -138,10 +138,13 @@ class FeatureCapture:
     Args:
         backbone: the student module whose output (or first input, ``capture="input"``) are the features.
         active: called at each forward; nothing is recorded while it returns False (ReLA over).
+        convert: ``convert(output, where) -> tensor`` (ValueError for an output it cannot use): what is recorded
+            (default :func:`flatten_features`, ``[B, D]``; the dense term keeps ``[B, C, h, w]`` maps).
     """
 
-    def __init__(self, backbone: nn.Module, active: Callable[[], bool], capture: str = "output"):
-        self.backbone, self.active, self.use_input = backbone, active, capture == "input"
+    def __init__(self, backbone: nn.Module, active: Callable[[], bool], capture: str = "output",
+                 convert: Callable[[Any, str], torch.Tensor] = flatten_features):
+        self.backbone, self.active, self.use_input, self.convert = backbone, active, capture == "input", convert
         self.captured: list[torch.Tensor] = []
         self.error: Optional[Exception] = None
         self._warned_overflow = False
@@ -151,7 +154,7 @@ class FeatureCapture:
         if not self.active() or not (self.backbone.training and torch.is_grad_enabled()):
             return
         try:
-            feats = flatten_features(output, f"backbone {type(self.backbone).__name__}")
+            feats = self.convert(output, f"backbone {type(self.backbone).__name__}")
         except ValueError as err:  # reported at wrap(), unless features= is given there
             self.error = err
             return

@@ -2,8 +2,9 @@
 
 A spatial store (``precompute_targets(spatial=k)``) keeps the prior's feature map of each clean image. With
 ``ReLA(..., dense=module)`` the output of ``module`` (a ``[B, C, h, w]`` map inside the student, e.g. a ConvNet's
-last block or a ViT's patch tokens reshaped by the user) is recorded by a forward hook, under the same rules as the
-global features (training mode, grad enabled, the hooked module itself: :mod:`accelerate_ssl.rela.capture`).
+last block or a ViT's patch tokens reshaped by the user) is recorded by the same forward hook as the global features
+(:class:`~accelerate_ssl.rela.capture.FeatureCapture` with :func:`feature_map`: training mode, grad enabled, the
+hooked module itself).
 Each step, for every view of every sample:
 
 1. its target map: the stored map of its image, pooled over the view's crop box onto the map's own grid (RoIAlign,
@@ -25,55 +26,22 @@ maps.
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from .capture import MAX_CAPTURED, untrained_features_error
-
-__all__ = ["MapCapture", "dense_target_maps", "dense_losses"]
+__all__ = ["feature_map", "dense_target_maps", "dense_losses"]
 
 
-class MapCapture:
-    """The training-mode ``[B, C, h, w]`` outputs of ``module`` since the last :meth:`take` (a forward hook)."""
-
-    def __init__(self, module: nn.Module, active: Callable[[], bool]):
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"ReLA(dense=) takes the student's module whose output is its feature map [B, C, h, w], "
-                            f"got {type(module).__name__}.")
-        self.module, self.active = module, active
-        self.captured: list[torch.Tensor] = []
-        self.error: Optional[Exception] = None
-        ref, owner = weakref.ref(self), weakref.ref(module)
-
-        def hook(mod, args, output):
-            capture = ref()
-            if capture is not None and mod is owner():  # a deepcopy (a momentum copy) shares the hook: ignored
-                capture.record(output)
-
-        self.handle = module.register_forward_hook(hook)
-
-    def record(self, output) -> None:
-        if not self.active() or not (self.module.training and torch.is_grad_enabled()):
-            return
-        if not isinstance(output, torch.Tensor) or output.ndim != 4:
-            self.error = ValueError(
-                f"ReLA(dense=): {type(self.module).__name__} returned "
-                f"{type(output).__name__ if not isinstance(output, torch.Tensor) else tuple(output.shape)}, not a "
-                "feature map [B, C, h, w]; pass the module whose output is the map (e.g. a ConvNet's last block).")
-            return
-        if not output.requires_grad:
-            self.error = untrained_features_error(type(self.module).__name__, "output")
-            return
-        self.captured = (self.captured + [output])[-MAX_CAPTURED:]
-
-    def take(self) -> tuple[list[torch.Tensor], Optional[Exception]]:
-        captured, error = self.captured, self.error
-        self.captured, self.error = [], None
-        return captured, error
+def feature_map(output, where: str) -> torch.Tensor:
+    """The hooked module's output as the student's feature map ``[B, C, h, w]`` (:class:`FeatureCapture`'s
+    ``convert`` for ``ReLA(dense=)``), or ValueError naming the fix."""
+    if not isinstance(output, torch.Tensor) or output.ndim != 4:
+        shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+        raise ValueError(f"ReLA(dense=): {where} returned {shape}, not a feature map [B, C, h, w]; pass the module "
+                         "whose output is the map (e.g. a ConvNet's last block).")
+    return output
 
 
 def dense_target_maps(store, index: torch.Tensor, views: int, geometry: Optional[torch.Tensor]) -> torch.Tensor:
