@@ -145,3 +145,48 @@ def test_a_refused_checkpoint_changes_nothing(store):
     assert torch.equal(rela.head.weight, before)
     with pytest.raises(ValueError, match="head_in_ddp=False"):
         ReLA(store, student, dense=student.features, feature_dim=16, head_in_ddp=True, witness=False)
+
+
+def test_dense_only_pulls_the_student_by_the_dense_term_alone(store):
+    """dense_only=True: the loss is the dense term of the captured map, no gradient reaches a layer only the global
+    features pass through (it does with both terms), and the global head still learns."""
+    idx = torch.tensor([2, 3, 8, 11, 17, 21])
+    x = images(idx)
+
+    class WithProjection(torch.nn.Module):  # the global features go through a layer the map does not
+        def __init__(self):
+            super().__init__()
+            self.convnet = ConvNet(widths=(8, 16))
+            self.features, self.project = self.convnet.features, torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.project(self.convnet(x))
+
+    def run(dense_only):
+        torch.manual_seed(0)
+        student = WithProjection()
+        rela = ReLA(store, student, dense=student.features, dense_only=dense_only, dataset=tiny_dataset(N),
+                    feature_dim=16, n_components=4, total_steps=50, witness=False, schedule="constant:1")
+        rela.wrap(torch.tensor(0.0), index=idx, features=student(x))  # the heads' least-squares start
+        maps = []
+        hook = student.features.register_forward_hook(lambda m, a, out: maps.append(out.detach()))
+        loss = rela.wrap(torch.tensor(0.0), index=idx, features=student(x))
+        hook.remove()
+        student.zero_grad()
+        loss.backward()
+        return student, rela, loss, maps[0]
+
+    student, _, _, _ = run(False)
+    assert student.project.weight.grad.abs().sum() > 0
+    student, rela, loss, captured = run(True)
+    assert student.project.weight.grad is None or student.project.weight.grad.abs().sum() == 0
+    assert student.features[0].weight.grad.abs().sum() > 0  # the map's layers: pulled by the dense term
+    assert rela.head.weight.grad.abs().sum() > 0  # the global head learns, on detached features
+    term = rela.priors["0"]
+    pooled = F.adaptive_avg_pool2d(captured, (2, 2)).permute(0, 2, 3, 1).reshape(-1, 16)
+    target = term.targets.reduce_raw(store.maps(idx).permute(0, 2, 3, 1).reshape(-1, 5), torch.device("cpu"))
+    with torch.no_grad():
+        dense = (1 - F.cosine_similarity(term.dense.linear(pooled), target, dim=1)).mean()
+    torch.testing.assert_close(loss.detach(), dense, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"dense_only=True.*no dense= module"):
+        ReLA(store, ConvNet(widths=(8, 16)), dense_only=True, feature_dim=16, witness=False)

@@ -187,6 +187,10 @@ class ReLA:
             gets ``geometry=``. Needs spatial stores. The dense head is built at the first ``wrap`` (it needs the
             map's channels), so it is trained by ReLA's own AdamW unless your optimiser is created after that wrap
             with ``rela.parameters()``.
+        dense_only: with ``dense=``, the student is pulled by the dense term alone: each prior's loss is its dense
+            term, and the global head still trains, on detached features, so that the alignment check keeps watching
+            the rows (its loss adds nothing to the value and no gradient to the student). Default False: the mean of
+            the global and the dense term.
     """
 
     def __init__(
@@ -216,6 +220,7 @@ class ReLA:
         drop: float = 0.5,
         seed: int = 0,
         dense: Optional[nn.Module] = None,
+        dense_only: bool = False,
     ):
         if not isinstance(backbone, nn.Module):
             raise TypeError(f"backbone must be an nn.Module (the student's feature extractor), got {type(backbone).__name__}.")
@@ -238,6 +243,10 @@ class ReLA:
         #: each prior's targets, head and checks, by name (:class:`~accelerate_ssl.rela.term.PriorTerm`), in order
         self.priors: dict[str, PriorTerm] = {name: term(name, t) for name, t in term_names(targets)}
         self._several = len(self.priors) > 1  # (one prior, however given, is ReLA exactly as with a bare store)
+        if dense_only and dense is None:
+            raise ValueError("ReLA(dense_only=True) pulls the student by the dense term alone, but no dense= module was "
+                             "given: pass dense=<the module whose output is the student's feature map>.")
+        self.dense_only = bool(dense_only)
         if dense is not None:
             if head_in_ddp:
                 raise ValueError("ReLA(dense=) builds its dense heads at the first wrap, so they cannot be in your DDP "
@@ -645,10 +654,14 @@ class ReLA:
         for name, t in self.priors.items():
             target = t.rows(feats.device, index=None if index is None else index[name],
                             carried=None if rows is None else rows[name])
-            term_losses = t.losses(feats, target, n, path)
+            term_losses = t.losses(feats.detach() if self.dense_only else feats, target, n, path)
             if dense is not None:  # (maps, each prior's sample index, geometry): the mean of the global and dense terms
                 maps, sample_index, geometry = dense
-                term_losses = 0.5 * (term_losses + t.dense_losses(maps, sample_index[name], geometry))
+                dense_losses = t.dense_losses(maps, sample_index[name], geometry)
+                if self.dense_only:  # the value and the student's gradient: dense; the global head still learns
+                    term_losses = dense_losses + (term_losses - term_losses.detach())
+                else:
+                    term_losses = 0.5 * (term_losses + dense_losses)
             losses.append(term_losses)
         losses = torch.stack(losses)
         loss, weights = combine_losses(losses, n, self.balance, self.drop, self._drop_generator)

@@ -16,8 +16,10 @@ Each step, for every view of every sample:
    Eq. 41 PCA, the one the global rows get, so the global row is the mean of the dense targets);
 4. per location ``1 - cos`` (Eq. 9), averaged over the locations: one dense loss per view and sample.
 
-The prior's loss per sample is the mean of its global and dense terms; the schedule, the priors' balance and the
-head's least-squares start are the global head's. The dense head is built at the first ``wrap`` (it needs the map's
+The prior's loss per sample is the mean of its global and dense terms, or the dense term alone with
+``ReLA(dense_only=True)`` (the global head then trains on detached features: the alignment check keeps its
+predictions to watch, the student gets no gradient from it); the schedule, the priors' balance and the head's
+least-squares start are the global head's. The dense head is built at the first ``wrap`` (it needs the map's
 channels), after the optimiser is usually made: ``head_optimizer="user"`` then means ``"auto"`` for it (ReLA's own
 AdamW trains it unless your optimiser, created after that wrap, holds ``rela.parameters()``). The identity checks (fingerprint,
 indices, witness, alignment check) run on the global term's rows: the dense targets are the same store rows'

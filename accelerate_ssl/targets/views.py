@@ -27,7 +27,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["GEOMETRY_FIELDS", "RecordGeometry", "grid_boxes", "pool_boxes", "view_targets", "whole_image"]
+__all__ = ["GEOMETRY_FIELDS", "RecordGeometry", "grid_boxes", "pool_boxes", "pool_views", "view_targets",
+           "whole_image"]
 
 #: the values of a view's geometry, in order (a float32 tensor ``[7]``; ``[B, 7]`` once collated)
 GEOMETRY_FIELDS = ("x1", "y1", "x2", "y2", "flip", "height", "width")
@@ -183,9 +184,18 @@ def view_targets(store, index, geometry, output_size: int = 1) -> torch.Tensor:
     if spatial is None:
         raise ValueError("view_targets needs a spatial store (precompute_targets(..., spatial=k), `accelerate-ssl "
                          "precompute --spatial K`): a store of pooled rows has one target per image, whatever the view.")
-    g = _as_geometry(geometry)
     index = torch.as_tensor(index).reshape(-1)
-    if len(index) != len(g):
-        raise ValueError(f"view_targets: {len(index)} rows but {len(g)} views' geometry; one view per row.")
-    boxes = grid_boxes(g, spatial, store.metadata.get("preprocess") or {})
-    return pool_boxes(store.maps(index), boxes, g[:, 4] > 0.5, output_size)
+    if len(index) != len(_as_geometry(geometry)):
+        raise ValueError(f"view_targets: {len(index)} rows but {len(_as_geometry(geometry))} views' geometry; one view "
+                         "per row.")
+    return pool_views(store.maps(index), geometry, spatial, store.metadata.get("preprocess") or {}, output_size)
+
+
+def pool_views(maps: torch.Tensor, geometry, spatial: dict, preprocess: dict, output_size: int = 1) -> torch.Tensor:
+    """Each view's target pooled from its image's map (``maps`` ``[B, C, h, w]``, one per view, e.g. the maps a
+    streamed batch carries): :func:`grid_boxes` with the map's ``spatial`` record and the prior's ``preprocess``, then
+    :func:`pool_boxes` (mirrored for flipped views); the output as :func:`view_targets`."""
+    g = _as_geometry(geometry)
+    if len(maps) != len(g):
+        raise ValueError(f"pool_views: {len(maps)} maps but {len(g)} views' geometry; one view per map.")
+    return pool_boxes(maps, grid_boxes(g, spatial, preprocess), g[:, 4] > 0.5, output_size)
