@@ -9,6 +9,10 @@ image, so the target of a crop can be read from the part of the map the crop cov
    ``RandomHorizontalFlip``, v1 or v2), does what they do, and returns the view with its geometry: a float tensor of
    :data:`GEOMETRY_FIELDS`, the crop box ``(x1, y1, x2, y2)`` in the clean image's pixel coordinates, whether the view
    was flipped, and the clean image's ``(height, width)``. It is collated like a label and travels with the sample.
+   :func:`record_geometry` builds it from a view transform the user already has (a torchvision ``Compose``, a
+   lightly view transform such as ``BYOLView1Transform``), and a :class:`RecordViews` of them from a multi-view
+   transform (lightly's ``SimCLRTransform``, ``DINOTransform``, ``MultiViewTransform``), refusing any transform
+   that moves pixels the geometry would not record.
 2. :func:`grid_boxes` maps boxes from image pixels to map cells, the way the prior saw the image (its recorded
    resize and centre crop, then the map's stride).
 3. :func:`pool_boxes` pools a map over each box with RoIAlign (He et al., ICCV 2017; ``torchvision.ops.roi_align``,
@@ -27,8 +31,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["GEOMETRY_FIELDS", "RecordGeometry", "grid_boxes", "pool_boxes", "pool_views", "view_targets",
-           "whole_image"]
+__all__ = ["GEOMETRY_FIELDS", "RecordGeometry", "RecordViews", "grid_boxes", "pool_boxes", "pool_views",
+           "record_geometry", "view_targets", "whole_image"]
 
 #: the values of a view's geometry, in order (a float32 tensor ``[7]``; ``[B, 7]`` once collated)
 GEOMETRY_FIELDS = ("x1", "y1", "x2", "y2", "flip", "height", "width")
@@ -188,7 +192,7 @@ def view_targets(store, index, geometry, output_size: int = 1) -> torch.Tensor:
     if len(index) != len(_as_geometry(geometry)):
         raise ValueError(f"view_targets: {len(index)} rows but {len(_as_geometry(geometry))} views' geometry; one view "
                          "per row.")
-    return pool_views(store.maps(index), geometry, spatial, store.metadata.get("preprocess") or {}, output_size)
+    return pool_views(store.maps(index), geometry, spatial, store.preprocess, output_size)
 
 
 def pool_views(maps: torch.Tensor, geometry, spatial: dict, preprocess: dict, output_size: int = 1) -> torch.Tensor:
@@ -199,3 +203,204 @@ def pool_views(maps: torch.Tensor, geometry, spatial: dict, preprocess: dict, ou
     if len(maps) != len(g):
         raise ValueError(f"pool_views: {len(maps)} maps but {len(g)} views' geometry; one view per map.")
     return pool_boxes(maps, grid_boxes(g, spatial, preprocess), g[:, 4] > 0.5, output_size)
+
+
+# -- recording an existing view transform: a torchvision Compose, a lightly view or multi-view transform ------------
+
+def _torchvision_classes(*names: str) -> tuple:
+    """The classes of these names in ``torchvision.transforms`` and ``torchvision.transforms.v2`` (where present)."""
+    from torchvision import transforms as T
+    from torchvision.transforms import v2
+
+    return tuple(getattr(api, n) for api in (T, v2) for n in names if isinstance(getattr(api, n, None), type))
+
+
+def _lightly_classes(*paths: str) -> tuple:
+    """lightly's classes at ``module:Class`` paths, or none when lightly is not installed."""
+    import importlib
+
+    found = []
+    for path in paths:
+        module, name = path.split(":")
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
+
+
+#: torchvision (v1 and v2) transforms that move no pixel: they may come before the crop or after the flip
+_PIXEL_PRESERVING = ("ColorJitter", "RandomGrayscale", "Grayscale", "GaussianBlur", "RandomSolarize", "RandomInvert",
+                     "RandomPosterize", "RandomAdjustSharpness", "RandomAutocontrast", "RandomEqualize",
+                     "RandomErasing", "ToTensor", "PILToTensor", "ToPILImage", "ToImage", "ToPureTensor", "ToDtype",
+                     "ConvertImageDtype", "Normalize")
+#: lightly's transforms that move no pixel (its blur and solarization, the ToTensor wrapper of transforms v2)
+_LIGHTLY_PIXEL_PRESERVING = ("lightly.transforms.gaussian_blur:GaussianBlur",
+                             "lightly.transforms.solarize:RandomSolarization",
+                             "lightly.transforms.torchvision_v2_compatibility:ToTensor")
+
+
+def _describe(t) -> str:
+    return f"{type(t).__module__}.{type(t).__qualname__}: {t!r}".replace("\n", " ")
+
+
+def _no_op(t) -> bool:
+    """A transform that could move pixels but, with its probability 0, never does (lightly puts such placeholders in
+    every view: ``RandomVerticalFlip(p=0.0)``, ``RandomRotate(prob=0.0)``)."""
+    if type(t) in _torchvision_classes("RandomVerticalFlip", "RandomApply"):
+        return float(t.p) == 0.0
+    if type(t) in _lightly_classes("lightly.transforms.rotation:RandomRotate"):
+        return float(t.prob) == 0.0
+    if type(t) in _lightly_classes("lightly.transforms.rotation:RandomRotateDegrees"):
+        return float(t.transform.p) == 0.0  # a RandomApply([RandomRotation(degrees)], p=prob)
+    return False
+
+
+def _moves_no_pixel(t) -> Optional[str]:
+    """None for a transform that moves no pixel, else why not (naming the transform, or the one inside it)."""
+    if _no_op(t):
+        return None
+    if type(t) in _torchvision_classes(*_PIXEL_PRESERVING) + _lightly_classes(*_LIGHTLY_PIXEL_PRESERVING):
+        return None
+    if type(t) in _torchvision_classes("Compose", "RandomApply"):
+        for inner in t.transforms:
+            why = _moves_no_pixel(inner)
+            if why is not None:
+                return f"{why}, inside {type(t).__name__}"
+        return None
+    if type(t) in _torchvision_classes("RandomHorizontalFlip", "RandomResizedCrop"):
+        return (f"{_describe(t)} is a crop or flip nested in another transform (the geometry records one "
+                "RandomResizedCrop, then at once one RandomHorizontalFlip, at the Compose's top level)")
+    known = _torchvision_classes("RandomRotation", "RandomAffine", "RandomPerspective", "RandomVerticalFlip",
+                                 "CenterCrop", "RandomCrop", "Resize", "RandomResize", "RandomShortestSize",
+                                 "ScaleJitter", "RandomZoomOut", "RandomIoUCrop", "Pad", "FiveCrop", "TenCrop",
+                                 "ElasticTransform", "RandomChoice", "RandomOrder", "Lambda")
+    known += _lightly_classes("lightly.transforms.rotation:RandomRotate",
+                              "lightly.transforms.rotation:RandomRotateDegrees")
+    if type(t) in known:
+        return f"{_describe(t)} moves pixels (or may), which the geometry does not record"
+    return f"{_describe(t)} is not a transform record_geometry knows to move no pixel"
+
+
+def _refuse(why: str, fix: str = "") -> TypeError:
+    return TypeError(f"record_geometry: {why}. {fix}Or build RecordGeometry(crop, flip, then=...) yourself, putting "
+                     "only transforms that move no pixel in `then`, so the recorded box is where the view's pixels "
+                     "come from.")
+
+
+class _RecordGeometryAfter(RecordGeometry):
+    """:class:`RecordGeometry` after transforms that move no pixel (``before``, e.g. ``ToImage`` ahead of the crop in
+    a transforms v2 pipeline): the box is in the pixels of the image they return, which are the input's."""
+
+    def __init__(self, before, crop=None, flip=None, then=None):
+        super().__init__(crop, flip, then)
+        self.before = before
+
+    def __call__(self, image) -> tuple[Any, torch.Tensor]:
+        return super().__call__(self.before(image))
+
+    def __repr__(self) -> str:
+        return f"RecordGeometry(before={self.before!r}, crop={self.crop!r}, flip={self.flip!r}, then={self.then!r})"
+
+
+def _record_compose(compose) -> RecordGeometry:
+    """:class:`RecordGeometry` doing what ``compose`` does (see :func:`record_geometry`)."""
+    crops, flips = _torchvision_classes("RandomResizedCrop"), _torchvision_classes("RandomHorizontalFlip")
+    before, then, crop, flip = [], [], None, None
+    for i, t in enumerate(compose.transforms):
+        where = f"transform {i} of the {type(compose).__module__}.Compose"
+        if type(t) in crops or type(t) in flips:
+            what = ("a second RandomResizedCrop" if type(t) in crops and crop is not None else
+                    "a second RandomHorizontalFlip" if type(t) in flips and flip is not None else
+                    "a crop after the flip" if type(t) in crops and flip is not None else
+                    "a flip after transforms that follow the crop" if type(t) in flips and then else None)
+            if what is not None:
+                raise _refuse(f"{_describe(t)} ({where}) is {what}; the geometry records one RandomResizedCrop, "
+                              "followed at once by one RandomHorizontalFlip",
+                              "Drop the extra crop or flip, or put the flip right after the crop. ")
+            if type(t) in crops:
+                crop = t
+            else:
+                flip = t
+            continue
+        why = _moves_no_pixel(t)
+        if why is not None:
+            raise _refuse(f"{why} ({where})", "Drop that transform (lightly's view transforms: rr_prob=0, "
+                                              "vf_prob=0). ")
+        (before if crop is None and flip is None else then).append(t)
+    api = type(compose)
+    then = api(then) if then else None
+    return _RecordGeometryAfter(api(before), crop, flip, then) if before else RecordGeometry(crop, flip, then)
+
+
+class RecordViews:
+    """Several recorded views of one image, in order: ``RecordViews(views)(image) -> [(view, geometry), ...]``, one
+    pair per :class:`RecordGeometry` in ``views`` (:func:`record_geometry` of a multi-view transform makes it)."""
+
+    def __init__(self, views: Sequence[RecordGeometry]):
+        self.transforms = list(views)
+
+    def __call__(self, image) -> list[tuple[Any, torch.Tensor]]:
+        return [view(image) for view in self.transforms]
+
+    def __len__(self) -> int:
+        return len(self.transforms)
+
+    def __repr__(self) -> str:
+        views = "".join(f"\n    {view!r}," for view in self.transforms)
+        return f"RecordViews([{views}\n])"
+
+
+def record_geometry(transform):
+    """The geometry-recording version of a view transform a user already has.
+
+    ``transform`` is a torchvision ``Compose`` (``transforms`` or ``transforms.v2``), a lightly view transform (an
+    object whose ``.transform`` is such a Compose: ``BYOLView1Transform``, ``SimCLRViewTransform``,
+    ``DINOViewTransform``, ...) or a multi-view transform (an object whose ``.transforms`` is a list of view
+    transforms: lightly's ``MultiViewTransform``, ``SimCLRTransform``, ``BYOLTransform``, ``DINOTransform``, ...).
+
+    One view gives a :class:`RecordGeometry` whose ``crop`` is the Compose's ``RandomResizedCrop``, ``flip`` the
+    ``RandomHorizontalFlip`` right after it and ``then`` a Compose of the rest, in order; transforms ahead of the crop
+    run first, as they did. A multi-view transform gives a :class:`RecordViews`, whose call returns one ``(view,
+    geometry)`` pair per view, in the multi-view transform's order.
+
+    Only transforms that move no pixel may come before the crop or after the flip: torchvision's (v1 and v2)
+    ``ColorJitter``, ``RandomGrayscale``, ``Grayscale``, ``GaussianBlur``, ``RandomSolarize``, ``RandomInvert``,
+    ``RandomPosterize``, ``RandomAdjustSharpness``, ``RandomAutocontrast``, ``RandomEqualize``, ``RandomErasing``,
+    ``ToTensor``, ``PILToTensor``, ``ToPILImage``, ``ToImage``, ``ToPureTensor``, ``ToDtype``, ``ConvertImageDtype``,
+    ``Normalize``; lightly's ``GaussianBlur``, ``RandomSolarization`` and ``ToTensor``; a ``Compose`` or
+    ``RandomApply`` of those; and the placeholders that never fire (``RandomVerticalFlip(p=0)``, lightly's
+    ``RandomRotate(prob=0)``, a ``RandomApply`` with ``p=0``). The placeholders are kept in ``then``, not dropped:
+    they still draw random numbers, so the recorded transform draws the same ones as the original and, under the
+    same seeds (``torch`` and ``numpy``: lightly's blur and solarization use numpy), gives the same pixels.
+
+    Anything else (a rotation, affine or perspective transform, a vertical flip that fires, ``CenterCrop``,
+    ``RandomCrop``, ``Resize``, a second crop or flip, a flip before the crop or apart from it, a class it does not
+    know) raises a TypeError naming the transform: its pixels would not come from the recorded box.
+
+    Example::
+
+        views = record_geometry(lightly.transforms.SimCLRTransform(input_size=224))
+        (view_1, geometry_1), (view_2, geometry_2) = views(pil_image)
+    """
+    composes = _torchvision_classes("Compose")
+    if isinstance(transform, (RecordGeometry, RecordViews)):
+        return transform
+    if type(transform) in composes:
+        return _record_compose(transform)
+    if type(getattr(transform, "transform", None)) in composes:
+        return _record_compose(transform.transform)
+    views = getattr(transform, "transforms", None)
+    if isinstance(views, (list, tuple)) and views:
+        recorded = []
+        for i, view in enumerate(views):
+            try:
+                recorded.append(record_geometry(view))
+            except TypeError as error:
+                raise TypeError(f"{error} (view {i} of {type(transform).__module__}."
+                                f"{type(transform).__qualname__})") from None
+        return RecordViews(recorded)
+    raise TypeError(f"record_geometry: {_describe(transform)} is neither a torchvision Compose, nor a view transform "
+                    "(.transform a Compose), nor a multi-view transform (.transforms a list of view transforms). "
+                    "Build RecordGeometry(crop, flip, then=...) yourself, putting only transforms that move no pixel "
+                    "in `then`.")
