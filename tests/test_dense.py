@@ -112,7 +112,7 @@ def test_dense_checkpoints_round_trip_and_refusals_name_the_fix(store, tmp_path)
     with pytest.raises(ValueError, match=r"not a feature map \[B, C, h, w\]"):
         rela_pooled.wrap(torch.tensor(0.0), index=idx, features=feats)
     student, rela = student_and_rela(store)
-    with pytest.raises(ValueError, match="not targets="):
+    with pytest.raises(ValueError, match="carries rows of 5 values, not each sample's 2x2 map"):
         rela.wrap(torch.tensor(0.0), targets=store[idx], features=student(images(idx)))
 
 

@@ -284,7 +284,3 @@ def test_cli_spatial_flag(tmp_path, capsys):
     assert main(["store", "verify", str(out), "--no-progress"]) == 0
     assert "24 rows x 3 (maps on a 3x3 grid), every row finite, checksum matches" in capsys.readouterr().out
     assert main(["store", "verify", str(out), "--data", "digits", "--limit", "24", "--no-progress"]) == 0
-    capsys.readouterr()
-    assert main(["precompute", "--prior", "random:convnet", "--data", "wds:nowhere-{0..1}.tar", "--out",
-                 str(tmp_path / "w"), "--spatial", "3"]) == 2
-    assert "map-style store" in capsys.readouterr().err

@@ -208,7 +208,7 @@ def test_wrap_geometry_pools_each_views_rows_at_the_batchs_index(store):
     flat = ReLA(torch.randn(N, 6), backbone, feature_dim=12, total_steps=4, witness=False)
     with pytest.raises(ValueError, match="spatial=k"):
         flat.wrap(torch.tensor(0.0), features=backbone(x[:4]), index=idx, geometry=g[:4])
-    with pytest.raises(ValueError, match="Pass one of them"):
+    with pytest.raises(ValueError, match="these rows are pooled, one per sample: carry maps"):
         rela.wrap(torch.tensor(0.0), features=backbone(x[:4]), targets=store[idx], geometry=g[:4])
 
 

@@ -622,9 +622,12 @@ class ReLA:
     # ------------------------------------------------------------------ the loss
     def _rela_term(self, features: Sequence[torch.Tensor], index: dict, rows: Optional[dict] = None,
                    path: Optional[str] = None, dense: Optional[tuple] = None,
-                   samples: Optional[int] = None) -> torch.Tensor:
+                   samples: Optional[int] = None, carried_geometry: Optional[torch.Tensor] = None,
+                   pooled: bool = False) -> torch.Tensor:
         """ReLA's loss over every prior (:func:`~accelerate_ssl.rela.term.combine_losses`); ``index`` / ``rows``: each
-        prior's row indices / carried rows, by name. Records each prior's loss and weight for :attr:`stats`."""
+        prior's row indices / carried rows, by name (``carried_geometry``: the views' geometry, pooled from carried
+        maps; ``pooled``: ``rows`` are the views' raw rows pooled from a store already). Records each prior's loss and
+        weight for :attr:`stats`."""
         first = next(iter((rows or index).values()))
         n = samples or (len(first) if rows is not None else len(torch.as_tensor(first).reshape(-1)))
         if n == 0:
@@ -652,12 +655,16 @@ class ReLA:
             self.to(feats.device)
         losses = []
         for name, t in self.priors.items():
-            target = t.rows(feats.device, index=None if index is None else index[name],
-                            carried=None if rows is None else rows[name])
+            if pooled:
+                target = t.targets.reduce_raw(rows[name], feats.device)
+            else:
+                target = t.rows(feats.device, index=None if index is None else index[name],
+                                carried=None if rows is None else rows[name], geometry=carried_geometry)
             term_losses = t.losses(feats.detach() if self.dense_only else feats, target, n, path)
             if dense is not None:  # (maps, each prior's sample index, geometry): the mean of the global and dense terms
                 maps, sample_index, geometry = dense
-                dense_losses = t.dense_losses(maps, sample_index[name], geometry)
+                dense_losses = t.dense_losses(maps, None if sample_index is None else sample_index[name], geometry,
+                                              carried=None if sample_index is not None else rows[name])
                 if self.dense_only:  # the value and the student's gradient: dense; the global head still learns
                     term_losses = dense_losses + (term_losses - term_losses.detach())
                 else:
@@ -689,7 +696,9 @@ class ReLA:
             index: the batch's dataset indices (default: from the tracked DataLoader).
             targets: the batch's raw prior targets ``[B, dim]``, carried by the batch itself (a sidecar field of a
                 WebDataset sample, a ``datasets`` column): no index is needed, so nothing can misalign them. They get
-                the same checks (width, finite) and the same PCA / z-scoring as the store's rows. With several
+                the same checks (width, finite) and the same PCA / z-scoring as the store's rows. Spatial sidecars'
+                rows carry each sample's map: its mean is the sample's target, or each view's box with ``geometry=``,
+                and the dense term reads the map. With several
                 priors, a mapping ``{name: rows}`` with every prior's rows (each checked against its own folder).
             keys: the batch's sample keys (file names, WebDataset ``__key__`` s, an id column: a list of str or an int
                 tensor), mapped to rows through the keys recorded in the store at precompute; a key the store does
@@ -700,8 +709,9 @@ class ReLA:
             geometry: each view's geometry (``[V B, 7]``, views stacked as blocks of the batch like the features:
                 :class:`~accelerate_ssl.targets.views.RecordGeometry` records it, collated like a label): every view's
                 target is pooled from the spatial store's map over the view's crop box, mirrored for a flip
-                (:func:`~accelerate_ssl.targets.views.view_targets`), at the rows the batch's indices or keys name,
-                instead of the whole image's row. Needs spatial stores (``precompute_targets(spatial=k)``).
+                (:func:`~accelerate_ssl.targets.views.view_targets`), at the rows the batch's indices or keys name
+                or from the maps it carries (``targets=``, spatial sidecars), instead of the whole image's row. Needs
+                spatial stores or sidecars (``precompute_targets(spatial=k)``).
         """
         if not self._planned:
             if needs_run_length(self._schedule_name):
@@ -767,15 +777,14 @@ class ReLA:
             if not maps:
                 raise RuntimeError("ReLA(dense=): no feature map of the hooked module was captured since the last wrap; "
                                    "it must run in training mode with grad enabled on the views of this step.")
-            if rows is not None:
-                raise ValueError("ReLA(dense=) reads each sample's stored map by its index: pass index= or keys= (or "
-                                 "track the loader), not targets=.")
-            per_prior = index if isinstance(index, dict) else {name: index for name in self.priors}
+            per_prior = None if rows is not None else index if isinstance(index, dict) else {
+                name: index for name in self.priors}
             dense = (torch.cat(maps) if len(maps) > 1 else maps[0], per_prior, geometry)
-        if geometry is not None:  # each view's rows pooled from the maps at the rows the batch's index names
-            if rows is not None:
-                raise ValueError("ReLA.wrap: geometry= pools each view's rows from a spatial store at the batch's "
-                                 "indices; targets= carries rows already. Pass one of them.")
+        carried_geometry, pooled = None, False
+        if geometry is not None and rows is not None:  # maps carried by the batch: each view's box pooled from them
+            carried_geometry = geometry
+        elif geometry is not None:  # each view's rows pooled from the maps at the rows the batch's index names
+            pooled = True
             rows = {name: self._view_rows(t, index[name] if isinstance(index, dict) else index, geometry)
                     for name, t in self.priors.items()}
             first = next(iter(index.values())) if isinstance(index, dict) else index
@@ -783,7 +792,8 @@ class ReLA:
             index = None
         if index is not None and not isinstance(index, dict):
             index = {name: index for name in self.priors}  # one batch: the same positions in every prior's store
-        l_rela = self._rela_term(feats, index, rows=rows, path=path, dense=dense, samples=samples)
+        l_rela = self._rela_term(feats, index, rows=rows, path=path, dense=dense, samples=samples,
+                                 carried_geometry=carried_geometry, pooled=pooled)
 
         if lam >= 1.0:
             l_ssl = None if callable(loss) else loss

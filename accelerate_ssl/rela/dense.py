@@ -46,20 +46,23 @@ def feature_map(output, where: str) -> torch.Tensor:
     return output
 
 
-def dense_target_maps(store, index: torch.Tensor, views: int, geometry: Optional[torch.Tensor]) -> torch.Tensor:
-    """Raw target maps ``[V n, C, h, w]`` of ``views`` views of the ``n`` samples at ``index`` (views stacked as
-    blocks of ``n``): each view's box pooled onto the map's grid when ``geometry`` (``[V n, 7]``) is given, else the
-    whole stored map for every view."""
-    from ..targets.views import view_targets
+def dense_target_maps(store, index: Optional[torch.Tensor], views: int, geometry: Optional[torch.Tensor],
+                      maps: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Raw target maps ``[V n, C, h, w]`` of ``views`` views of the ``n`` samples (views stacked as blocks of ``n``):
+    their stored maps read at ``index``, or the ``maps`` ``[n, C, h, w]`` the batch carried (spatial sidecars); each
+    view's box pooled onto the map's grid when ``geometry`` (``[V n, 7]``) is given, else the whole map for every
+    view."""
+    from ..targets.views import pool_views
 
-    index = torch.as_tensor(index).reshape(-1)
+    if maps is None:
+        maps = store.maps(torch.as_tensor(index).reshape(-1))
     if geometry is not None:
         h, w = store.grid
         if h != w:
             raise ValueError(f"ReLA(dense=) with geometry= pools each view onto a square grid; this store's map is "
                              f"{h}x{w}.")
-        return view_targets(store, index.repeat(views), geometry, output_size=h)
-    maps = store.maps(index)
+        return pool_views(maps.float().repeat(views, 1, 1, 1), geometry, store.spatial, store.preprocess,
+                          output_size=h)
     return maps.repeat(views, 1, 1, 1)
 
 

@@ -301,15 +301,46 @@ class TargetLookup:
         if self.prefetcher is not None:
             self.prefetcher.announce(index)
 
-    def reduce_rows(self, rows: torch.Tensor, device) -> torch.Tensor:
+    def reduce_rows(self, rows: torch.Tensor, device, geometry: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Raw prior targets carried by the batch (``wrap(targets=)``) -> the rows the loss uses: the store's width,
-        finite (checked on the device, no host wait), then the same PCA / z-scoring as stored rows (Eq. 41)."""
+        finite (checked on the device, no host wait), then the same PCA / z-scoring as stored rows (Eq. 41). Maps
+        carried from spatial sidecars (flat, ``h w`` times the store's dim) give their mean, or with ``geometry``
+        (``[V B, 7]``) each view's box pooled (``[V B, d]``)."""
+        rows = self.carried(rows)
+        if not self.holds_maps(rows):  # pooled rows (a spatial store's rows may be passed pooled: view_targets)
+            if geometry is not None:
+                raise ValueError("ReLA.wrap(targets=, geometry=) pools each view's target from the maps the batch "
+                                 "carries, but these rows are pooled, one per sample: carry maps (sidecars precomputed "
+                                 "with spatial=k, `accelerate-ssl precompute --spatial K`), or pass index= / keys= with "
+                                 "geometry= (a spatial store), or drop geometry= (the rows are then used as given).")
+            return self.reduce_raw(rows, device)
+        maps = self.store.as_maps(rows)
+        if geometry is None:
+            return self.reduce_raw(maps.mean((2, 3)), device)
+        from ..targets.views import pool_views
+
+        g = torch.as_tensor(geometry)
+        if g.ndim != 2 or len(g) % len(maps):
+            raise ValueError(f"ReLA.wrap(geometry=): {tuple(g.shape)} views' geometry for {len(maps)} samples; pass one "
+                             "row of 7 per view, views stacked as blocks of the batch in the order of the features.")
+        pooled = pool_views(maps.float().repeat(len(g) // len(maps), 1, 1, 1), g.to(maps.device), self.store.spatial,
+                            self.store.preprocess)
+        return self.reduce_raw(pooled, device)
+
+    def holds_maps(self, rows: torch.Tensor) -> bool:
+        """Whether carried ``rows`` (tag dropped) are flat maps of a spatial store: ``h w`` times its dim wide."""
+        width = getattr(self.store, "width", None)
+        return getattr(self.store, "spatial", None) is not None and width != self.store.dim and rows.shape[1] == width
+
+    def carried(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows a batch carried (``wrap(targets=)``): a float ``[B, width]``, their sidecar folder's tag checked and
+        dropped."""
         if not isinstance(rows, torch.Tensor) or rows.ndim != 2 or not rows.is_floating_point():
-            raise ValueError(f"ReLA.wrap(targets=) needs a float tensor [B, {self.store.dim}] of raw prior targets, got "
-                             f"{type(rows).__name__} {tuple(getattr(rows, 'shape', ()))}.")
+            raise ValueError(f"ReLA.wrap(targets=) needs a float tensor [B, {getattr(self.store, 'width', self.store.dim)}] "
+                             f"of raw prior targets, got {type(rows).__name__} {tuple(getattr(rows, 'shape', ()))}.")
         if hasattr(self.store, "strip_tag"):  # sidecar rows carry their folder's tag: checked, then dropped
             rows = self.store.strip_tag(rows)
-        return self.reduce_raw(rows, device)
+        return rows
 
     def reduce_raw(self, rows: torch.Tensor, device) -> torch.Tensor:
         """The prior's raw outputs ``[B, dim]`` (as precompute wrote them, before any tag) -> the rows the loss uses:

@@ -83,23 +83,35 @@ class PriorTerm:
         """The heads this prior trains: the global one, and the dense one with ``ReLA(dense=)``."""
         return [self.transport] + ([self.dense] if self.dense is not None else [])
 
-    def dense_losses(self, maps: torch.Tensor, index, geometry: Optional[torch.Tensor]) -> torch.Tensor:
+    def dense_losses(self, maps: torch.Tensor, index, geometry: Optional[torch.Tensor],
+                     carried: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Per view and sample, this prior's dense loss (:func:`~accelerate_ssl.rela.dense.dense_losses`) of the
-        student's ``maps`` ``[V n, C, h, w]`` against the stored maps of the ``n`` samples at ``index``."""
+        student's ``maps`` ``[V n, C, h, w]`` against the stored maps of the ``n`` samples at ``index``, or the maps
+        the batch ``carried`` (spatial sidecars' rows, with their tag)."""
         from .dense import dense_losses, dense_target_maps
 
-        index = torch.as_tensor(index).reshape(-1)
-        if maps.shape[0] % len(index):
-            raise ValueError(f"ReLA(dense=): {maps.shape[0]} captured maps for a batch of {len(index)} samples; the "
+        samples = None
+        if carried is not None:
+            rows = self.targets.carried(carried)
+            if not self.targets.holds_maps(rows) and self.store.width != self.store.dim:
+                raise ValueError(f"ReLA(dense=) with targets=: the batch carries rows of {rows.shape[1]} values, not "
+                                 f"each sample's {'x'.join(map(str, self.store.grid))} map ({self.store.width} values): "
+                                 "pass the rows as the sidecars' join / column hand them, or index= / keys=.")
+            samples = self.store.as_maps(rows)
+        n = len(samples) if samples is not None else len(torch.as_tensor(index).reshape(-1))
+        if maps.shape[0] % n:
+            raise ValueError(f"ReLA(dense=): {maps.shape[0]} captured maps for a batch of {n} samples; the "
                              "hooked module must run once per view, on the views wrap's features come from.")
-        targets = dense_target_maps(self.store, index, maps.shape[0] // len(index), geometry)
+        targets = dense_target_maps(self.store, index, maps.shape[0] // n, geometry, maps=samples)
         return dense_losses(self.dense, maps, targets, self.targets.reduce_raw)
 
     # ------------------------------------------------------------------ a batch
-    def rows(self, device, index=None, carried: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def rows(self, device, index=None, carried: Optional[torch.Tensor] = None,
+             geometry: Optional[torch.Tensor] = None) -> torch.Tensor:
         """This prior's reduced target rows ``[n, d_k]`` of the batch: looked up by ``index`` in its store, or the
-        rows the batch ``carried`` (sidecar rows with their folder's tag, checked against this store and dropped)."""
-        return self.targets(index, device) if carried is None else self.targets.reduce_rows(carried, device)
+        rows the batch ``carried`` (sidecar rows with their folder's tag, checked against this store and dropped;
+        carried maps give their mean, or each view's box with ``geometry``: ``[V n, d_k]``)."""
+        return self.targets(index, device) if carried is None else self.targets.reduce_rows(carried, device, geometry)
 
     def losses(self, feats: torch.Tensor, target: torch.Tensor, n: int, path: Optional[str]) -> torch.Tensor:
         """Per-row ReLA losses ``1 - cos(W phi(x) + b, y)`` (ReLA v2 Eq. 9) of ``feats`` (``[V n, D]``: views stacked

@@ -68,12 +68,11 @@ from ..checksum import file_sha256
 from .format import (AT_WRITE_PCA, CHUNKS, DTYPES, FORMAT, FORMAT_VERSION, IDENTITY, MANIFEST, METADATA, PCA_DIR, TARGETS,
                      encode_rows, read_json)
 from .store import TargetStore
-from .write import (PRECISIONS, check_first_item, default_batch_size, embed, image_channels, image_tensor, input_batches,
-                    process_state, resolve_preprocess, sample_batches, settings_diff)
+from .write import (PRECISIONS, SPATIAL_FIT_IMAGES, check_first_item, check_spatial, default_batch_size, embed,
+                    image_channels, image_tensor, input_batches, map_geometry, process_state, resolve_preprocess,
+                    sample_batches, settings_diff)
 
 DEFAULT_CHUNK_SIZE = 8192
-#: items whose feature-map locations a spatial store's PCA is fitted on (evenly spaced over the data set)
-SPATIAL_FIT_IMAGES = 256
 
 def chunk_path(path: Path, k: int) -> Path:
     return Path(path) / CHUNKS / f"chunk-{k:05d}.npy"
@@ -153,7 +152,8 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
         spatial: ``False`` (default): one pooled row per item. ``True``: the prior's feature map per item (every
             channel); an int ``k``: the map with each location reduced to ``k`` PCA components (fitted before
             writing; module docstring, "Spatial stores"). The store's rows are then the map's mean over its grid and
-            :func:`~accelerate_ssl.targets.views.view_targets` pools a view's crop box from it. Map-style data only.
+            :func:`~accelerate_ssl.targets.views.view_targets` pools a view's crop box from it. Streamed data: sidecars
+            holding each sample's map (:func:`~accelerate_ssl.targets.sidecar.precompute_sidecars`).
             With several priors every store is spatial alike, each on its own prior's grid with its own PCA (fitted
             on its own map before the shared pass); ``k`` must then be below every prior's channels.
         chunk_size: rows per resumable chunk file.
@@ -177,15 +177,10 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
     from ..data.streams import StreamSource, is_stream_spec
 
-    if not (spatial is None or isinstance(spatial, bool) or (isinstance(spatial, int) and spatial >= 1)):
-        raise ValueError(f"spatial must be False, True (the whole feature map) or an int k >= 1 (each location reduced "
-                         f"to k PCA components), got {spatial!r}.")
+    check_spatial(spatial)
     if spatial and components is not None:
         raise ValueError("components= reduces pooled rows; a spatial store is reduced by spatial=k (each location of "
                          "its map to k PCA components): pass one of them.")
-    if spatial and (is_stream_spec(dataset) or isinstance(dataset, StreamSource)):
-        raise ValueError("spatial targets are written to map-style stores; sidecars of streamed data hold pooled rows "
-                         "only. Precompute without spatial=, or from a map-style data set.")
     if is_stream_spec(dataset) or isinstance(dataset, StreamSource):  # streamed data: one sidecar per shard
         from ..data.streams import open_stream
         from .sidecar import precompute_sidecars
@@ -200,7 +195,7 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
             raise ValueError("keys=, num_workers= and chunk_size= are for map-style data sets: a stream's rows are "
                              "keyed by each sample's __key__ and written one sidecar per shard. Leave them out.")
         done = {name: precompute_sidecars(p, dataset, out, batch_size=batch_size, precision=precision, dtype=dtype,
-                                          components=components, progress=progress, command=command)
+                                          components=components, progress=progress, command=command, spatial=spatial)
                 for name, p, out in named}
         return _shaped(prior, done)
     module = type(dataset).__module__.split(".")[0]
@@ -402,29 +397,8 @@ def _plan(name, prior, path: Path, *, dataset, n, given, image_key, state, batch
 
 
 def _map_geometry(prior, dataset, pre, image_key, spatial, n: int) -> dict:
-    """What a spatial store records of its maps (module docstring), read off the prior's map of item 0: ``grid``
-    ``[h, w]``, ``stride`` (input pixels per cell), ``input_size`` ``[H, W]`` (the preprocessed image), the prior's
-    ``source_channels`` and the stored ``channels``, ``layout`` (``"hwc"``), ``reduction`` (``"pca"`` with its
-    ``fit_images``, or ``"none"``); ``components`` = k for a reduced map."""
-    x = next(sample_batches(dataset, pre, [0], 1, image_key))
-    try:
-        stride = int(prior.map_stride)
-        with torch.inference_mode():
-            fmap = prior.feature_map(x)
-    except (ValueError, AttributeError) as err:
-        raise ValueError(f"Prior {prior.spec}: {err}") from None
-    _, channels, h, w = fmap.shape
-    geometry = {"grid": [int(h), int(w)], "stride": stride, "input_size": [int(x.shape[-2]), int(x.shape[-1])],
-                "source_channels": int(channels), "layout": "hwc"}
-    if spatial is True:
-        return {**geometry, "channels": int(channels), "reduction": "none"}
-    if spatial >= channels:
-        raise ValueError(f"spatial={spatial} components but the prior's map has {channels} channels: pass k < "
-                         f"{channels}, or spatial=True to keep every channel.")
-    fit = min(n, SPATIAL_FIT_IMAGES)
-    if fit * h * w < 2:
-        raise ValueError(f"The map's PCA needs at least 2 locations; {fit} item(s) of a {h}x{w} map give {fit * h * w}.")
-    return {**geometry, "channels": int(spatial), "reduction": "pca", "fit_images": fit, "components": int(spatial)}
+    """:func:`~accelerate_ssl.targets.write.map_geometry` of the prior's map of item 0."""
+    return map_geometry(prior, next(sample_batches(dataset, pre, [0], 1, image_key)), spatial, n)
 
 
 def _spatial_pca(prior, dataset, pre, path: Path, state, geometry: dict, batch_size, precision, device, image_key, show):
@@ -625,7 +599,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "grid, a CNN's last map), every location reduced to its top K principal components (PCA "
                              "fitted over the locations of up to %d evenly spaced images before writing), or 'all' "
                              "channels; the rows are then the maps' means, and a view's crop box can be pooled from the "
-                             "map (accelerate_ssl.targets.views). Map-style data only" % SPATIAL_FIT_IMAGES)
+                             "map (accelerate_ssl.targets.views). Streamed data: sidecars of maps, the PCA fitted "
+                             "after the raw pass" % SPATIAL_FIT_IMAGES)
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="rows per resumable chunk file")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -723,10 +698,6 @@ def _run_stream(args: argparse.Namespace) -> int:
     from ..priors import create_prior
     from .sidecar import SidecarError, precompute_sidecars
 
-    if args.spatial is not None:
-        print("accelerate-ssl precompute: error: --spatial writes a map-style store; sidecars of streamed data (wds:, "
-              "hf:) hold pooled rows only. Drop --spatial, or precompute a map-style data set.", file=sys.stderr)
-        return 2
     try:
         source = open_stream(args.data, args.split, image_field=args.image_field, key_field=args.key_field,
                              shard_rows=args.shard_rows)
@@ -740,12 +711,14 @@ def _run_stream(args: argparse.Namespace) -> int:
         parts = ["accelerate-ssl", "precompute", "--prior", args.prior, "--data", args.data, "--out", args.out,
                  "--precision", args.precision, "--dtype", args.dtype]
         for flag, value in (("--batch-size", args.batch_size), ("--weights", args.weights), ("--image-field", args.image_field), ("--key-field", args.key_field),
-                            ("--components", args.components), ("--views", args.views)):
+                            ("--components", args.components), ("--views", args.views),
+                            ("--spatial", "all" if args.spatial is True else args.spatial)):
             if value is not None:
                 parts += [flag, str(value)]
         targets = precompute_sidecars(prior, source, args.out, batch_size=args.batch_size, precision=args.precision,
                                       dtype=args.dtype, components=args.components, views=views,
-                                      progress=not args.no_progress, command=shlex.join(parts))
+                                      progress=not args.no_progress, command=shlex.join(parts),
+                                      spatial=args.spatial or False)
     except (ValueError, FileNotFoundError, TypeError, ImportError, SidecarError) as err:
         print(f"accelerate-ssl precompute: error: {err}", file=sys.stderr)
         return 2

@@ -48,6 +48,14 @@ byte-identical whatever the number of processes or interruptions (fp32 on CPU).
 top-k principal components of the z-scored rows (ReLA v2 Eq. 41, fitted over every row after the raw pass; the raw
 sidecars are rewritten reduced). A reduced folder's ``pca(n)`` is the first n of those components.
 
+**Spatial sidecars** (``spatial=True`` / ``spatial=k``): each sample's row is the prior's feature map, channels
+last and flattened (``h w`` values of ``dim``), read off the stream's first sample for its grid and stride;
+``spatial=k`` reduces every location to its top k PCA components (fitted after the raw pass over the locations of up
+to 256 evenly spaced samples, saved in ``pca/`` with its sha256 in ``sidecars.json``'s ``spatial`` record, then every
+sidecar rewritten reduced). ``store[rows]`` gives the maps' means, :meth:`ShardedTargets.maps` the maps, and the join
+hands each sample's map (with the tag): ``rela.wrap(loss, targets=..., geometry=...)`` pools each view's box from it
+and ``ReLA(dense=)`` reads it, as from a map-style spatial store.
+
 **Stored views** (``views=StoredViews(k=...)``): k targets per sample, view v of the image with key ``key`` is
 ``apply_view(image, views.params(key_index(key), v, H, W))`` — the parameterisation of
 :mod:`accelerate_ssl.data.views` with the key hashed to the image index; the join replays a view and hands its row.
@@ -168,18 +176,32 @@ def _write_sidecar(file: Path, shard: str, keys: list[str], rows: torch.Tensor, 
 # ------------------------------------------------------------------------------------------------ precompute
 def precompute_sidecars(prior, source, path, *, batch_size: Optional[int] = None, precision: str = "fp32",
                         dtype: str = "float32", components: Optional[int] = None, views: Optional[StoredViews] = None,
-                        progress: bool = True, command: Optional[str] = None) -> "ShardedTargets":
+                        progress: bool = True, command: Optional[str] = None, spatial=False) -> "ShardedTargets":
     """Run ``prior`` over every sample of a stream (``wds:`` / ``hf:`` spec or a :class:`StreamSource`) and write one
     sidecar per data shard into ``path`` (module docstring). Resumes an interrupted run with the same settings;
     refuses other settings (the batch size is free: ``None`` picks the device's default, as for a store). Returns the
-    opened :class:`ShardedTargets` (on every process)."""
+    opened :class:`ShardedTargets` (on every process).
+
+    ``spatial=True`` keeps each sample's feature map (channels last, flattened), ``spatial=k`` every location of it
+    reduced to ``k`` PCA components (fitted after the raw pass over the locations of up to
+    :data:`~accelerate_ssl.targets.write.SPATIAL_FIT_IMAGES` evenly spaced samples; the raw sidecars are then rewritten
+    reduced), as a spatial store does (module docstring, "Spatial sidecars")."""
     from tqdm.auto import tqdm
 
     from .. import __version__
     from ..data.streams import StreamSource, open_stream
-    from .write import PRECISIONS, default_batch_size, process_state, settings_diff
+    from ..priors import Preprocess
+    from .write import (PRECISIONS, SPATIAL_FIT_IMAGES, check_spatial, default_batch_size, map_geometry, process_state,
+                        settings_diff)
 
     source = source if isinstance(source, StreamSource) else open_stream(source)
+    check_spatial(spatial)
+    if spatial and components is not None:
+        raise ValueError("components= reduces pooled rows; spatial sidecars are reduced by spatial=k (each location of "
+                         "the map to k PCA components): pass one of them.")
+    if spatial and views is not None:
+        raise ValueError("views= stores k crops of each sample; spatial sidecars pool any crop's target from the map "
+                         "(wrap(geometry=)): pass one of them.")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}.")
     cast_rows(torch.zeros(1), dtype)  # the dtype name is checked now
@@ -191,11 +213,22 @@ def precompute_sidecars(prior, source, path, *, batch_size: Optional[int] = None
     state = process_state()
     batch_size = batch_size or default_batch_size(state.device)
     pre = prior.preprocess
+    geometry = None
+    if spatial:  # the prior's map of the stream's first sample: its grid, stride and channels (and k)
+        first = next(iter(source.samples(source.shards[0])), None)
+        if first is None:
+            raise ValueError(f"spatial=: the stream's first shard {source.shards[0]!r} holds no sample to read the "
+                             "prior's map from.")
+        geometry = map_geometry(prior, pre.batch(Preprocess.to_tensor(first[1]).unsqueeze(0)), spatial,
+                                SPATIAL_FIT_IMAGES)
+    map_k = None if geometry is None else geometry.get("components")  # the map's PCA, fitted after the raw pass
     settings = json.loads(json.dumps({
         "prior": {**prior.describe(), "preprocess": pre.config},
         "data": {k: v for k, v in source.describe().items() if k != "spec"}, "shards": source.shards,
-        "dim": int(prior.output_dim), "dtype": dtype, "components": components,
+        "dim": int(prior.output_dim), "dtype": dtype, "components": components if geometry is None else map_k,
         "views": views.to_dict() if views is not None else None, "precision": precision,
+        **({} if geometry is None else
+           {"spatial": {k: v for k, v in geometry.items() if k not in ("components", "fit_images")}}),
     }))
     settings_sha = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
     command = command or f"precompute_sidecars(create_prior({prior.spec!r}), {source.spec!r}, {str(path)!r})"
@@ -217,9 +250,10 @@ def precompute_sidecars(prior, source, path, *, batch_size: Optional[int] = None
     for shard in mine:
         for stale in path.glob(f"{sidecar_name(shard)}.*tmp*"):  # left by a write that was interrupted
             stale.unlink(missing_ok=True)
-    raw_stage = "raw" if components else "final"
+    reduced_at_write = bool(components or map_k)  # a raw pass, a fit over it, then each sidecar rewritten reduced
+    raw_stage = "raw" if reduced_at_write else "final"
     todo = [s for s in mine if not (_sidecar_done(path / sidecar_name(s), settings_sha, raw_stage)
-                                    or (components and _sidecar_done(path / sidecar_name(s), settings_sha, "final")))]
+                                    or (reduced_at_write and _sidecar_done(path / sidecar_name(s), settings_sha, "final")))]
     if state.is_main_process and progress and len(todo) < len(mine):
         print(f"precompute: resuming {path}: {len(mine) - len(todo)} of {len(mine)} shard(s) of this process already "
               "done", file=sys.stderr)
@@ -228,19 +262,31 @@ def precompute_sidecars(prior, source, path, *, batch_size: Optional[int] = None
     bar = tqdm(total=len(todo), desc=f"precompute {prior.spec}", unit="shard", dynamic_ncols=True,
                disable=not (progress and state.is_main_process))
     for shard in todo:
-        keys, rows, digests = _shard_rows(prior, pre, source, shard, batch_size, precision, views, device)
-        _write_sidecar(path / sidecar_name(shard), shard, keys, rows if components else cast_rows(rows, dtype), digests,
-                       settings_sha, raw_stage)
+        keys, rows, digests = _shard_rows(prior, pre, source, shard, batch_size, precision, views, device, geometry)
+        _write_sidecar(path / sidecar_name(shard), shard, keys, rows if reduced_at_write else cast_rows(rows, dtype),
+                       digests, settings_sha, raw_stage)
         bar.update()
     bar.close()
     state.wait_for_everyone()
 
-    if components:  # PCA at write: fit over every raw row (main process), then each process reduces its shards
-        fit_file = path / PCA_DIR / f"write-n{components}-zscore.safetensors"
+    if reduced_at_write:  # PCA at write: fit over the raw rows (main process), then each process reduces its shards
+        k = components or map_k
+        fit_file = path / PCA_DIR / f"write-n{k}-zscore.safetensors"
+        channels = settings["dim"] if geometry is None else geometry["source_channels"]  # one fitted vector's width
         if state.is_main_process and not fit_file.is_file():
+            width = settings["dim"] if geometry is None else int(np.prod(geometry["grid"])) * channels
             raw = ShardedTargets(path, {"shards": [{"shard": s, "file": sidecar_name(s)} for s in source.shards],
-                                        "dim": settings["dim"], "views": settings["views"]}, check=False)
-            _save_pca(TargetPCA.fit(_AllRows(raw), components, standardize=True, progress=progress), fit_file)
+                                        "dim": width, "views": settings["views"]}, check=False)
+            if geometry is None:  # every row
+                fitted = TargetPCA.fit(_AllRows(raw), k, standardize=True, progress=progress)
+            else:  # every location of evenly spaced samples' maps
+                total = int(raw._offsets[-1])
+                rows = np.unique(np.linspace(0, total - 1, min(total, SPATIAL_FIT_IMAGES)).round().astype(np.int64))
+                if len(rows) * int(np.prod(geometry["grid"])) < 2:
+                    raise ValueError(f"spatial={k}: the map's PCA needs at least 2 locations; the stream holds {total} "
+                                     "sample(s).")
+                fitted = TargetPCA.fit(raw[rows].reshape(-1, channels), k, standardize=True)
+            _save_pca(fitted, fit_file)
         state.wait_for_everyone()
         fitted = _load_pca(fit_file)
         for shard in mine:
@@ -249,7 +295,7 @@ def precompute_sidecars(prior, source, path, *, batch_size: Optional[int] = None
                 continue
             meta, tensors = _read_sidecar(file)
             rows = tensors["targets"].float()
-            reduced = fitted.transform(rows.reshape(-1, rows.shape[-1])).reshape(*rows.shape[:-1], components)
+            reduced = fitted.transform(rows.reshape(-1, channels)).reshape(len(rows), *rows.shape[1:-1], -1)
             _write_sidecar(file, shard, meta["keys"], cast_rows(reduced, dtype), tensors["digests"].numpy(),
                            settings_sha, "final")
         state.wait_for_everyone()
@@ -260,8 +306,9 @@ def precompute_sidecars(prior, source, path, *, batch_size: Optional[int] = None
     return ShardedTargets.open(path)
 
 
-def _shard_rows(prior, pre, source, shard, batch_size, precision, views, device):
-    """Keys, float32 rows ``[n, d]`` (``[n, k, d]`` with views) and image-bytes digests of one data shard."""
+def _shard_rows(prior, pre, source, shard, batch_size, precision, views, device, geometry=None):
+    """Keys, float32 rows ``[n, d]`` (``[n, k, d]`` with views; a spatial run's: ``[n, h w C]``, each map channels
+    last) and image-bytes digests of one data shard."""
     from ..priors import Preprocess
     from .write import embed
 
@@ -280,7 +327,8 @@ def _shard_rows(prior, pre, source, shard, batch_size, precision, views, device)
              torch.stack([pre.batch(t.unsqueeze(0))[0] for t in batch]))
         first = len(keys) - len(batch) // k  # the key of the batch's first row
         out.append(embed(prior, x, precision, device,
-                         lambda bad: f"keys {[keys[first + i // k] for i in bad]} of shard {shard!r}").cpu())
+                         lambda bad: f"keys {[keys[first + i // k] for i in bad]} of shard {shard!r}",
+                         spatial=geometry is not None).cpu().reshape(len(x), -1))
         batch.clear()
 
     for key, image, raw in source.samples(shard):
@@ -299,7 +347,8 @@ def _shard_rows(prior, pre, source, shard, batch_size, precision, views, device)
         if len(batch) >= batch_size * k:
             flush()
     flush()
-    dim = int(prior.output_dim)
+    dim = int(prior.output_dim) if geometry is None else \
+        int(np.prod(geometry["grid"])) * geometry["source_channels"]
     rows = torch.cat(out) if out else torch.zeros(0, dim)
     if views is not None:
         rows = rows.reshape(len(keys), k, dim)
@@ -307,6 +356,8 @@ def _shard_rows(prior, pre, source, shard, batch_size, precision, views, device)
 
 
 def _finish(path: Path, source, settings: dict, command: str, processes: int, version: str) -> None:
+    from .write import SPATIAL_FIT_IMAGES
+
     shards, owner = [], {}
     for shard in source.shards:
         file = path / sidecar_name(shard)
@@ -323,8 +374,14 @@ def _finish(path: Path, source, settings: dict, command: str, processes: int, ve
                        "bytes": file.stat().st_size, "sha256": file_sha256(file)})
     k = (settings["views"] or {}).get("k", 1)
     samples = sum(s["rows"] for s in shards)
+    spatial = settings.get("spatial")
+    if spatial is not None and spatial["reduction"] == "pca":  # the samples its PCA was fitted on, and the fit file
+        fit = path / PCA_DIR / f"write-n{spatial['channels']}-zscore.safetensors"
+        spatial = {**spatial, "fit_images": min(samples, SPATIAL_FIT_IMAGES), "pca_sha256": file_sha256(fit)}
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "settings": settings, "shards": shards,
-            "num_samples": samples, "num_rows": samples * k, "dim": settings["components"] or settings["dim"],
+            "num_samples": samples, "num_rows": samples * k,
+            "dim": spatial["channels"] if spatial else settings["components"] or settings["dim"],
+            **({"spatial": spatial} if spatial else {}),
             "dtype": settings["dtype"], "views": settings["views"],
             "bytes_per_sample": sum(s["bytes"] for s in shards) / max(samples, 1), "command": command,
             "num_processes": processes, "library_version": version,
@@ -412,7 +469,43 @@ class ShardedTargets:
 
     @property
     def dim(self) -> int:
+        """The width of a row ``store[i]`` (spatial sidecars': the map's channels; ``store[i]`` is the map's mean)."""
         return int(self.metadata["dim"])
+
+    @property
+    def spatial(self) -> Optional[dict]:
+        """What spatial sidecars record of their maps (``grid``, ``stride``, ``input_size``, ``channels``,
+        ``source_channels``, ``reduction``, ...; as :attr:`TargetStore.spatial
+        <accelerate_ssl.targets.store.TargetStore.spatial>`), or None for sidecars of pooled rows."""
+        return self.metadata.get("spatial")
+
+    @property
+    def grid(self) -> Optional[tuple[int, int]]:
+        """``(h, w)`` of spatial sidecars' maps, else None."""
+        return None if self.spatial is None else tuple(int(v) for v in self.spatial["grid"])
+
+    @property
+    def width(self) -> int:
+        """Values per sample in a sidecar (and in a carried row, before its tag): :attr:`dim`, or ``h w dim`` for a
+        map."""
+        return self.dim if self.spatial is None else self.grid[0] * self.grid[1] * self.dim
+
+    @property
+    def preprocess(self) -> dict:
+        """The prior's preprocessing as recorded (how a view's box maps onto the map's cells)."""
+        return self.metadata.get("settings", {}).get("prior", {}).get("preprocess") or {}
+
+    def as_maps(self, rows: torch.Tensor) -> torch.Tensor:
+        """Flat map rows ``[B, h w C]`` (a sidecar's, or carried ones without their tag) as ``[B, C, h, w]``."""
+        h, w = self.grid
+        return rows.reshape(len(rows), h, w, self.dim).permute(0, 3, 1, 2)
+
+    def maps(self, idx: Any) -> torch.Tensor:
+        """Spatial sidecars' maps of the rows ``idx`` (global rows, shards in order) as float32 ``[B, C, h, w]``."""
+        if self.spatial is None:
+            raise SidecarError(f"the sidecars at {str(self.path)!r} hold pooled rows, not feature maps: precompute them "
+                               "with spatial=True or spatial=k (`accelerate-ssl precompute --spatial K`).")
+        return self.as_maps(self._rows(np.atleast_1d(np.asarray(idx, dtype=np.int64))))
 
     @property
     def shards(self) -> list[str]:
@@ -430,6 +523,10 @@ class ShardedTargets:
             return None
         if self._written_pca is None:
             file = self.path / PCA_DIR / f"write-n{self.components}-zscore.safetensors"
+            recorded = (self.spatial or {}).get("pca_sha256")
+            if recorded is not None and file.is_file() and file_sha256(file) != recorded:
+                raise SidecarError(f"{file} is not the PCA the maps were reduced with (its sha256 differs from the one "
+                                   f"{SIDECARS} recorded): a replaced file; recompute the sidecars.")
             try:
                 self._written_pca = _load_pca(file)
             except Exception as err:
@@ -468,15 +565,15 @@ class ShardedTargets:
         width = rows.shape[1]
         fix = ("Open ReLA on the sidecar folder the pipeline joins (ShardedTargets.open(path) for both), and pass the "
                "rows the join / column hand, as they are.")
-        if width == self.dim:
+        if width == self.width:
             raise SidecarError(
                 f"ReLA.wrap(targets=): the rows have {width} columns, the width of the sidecars at {str(self.path)!r} "
                 "without the tag column that targets.join() and targets.column() add to every row: nothing proves they "
                 "are this folder's rows (rows read some other way, or the last column was cut off). " + fix)
-        if width != self.dim + 1:
+        if width != self.width + 1:
             raise SidecarError(
-                f"ReLA.wrap(targets=) rows have dim {width} but the targets ReLA was opened on have dim {self.dim} (the "
-                f"join hands {self.dim} + 1, the tag column): they come from another prior (or were PCA-reduced "
+                f"ReLA.wrap(targets=) rows have dim {width} but the targets ReLA was opened on have dim {self.width} (the "
+                f"join hands {self.width} + 1, the tag column): they come from another prior (or were PCA-reduced "
                 "already). " + fix)
         if rows.dtype not in (torch.float32, torch.float64):
             raise SidecarError(
@@ -525,6 +622,10 @@ class ShardedTargets:
                                "or replaced file); recompute the folder.")
         if len(rows) != len(keys):
             raise SidecarError(f"the sidecar of shard {name!r} holds {len(rows)} rows for {len(keys)} keys; recompute it.")
+        if rows.shape[-1] != self.width:
+            raise SidecarError(f"the sidecar of shard {name!r} holds rows of {rows.shape[-1]} values but {SIDECARS} says "
+                               f"{self.width} ({'a ' + 'x'.join(map(str, self.grid)) + ' map of ' if self.spatial else ''}"
+                               f"{self.dim} values); the folder's files do not belong together: recompute it.")
         if not bool(torch.isfinite(rows).all()):
             bad = (~torch.isfinite(rows.reshape(len(rows), -1)).all(1)).nonzero().flatten()[:5].tolist()
             raise SidecarError(f"the sidecar of shard {name!r} has NaN/Inf rows for keys {[keys[i] for i in bad]}; "
@@ -534,23 +635,31 @@ class ShardedTargets:
         return self._cache[name]
 
     def __getitem__(self, idx: Any) -> torch.Tensor:
-        """Global rows (shards in order; with k views row j is view j % k of sample j // k)."""
+        """Global rows (shards in order; with k views row j is view j % k of sample j // k; spatial sidecars': each
+        map's mean over its grid, the whole-image target)."""
         if isinstance(idx, torch.Tensor):
             idx = idx.detach().cpu().numpy()
         scalar = np.ndim(idx) == 0 and not isinstance(idx, slice)
         idx = np.arange(len(self))[idx] if isinstance(idx, slice) else np.atleast_1d(np.asarray(idx, dtype=np.int64))
+        out = self._rows(idx)
+        if self.spatial is not None:
+            out = out.reshape(len(out), -1, self.dim).mean(1)
+        return out[0] if scalar else out
+
+    def _rows(self, idx: np.ndarray) -> torch.Tensor:
+        """The stored rows of ``idx`` as they are in the sidecars (``[B, width]``)."""
         if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"Row index out of range for sidecar targets of {len(self)} rows.")
         k = self.views.k if self.views else 1
         sample, view = np.divmod(idx, k)
         which = np.searchsorted(self._offsets, sample, side="right") - 1
-        out = torch.empty(len(idx), self.dim)
+        out = torch.empty(len(idx), self.width)
         for s in np.unique(which):
             sel = np.flatnonzero(which == s)
             _, rows, _ = self.shard(self._shards[s]["shard"])
             local = torch.from_numpy(sample[sel] - self._offsets[s])
             out[torch.from_numpy(sel)] = rows[local, torch.from_numpy(view[sel])] if self.views else rows[local]
-        return out[0] if scalar else out
+        return out
 
     def pca(self, n_components: Optional[int] = None, standardize: bool = True, progress: bool = False) -> TargetPCA:
         """ReLA v2 Eq. 41 over every row: fitted by streaming over the sidecars (saved in ``pca/``). For reduced
@@ -639,7 +748,7 @@ class ShardedTargets:
 
     def column(self, dataset, key_column: Optional[str] = None, name: str = "target", progress: bool = False):
         """``dataset`` (a ``datasets.Dataset`` holding the rows these sidecars were computed on, in any order: shuffled,
-        sorted, selected or filtered) with a column ``name`` holding each row's target: a float32 list of ``dim + 1``
+        sorted, selected or filtered) with a column ``name`` holding each row's target: a float32 list of ``width + 1``
         (the last value is the folder's :attr:`tag`). Every row is found by its key (``key_column``, default the id
         column given at precompute) or, when the sidecars were keyed by row number, by its image's digest; then its
         image digest is checked against the sidecar's. Reads every row's image bytes once (no decoding). Refuses a
@@ -719,7 +828,7 @@ class ShardedTargets:
                     f"from ({len(missing)} of {len(have)} rows are not): another data set, or images changed since the "
                     "precompute; " + fix)
         flat = self.carried(torch.from_numpy(np.concatenate(parts).astype(np.float32, copy=False))[found]).numpy()
-        table = pa.table({name: pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), self.dim + 1)})
+        table = pa.table({name: pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), self.width + 1)})
         return datasets.concatenate_datasets([dataset, datasets.Dataset(table)], axis=1)
 
     def __repr__(self) -> str:

@@ -381,6 +381,21 @@ class TargetStore:
         rows = self._read(idx)
         return torch.from_numpy(rows.reshape(*rows.shape[:-1], -1, self.dim).mean(axis=-2))
 
+    @property
+    def preprocess(self) -> dict:
+        """The prior's preprocessing as recorded (how a view's box maps onto the map's cells)."""
+        return self.metadata.get("preprocess") or {}
+
+    @property
+    def width(self) -> int:
+        """Values per stored row: :attr:`dim`, or ``h w dim`` for a spatial store's flattened map."""
+        return self.dim if self.spatial is None else self.grid[0] * self.grid[1] * self.dim
+
+    def as_maps(self, rows: torch.Tensor) -> torch.Tensor:
+        """Flat map rows ``[B, h w C]`` (channels last, as stored) as ``[B, C, h, w]``."""
+        h, w = self.grid
+        return rows.reshape(len(rows), h, w, self.dim).permute(0, 3, 1, 2)
+
     def maps(self, idx: Any) -> torch.Tensor:
         """A spatial store's maps of ``idx`` as float32 ``[B, C, h, w]`` (``[C, h, w]`` for an int)."""
         if self.spatial is None:

@@ -10,6 +10,7 @@ settings are compared with an earlier run's.
   precompute reads, each batch's images preprocessed in the workers with each row's identity digest.
 - :func:`embed`: one batch of preprocessed images through the prior, under the precision's autocast, checked for
   shape and NaN/Inf (the one forward both writers run).
+- :func:`map_geometry`: what a spatial store or sidecar folder records of the prior's feature maps.
 - :func:`settings_diff`: what differs between a folder's recorded settings and a new run's.
 """
 
@@ -28,6 +29,9 @@ PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 #: their activations staying in cache (``python benchmarks/precompute.py --sweep``, 1 thread: at 32, 0.97x the fastest
 #: batch size's images/s for a 32/64/128 ConvNet at 28 px and 0.91x for a ResNet-18 at 224 px; at 256, 0.68x and 0.63x).
 DEFAULT_BATCH_SIZE = {"cuda": 256, "cpu": 32}
+
+#: images whose feature-map locations a spatial store's (or sidecar folder's) PCA is fitted on (evenly spaced)
+SPATIAL_FIT_IMAGES = 256
 
 
 def default_batch_size(device: torch.device) -> int:
@@ -230,6 +234,39 @@ def sample_batches(dataset, preprocess, rows, batch_size: int, image_key=None):
     for a in range(0, len(rows), batch_size):
         images = [image_tensor(dataset[int(i)], image_key, f"item {int(i)} of {name}") for i in rows[a : a + batch_size]]
         yield collate([(im, 0) for im in images])[0]
+
+
+def check_spatial(spatial) -> None:
+    """``spatial=`` is False, True (the whole map) or an int k >= 1 (each location reduced to k components)."""
+    if not (spatial is None or isinstance(spatial, bool) or (isinstance(spatial, int) and spatial >= 1)):
+        raise ValueError(f"spatial must be False, True (the whole feature map) or an int k >= 1 (each location reduced "
+                         f"to k PCA components), got {spatial!r}.")
+
+
+def map_geometry(prior, x: torch.Tensor, spatial, n: int) -> dict:
+    """What a spatial store (or sidecar folder) records of its maps, read off the prior's map of ``x`` (one
+    preprocessed image, ``[1, C, H, W]``): ``grid`` ``[h, w]``, ``stride`` (input pixels per cell), ``input_size``
+    ``[H, W]`` (the preprocessed image), the prior's ``source_channels`` and the stored ``channels``, ``layout``
+    (``"hwc"``), ``reduction`` (``"pca"`` with its ``fit_images``, at most :data:`SPATIAL_FIT_IMAGES` of the ``n``
+    images, or ``"none"``); ``components`` = k for a reduced map."""
+    try:
+        stride = int(prior.map_stride)
+        with torch.inference_mode():
+            fmap = prior.feature_map(x)
+    except (ValueError, AttributeError) as err:
+        raise ValueError(f"Prior {prior.spec}: {err}") from None
+    _, channels, h, w = fmap.shape
+    geometry = {"grid": [int(h), int(w)], "stride": stride, "input_size": [int(x.shape[-2]), int(x.shape[-1])],
+                "source_channels": int(channels), "layout": "hwc"}
+    if spatial is True:
+        return {**geometry, "channels": int(channels), "reduction": "none"}
+    if spatial >= channels:
+        raise ValueError(f"spatial={spatial} components but the prior's map has {channels} channels: pass k < "
+                         f"{channels}, or spatial=True to keep every channel.")
+    fit = min(n, SPATIAL_FIT_IMAGES)
+    if fit * h * w < 2:
+        raise ValueError(f"The map's PCA needs at least 2 locations; {fit} item(s) of a {h}x{w} map give {fit * h * w}.")
+    return {**geometry, "channels": int(spatial), "reduction": "pca", "fit_images": fit, "components": int(spatial)}
 
 
 def settings_diff(path: Path, old: dict, new: dict, finished: bool) -> str:
