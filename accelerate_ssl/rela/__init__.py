@@ -349,7 +349,7 @@ class ReLA:
     def from_prior(cls, prior, backbone: nn.Module, dataloader, *, total_steps: Optional[int] = None,
                    cache_dir="rela-targets", dataset=None, image_key=None, transform_attr=None,
                    weights: Optional[str] = None, batch_size: Optional[int] = None, progress: bool = True,
-                   **kwargs) -> "ReLA":
+                   spatial=False, **kwargs) -> "ReLA":
         """ReLA for the loop that iterates ``dataloader``, its targets made by ``prior``: the whole set-up in one call.
 
         ``rela = ReLA.from_prior("shipped:digits-byol", model.backbone, loader, total_steps=epochs * len(loader))``
@@ -375,7 +375,10 @@ class ReLA:
             image_key: where an item's image is (a dict field, a tuple position); default by the common names.
             transform_attr: the attribute(s) holding the augmentation, when not one of the common names.
             weights, batch_size, progress: for the prior (a local weights file) and the precompute.
-            **kwargs: the other :class:`ReLA` options (``schedule``, ``n_components``, ``capture``, ...).
+            spatial: ``k`` (or ``True``: every channel): a spatial store, the prior's feature map of each image with
+                every location reduced to ``k`` PCA components, for per-view targets (``wrap(geometry=)``) and the
+                dense term (``dense=``, which needs it); cached in its own folder.
+            **kwargs: the other :class:`ReLA` options (``schedule``, ``n_components``, ``capture``, ``dense``, ...).
         """
         from torch.utils.data import IterableDataset
 
@@ -397,9 +400,13 @@ class ReLA:
         if dataset is not None and transform_attr is not None:
             raise ValueError("ReLA.from_prior: pass dataset= (the clean set itself) or transform_attr= (where the "
                              "loader's data set holds its augmentation), not both.")
+        if kwargs.get("dense") is not None and not spatial:
+            raise ValueError("ReLA.from_prior(..., dense=) pulls the student's map toward the prior's map, which only a "
+                             "spatial store keeps: pass spatial=k too (e.g. spatial=16: each location reduced to 16 "
+                             "PCA components).")
         clean = clean_view(source, transform_attr) if dataset is None else dataset
         store = open_or_precompute(prior, clean, cache_dir, weights=weights, batch_size=batch_size, progress=progress,
-                                   image_key=image_key)
+                                   image_key=image_key, spatial=spatial)
         reads_ahead = iterated_through_tracking(dataloader)
         rela = cls(store, backbone, dataset=clean, dataloader=None if reads_ahead else dataloader,
                    total_steps=total_steps, **kwargs)

@@ -33,9 +33,11 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-")[:60]
 
 
-def store_folder(spec: str, fingerprint: dict, cache_dir: Union[str, os.PathLike]) -> Path:
-    """Where the store of prior ``spec`` over the data set with ``fingerprint`` lives under ``cache_dir``."""
-    return Path(cache_dir) / f"{_slug(spec)}-{fingerprint['length']}-{fingerprint['sha256'][:12]}"
+def store_folder(spec: str, fingerprint: dict, cache_dir: Union[str, os.PathLike], spatial=False) -> Path:
+    """Where the store of prior ``spec`` over the data set with ``fingerprint`` lives under ``cache_dir`` (a spatial
+    store's folder ends in ``-spatial<k>`` / ``-spatial-all``: another folder than the pooled rows')."""
+    tail = "" if not spatial else "-spatial-all" if spatial is True else f"-spatial{int(spatial)}"
+    return Path(cache_dir) / f"{_slug(spec)}-{fingerprint['length']}-{fingerprint['sha256'][:12]}{tail}"
 
 
 @contextlib.contextmanager
@@ -63,7 +65,7 @@ def _folder_lock(path: Path, state) -> Iterator[None]:
 
 def open_or_precompute(prior: Union[str, nn.Module], dataset, cache_dir: Union[str, os.PathLike] = "rela-targets", *,
                        weights: Optional[str] = None, batch_size: Optional[int] = None, progress: bool = True,
-                       image_key=None):
+                       image_key=None, spatial=False):
     """The :class:`~accelerate_ssl.targets.store.TargetStore` of ``prior`` over the clean ``dataset``, computed once
     under ``cache_dir`` and reopened after that (module docstring).
 
@@ -77,6 +79,8 @@ def open_or_precompute(prior: Union[str, nn.Module], dataset, cache_dir: Union[s
         progress: a progress bar while precomputing (main process only).
         image_key: where each item's image is (dict items: the field; tuple items: the position); default the
             first of ``image``, ``img``, ``pixel_values``, ... present, or the first image of a tuple.
+        spatial: ``True`` / ``k``: a spatial store (the prior's feature map per image, each location reduced to
+            ``k`` PCA components; :func:`~accelerate_ssl.targets.precompute.precompute_targets`), in its own folder.
 
     File names (when the data set has them) are recorded as the store's sample keys.
     """
@@ -85,7 +89,9 @@ def open_or_precompute(prior: Union[str, nn.Module], dataset, cache_dir: Union[s
     from ..priors import create_prior
     from .precompute import precompute_targets
     from .store import METADATA, TargetStore
-    from .write import image_channels, process_state
+    from .write import check_spatial, image_channels, process_state
+
+    check_spatial(spatial)
 
     if isinstance(prior, str):
         family, _, arch = prior.partition(":")
@@ -97,8 +103,9 @@ def open_or_precompute(prior: Union[str, nn.Module], dataset, cache_dir: Union[s
         raise ValueError("weights= is for a prior given as a spec; a ready Prior has its weights already.")
     else:
         spec = getattr(prior, "spec", type(prior).__name__)
-    path = store_folder(spec, dataset_fingerprint(dataset, image_key=image_key), cache_dir)
+    path = store_folder(spec, dataset_fingerprint(dataset, image_key=image_key), cache_dir, spatial)
     with _folder_lock(path, process_state()):
         if (path / METADATA).is_file():
             return TargetStore.open(path, dataset=dataset)
-        return precompute_targets(prior, dataset, path, batch_size=batch_size, progress=progress, image_key=image_key)
+        return precompute_targets(prior, dataset, path, batch_size=batch_size, progress=progress, image_key=image_key,
+                                  spatial=spatial)
