@@ -157,6 +157,12 @@ class ReadSpy:
         self.reads.append(torch.as_tensor(rows).clone())
         return rows
 
+    def maps(self, idx):
+        """A spatial store's maps (read to pool each view's box): recorded as the maps' means, the samples' rows."""
+        out = self.store.maps(idx)
+        self.reads.append(out.mean((2, 3)).clone())
+        return out
+
     def __len__(self):
         return len(self.store)
 
@@ -181,6 +187,7 @@ class RecipeLog:
     def watch(self, rela) -> None:
         if not isinstance(rela.targets.store, ReadSpy):
             rela.targets.store = ReadSpy(rela.targets.store)
+            next(iter(rela.priors.values())).store = rela.targets.store  # (where per-view rows are pooled from)
         self.spy, self._seen = rela.targets.store, len(rela.targets.store.reads)
 
     def step(self, rela, own) -> None:
@@ -192,8 +199,11 @@ class RecipeLog:
         reads = self.spy.reads[self._seen:]
         self._seen = len(self.spy.reads)
         expected = torch.as_tensor(self.spy.store[own.numpy()])
-        self.steps.append({"own": own.tolist(), "reads": len(reads), "lambda": float(rela.stats["lambda"]),
-                           "own_rows": len(reads) == 1 and torch.equal(reads[0], expected)})
+        views = len(reads[0]) // max(len(own), 1) if len(reads) == 1 else 0  # per-view reads: the batch once per view
+        same = torch.equal if views == 1 else lambda a, b: torch.allclose(a, b, rtol=0, atol=1e-5)
+        self.steps.append({"own": own.tolist(), "reads": len(reads), "views": views, "lambda": float(rela.stats["lambda"]),
+                           "own_rows": views >= 1 and len(reads[0]) == views * len(own)
+                           and same(reads[0], expected.repeat(views, 1))})
 
     def save(self, rank: Optional[int] = None) -> None:
         folder = os.environ.get("RECIPE_LOG")

@@ -193,3 +193,31 @@ def test_record_views_reads_and_calls_like_lightlys_multi_view_transform(image):
     views = recorded(image)
     assert [tuple(v.shape) for v, _ in views] == [(3, 16, 16), (3, 8, 8)]
     assert views[0][1][4] == 0  # no flip in the first view's Compose: never flipped
+
+
+# ---------------------------------------------------------------------------------------------- the README recipe
+def test_lightlys_byol_example_with_per_view_targets_is_three_added_two_changed_and_reads_its_own_maps(
+        tmp_path, fashion_mnist_available):
+    """tests/recipes/lightly_views.py, lightly's examples/pytorch/byol.py with the README's lines: the recipe's count,
+    then the script run as written; every step read its own samples' maps, once per view (two views)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from processes import cpu_process_env
+    from recipe_check import assert_every_row_is_the_samples_own, check_recipe, read_logs
+
+    root = Path(__file__).resolve().parents[1]
+    script = root / "tests" / "recipes" / "lightly_views.py"
+    assert check_recipe(script, "**With lightly's transforms.**") == (3, 2)
+    path = os.pathsep.join([str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = cpu_process_env(PYTHONPATH=path, PYTHONUNBUFFERED="1", RECIPE_LOG=str(tmp_path / "log"))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, text=True, capture_output=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    steps = read_logs(tmp_path / "log")[0]
+    assert len(steps) == 2 * 4
+    assert_every_row_is_the_samples_own(steps)
+    assert all(s["views"] == 2 for s in steps)  # each view's rows pooled from its own image's map
+    assert len(list((tmp_path / "rela-targets").glob("shipped-digits-byol-256-*-spatial16/metadata.json"))) == 1
