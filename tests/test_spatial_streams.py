@@ -169,7 +169,7 @@ def test_refusals_name_the_fix(data, prior, tmp_path):
         precompute_sidecars(prior, spec, tmp_path / "b", spatial=3, views=StoredViews(k=2), progress=False)
     pooled = precompute_sidecars(prior, spec, tmp_path / "pooled", batch_size=8, progress=False)
     batch = views_of(urls, pooled)[0]
-    rela = ReLA(pooled, ConvNet(widths=(8, 16)), feature_dim=16, witness=False)
+    rela = ReLA(pooled, ConvNet(widths=(8, 16)), feature_dim=16, witness=False, total_steps=1)
     with pytest.raises(ValueError, match="these rows are pooled, one per sample: carry maps"):
         rela.priors["0"].build(16, "auto", "cpu")
         rela.wrap(torch.zeros(()), targets=batch[3], geometry=batch[2], features=torch.zeros(6, 16))
@@ -210,3 +210,27 @@ def test_cli_writes_spatial_sidecars(data, tmp_path, capsys):
     assert "--spatial 3" in opened.metadata["command"]
     torch.testing.assert_close(opened.maps(np.arange(N)), sidecars.maps(np.arange(N)), rtol=0, atol=2e-2)  # float16
     assert main(["store", "verify", str(out), "--data", spec, "--no-progress"]) == 0
+
+
+def test_a_datasets_column_carries_each_rows_map(prior, tmp_path):
+    """hf: sidecars with spatial=: the column hands each row its own map (any row order), and wrap pools views from
+    it."""
+    datasets = pytest.importorskip("datasets")
+    from PIL import Image
+
+    ds = datasets.Dataset.from_dict({"image": [Image.fromarray(image_of(n)) for n in range(12)],
+                                     "id": [f"img{n:03d}" for n in range(12)]},
+                                    features=datasets.Features({"image": datasets.Image(),
+                                                                "id": datasets.Value("string")}))
+    ds.save_to_disk(str(tmp_path / "hf"))
+    targets = precompute_sidecars(prior, f"hf:{tmp_path / 'hf'}", tmp_path / "side", batch_size=4, progress=False,
+                                  spatial=True)
+    order = [5, 0, 11, 3, 7, 1]
+    column = targets.column(datasets.load_from_disk(str(tmp_path / "hf")).select(order)).with_format("torch")[:]
+    carried = column["target"]
+    assert carried.shape == (6, 9 * 256 + 1) and (carried[:, -1] == targets.tag).all()
+    torch.testing.assert_close(targets.as_maps(carried[:, :-1]), live_maps(prior, order), rtol=0, atol=1e-5)
+    rela = ReLA(targets, ConvNet(widths=(8, 16)), feature_dim=16, n_components=4, witness=False, total_steps=2)
+    whole = torch.tensor([[0.0, 0.0, SIZE, SIZE, 0.0, SIZE, SIZE]]).repeat(6, 1)
+    torch.testing.assert_close(rela.priors["0"].targets.reduce_rows(carried, "cpu", whole),
+                               rela.priors["0"].targets.reduce_rows(carried, "cpu"), rtol=0, atol=1e-4)
