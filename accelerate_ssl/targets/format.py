@@ -3,7 +3,8 @@
 Stores (:mod:`.store`, written by :mod:`.precompute`) and sidecar folders (:mod:`.sidecar`) both keep rows as float32,
 float16 or bfloat16 (:data:`DTYPES` as ``.npy`` files, bfloat16 as its uint16 bit patterns; :data:`TORCH_DTYPES` for
 safetensors sidecars), refuse values float16 cannot hold (:func:`refuse_float16_overflow`), and read them back as
-float32. This module holds no I/O policy: the readers and the writers sit above it.
+float32. A spatial folder's row is a feature map flattened channels last (:class:`MapRows`). This module holds no I/O
+policy: the readers and the writers sit above it.
 """
 
 from __future__ import annotations
@@ -61,6 +62,30 @@ def decode_rows(stored: np.ndarray, dtype: str) -> np.ndarray:
     return np.array(stored, dtype=np.float32)
 FORMAT = "accelerate-ssl-targets"
 FORMAT_VERSION = 1
+
+
+class MapRows:
+    """What spatial stores and spatial sidecars share of their rows: a row is a map ``[h, w, dim]`` flattened channels
+    last (:attr:`width` values); the reader gives ``spatial`` (its metadata record, None for pooled rows) and
+    ``dim`` (the map's channels)."""
+
+    spatial: "dict | None"
+    dim: int
+
+    @property
+    def grid(self) -> "tuple[int, int] | None":
+        """``(h, w)`` of the maps, else None."""
+        return None if self.spatial is None else tuple(int(v) for v in self.spatial["grid"])
+
+    @property
+    def width(self) -> int:
+        """Values per stored row: :attr:`dim`, or ``h w dim`` for a flattened map."""
+        return self.dim if self.spatial is None else self.grid[0] * self.grid[1] * self.dim
+
+    def as_maps(self, rows: torch.Tensor) -> torch.Tensor:
+        """Flat map rows ``[B, h w dim]`` (as stored, or carried by a batch without their tag) as ``[B, dim, h, w]``."""
+        h, w = self.grid
+        return rows.reshape(len(rows), h, w, self.dim).permute(0, 3, 1, 2)
 
 
 class TargetStoreMismatchError(ValueError):

@@ -79,7 +79,7 @@ from ..atomic import atomic_path, atomic_write_text
 from ..data.views import StoredViews, apply_view
 from .pca import TargetPCA
 from ..checksum import file_sha256
-from .format import TORCH_DTYPES, SidecarError, cast_rows, refuse_float16_overflow
+from .format import TORCH_DTYPES, MapRows, SidecarError, cast_rows, refuse_float16_overflow
 
 __all__ = ["precompute_sidecars", "ShardedTargets", "key_index", "SIDECARS"]
 
@@ -419,7 +419,7 @@ class _AllRows:
 _OPENED: dict[float, str] = {}
 
 
-class ShardedTargets:
+class ShardedTargets(MapRows):
     """A sidecar folder opened for ReLA and for joining (module docstring): ``len`` (rows: samples x views),
     ``dim``, ``store[rows]`` (global rows, shards in order), ``pca(n)``, ``identity()``, :attr:`tag`, :meth:`join`,
     :meth:`column`, :meth:`strip_tag`, :meth:`verify`, :meth:`verify_stream`."""
@@ -480,25 +480,9 @@ class ShardedTargets:
         return self.metadata.get("spatial")
 
     @property
-    def grid(self) -> Optional[tuple[int, int]]:
-        """``(h, w)`` of spatial sidecars' maps, else None."""
-        return None if self.spatial is None else tuple(int(v) for v in self.spatial["grid"])
-
-    @property
-    def width(self) -> int:
-        """Values per sample in a sidecar (and in a carried row, before its tag): :attr:`dim`, or ``h w dim`` for a
-        map."""
-        return self.dim if self.spatial is None else self.grid[0] * self.grid[1] * self.dim
-
-    @property
     def preprocess(self) -> dict:
         """The prior's preprocessing as recorded (how a view's box maps onto the map's cells)."""
         return self.metadata.get("settings", {}).get("prior", {}).get("preprocess") or {}
-
-    def as_maps(self, rows: torch.Tensor) -> torch.Tensor:
-        """Flat map rows ``[B, h w C]`` (a sidecar's, or carried ones without their tag) as ``[B, C, h, w]``."""
-        h, w = self.grid
-        return rows.reshape(len(rows), h, w, self.dim).permute(0, 3, 1, 2)
 
     def maps(self, idx: Any) -> torch.Tensor:
         """Spatial sidecars' maps of the rows ``idx`` (global rows, shards in order) as float32 ``[B, C, h, w]``."""

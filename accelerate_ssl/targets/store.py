@@ -43,14 +43,14 @@ import torch
 from ..atomic import atomic_path
 from ..checksum import file_sha256
 from .format import (AT_WRITE_PCA, CHUNKS, DTYPES, FORMAT, FORMAT_VERSION, IDENTITY, MANIFEST, METADATA, PCA_DIR,
-                     TARGETS, TargetStoreCorruptError, TargetStoreIncompleteError, TargetStoreMismatchError, decode_rows,
+                     TARGETS, MapRows, TargetStoreCorruptError, TargetStoreIncompleteError, TargetStoreMismatchError, decode_rows,
                      encode_rows, read_json, refuse_float16_overflow)
 
 #: decoded map values a spatial store's ``store[idx]`` holds at a time (float32: 16 MB)
 MAP_BLOCK_VALUES = 1 << 22
 
 
-class TargetStore:
+class TargetStore(MapRows):
     """Memory-mapped prior targets with their provenance (contract: ``accelerate_ssl.targets.store``).
 
     Use :meth:`open`; ``store[idx]`` gives float32 rows (``idx``: int -> ``[dim]``; LongTensor, list,
@@ -277,11 +277,6 @@ class TargetStore:
         return self.metadata.get("spatial")
 
     @property
-    def grid(self) -> Optional[tuple[int, int]]:
-        """``(h, w)`` of a spatial store's maps, else None."""
-        return None if self.spatial is None else tuple(int(v) for v in self.spatial["grid"])
-
-    @property
     def shape(self) -> tuple[int, int]:
         return (len(self), self.dim)
 
@@ -385,16 +380,6 @@ class TargetStore:
     def preprocess(self) -> dict:
         """The prior's preprocessing as recorded (how a view's box maps onto the map's cells)."""
         return self.metadata.get("preprocess") or {}
-
-    @property
-    def width(self) -> int:
-        """Values per stored row: :attr:`dim`, or ``h w dim`` for a spatial store's flattened map."""
-        return self.dim if self.spatial is None else self.grid[0] * self.grid[1] * self.dim
-
-    def as_maps(self, rows: torch.Tensor) -> torch.Tensor:
-        """Flat map rows ``[B, h w C]`` (channels last, as stored) as ``[B, C, h, w]``."""
-        h, w = self.grid
-        return rows.reshape(len(rows), h, w, self.dim).permute(0, 3, 1, 2)
 
     def maps(self, idx: Any) -> torch.Tensor:
         """A spatial store's maps of ``idx`` as float32 ``[B, C, h, w]`` (``[C, h, w]`` for an int)."""
