@@ -43,8 +43,8 @@ import torch
 from ..atomic import atomic_path
 from ..checksum import file_sha256
 from .format import (AT_WRITE_PCA, CHUNKS, DTYPES, FORMAT, FORMAT_VERSION, IDENTITY, MANIFEST, METADATA, PCA_DIR,
-                     TARGETS, MapRows, TargetStoreCorruptError, TargetStoreIncompleteError, TargetStoreMismatchError, decode_rows,
-                     encode_rows, read_json, refuse_float16_overflow)
+                     TARGETS, MapRows, TargetStoreCorruptError, TargetStoreIncompleteError, TargetStoreMismatchError,
+                     decode_rows, encode_rows, read_json, refuse_float16_overflow)
 
 #: decoded map values a spatial store's ``store[idx]`` holds at a time (float32: 16 MB)
 MAP_BLOCK_VALUES = 1 << 22
