@@ -146,6 +146,10 @@ def test_placeholders_that_never_fire_and_pixel_preserving_transforms_are_accept
     assert isinstance(recorded, RecordGeometry) and len(recorded.then.transforms) == 7
     with pytest.raises(TypeError, match="neither a torchvision Compose"):
         record_geometry(T.RandomResizedCrop(8))
+    view = T.Compose([T.RandomResizedCrop(8), T.RandomHorizontalFlip(), T.ToTensor()])
+    for container in (T.RandomChoice([view, view]), T.RandomApply([view], p=0.5), T.RandomOrder([view, view])):
+        with pytest.raises(TypeError, match=f"{type(container).__name__}.*to one view .at random., not one view each"):
+            record_geometry(container)  # not a multi-view transform, whatever its .transforms list
 
 
 @pytest.mark.parametrize("api", [T, v2])

@@ -25,8 +25,8 @@ SIZE, SIZES = 24, (10, 7, 9)  # 24 px images: a 3x3 map of the random ConvNet pr
 N = sum(SIZES)
 
 
-def image_of(n: int) -> np.ndarray:
-    return np.random.default_rng(1000 + n).integers(0, 256, (SIZE, SIZE), dtype=np.uint8)
+def image_of(n: int, size: int = SIZE) -> np.ndarray:
+    return np.random.default_rng(1000 + n).integers(0, 256, (size, size), dtype=np.uint8)
 
 
 def png(a: np.ndarray) -> bytes:
@@ -37,14 +37,14 @@ def png(a: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def write_shards(folder: Path) -> list[str]:
+def write_shards(folder: Path, pixels=lambda shard: SIZE) -> list[str]:
     folder.mkdir(parents=True)
     urls, n = [], 0
     for s, size in enumerate(SIZES):
         path = folder / f"shard-{s:06d}.tar"
         with tarfile.open(path, "w") as tar:
             for i in range(n, n + size):
-                data = png(image_of(i))
+                data = png(image_of(i, pixels(s)))
                 info = tarfile.TarInfo(f"k{i:05d}.png")
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
@@ -206,7 +206,7 @@ def test_cli_writes_spatial_sidecars(data, tmp_path, capsys):
                  "--dtype", "float16", "--batch-size", "4", "--no-progress", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     opened = ShardedTargets.open(out)
-    assert printed["dim"] == 3 and opened.grid == (3, 3) and opened.spatial["reduction"] == "pca"
+    assert printed["dim"] == 3 and printed["spatial"]["grid"] == [3, 3] and opened.spatial["reduction"] == "pca"
     assert "--spatial 3" in opened.metadata["command"]
     torch.testing.assert_close(opened.maps(np.arange(N)), sidecars.maps(np.arange(N)), rtol=0, atol=2e-2)  # float16
     assert main(["store", "verify", str(out), "--data", spec, "--no-progress"]) == 0
@@ -234,3 +234,50 @@ def test_a_datasets_column_carries_each_rows_map(prior, tmp_path):
     whole = torch.tensor([[0.0, 0.0, SIZE, SIZE, 0.0, SIZE, SIZE]]).repeat(6, 1)
     torch.testing.assert_close(rela.priors["0"].targets.reduce_rows(carried, "cpu", whole),
                                rela.priors["0"].targets.reduce_rows(carried, "cpu"), rtol=0, atol=1e-4)
+
+
+def test_the_maps_pca_is_fitted_before_any_sidecar_and_a_lost_fit_recomputes_them(data, prior, tmp_path, monkeypatch):
+    """spatial=k: the PCA is fitted first (no full map is ever written: every sidecar is as small as its reduced rows
+    from the start), and a run resumed without its fit recomputes the sidecars rather than mix two bases."""
+    import accelerate_ssl.targets.sidecar as sidecar
+
+    root, urls, spec, sidecars, store = data
+    written = []
+    real = sidecar._write_sidecar
+    monkeypatch.setattr(sidecar, "_write_sidecar", lambda file, shard, keys, rows, *a: written.append(
+        (file.name, tuple(rows.shape))) or real(file, shard, keys, rows, *a))
+    out = tmp_path / "k3"
+    first = precompute_sidecars(prior, spec, out, batch_size=4, progress=False, spatial=3)
+    assert sorted(written) == sorted((f"shard-{s:06d}.tar.safetensors", (n, 27)) for s, n in enumerate(SIZES))
+    torch.testing.assert_close(first.maps(np.arange(N)), sidecars.maps(np.arange(N)), rtol=0, atol=1e-5)
+    (out / SIDECARS).unlink()  # an unfinished run whose fit is gone, two of its sidecars written
+    (out / "shard-000002.tar.safetensors").unlink()
+    next((out / "pca").glob("write-*")).unlink()
+    written.clear()
+    again = precompute_sidecars(prior, spec, out, batch_size=4, progress=False, spatial=3)
+    assert len(written) == 3  # every sidecar recomputed in the new fit's basis
+    torch.testing.assert_close(again.maps(np.arange(N)), sidecars.maps(np.arange(N)), rtol=0, atol=1e-5)
+
+
+def test_images_of_another_size_are_refused_naming_the_fix(tmp_path):
+    """A prior that keeps the image's size (no resize) on shards whose images differ: refused at the fit and in the
+    pass, naming the fix, instead of writing sidecars that cannot be read."""
+    prior = create_prior("random:convnet", in_channels=1).eval()  # (its preprocessing keeps the input size)
+    write_shards(tmp_path / "data", pixels=lambda shard: 24 if shard == 0 else 32)
+    spec = f"wds:{tmp_path}/data/shard-{{000000..000002}}.tar"
+    for spatial in (True, 3):
+        with pytest.raises(ValueError, match="the images differ in size and the prior does not resize them"):
+            precompute_sidecars(prior, spec, tmp_path / f"s{spatial}", batch_size=4, progress=False, spatial=spatial)
+
+
+def test_a_one_cell_map_is_carried_as_a_map(prior, tmp_path):
+    """8 px images give a 1x1 map: carried rows are still maps (their mean is themselves), views pool from them."""
+    write_shards(tmp_path / "data", pixels=lambda shard: 8)
+    spec = f"wds:{tmp_path}/data/shard-{{000000..000002}}.tar"
+    targets = precompute_sidecars(prior, spec, tmp_path / "side", batch_size=4, progress=False, spatial=3)
+    assert targets.grid == (1, 1) and targets.width == targets.dim == 3
+    carried = targets.carried(targets[np.arange(4)])
+    rela = ReLA(targets, ConvNet(widths=(8, 16)), feature_dim=16, n_components=3, witness=False, total_steps=1)
+    half = torch.tensor([[0.0, 0.0, 4.0, 8.0, 1.0, 8.0, 8.0]]).repeat(4, 1)
+    torch.testing.assert_close(rela.priors["0"].targets.reduce_rows(carried, "cpu", half),
+                               rela.priors["0"].targets.reduce_rows(carried, "cpu"), rtol=0, atol=1e-5)

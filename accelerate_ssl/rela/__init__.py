@@ -673,7 +673,9 @@ class ReLA:
                 dense_losses = t.dense_losses(maps, None if sample_index is None else sample_index[name], geometry,
                                               carried=None if sample_index is not None else rows[name])
                 if self.dense_only:  # the value and the student's gradient: dense; the global head still learns
-                    term_losses = dense_losses + (term_losses - term_losses.detach())
+                    # (the features enter with weight 0: the layers after the dense module stay in the graph, as
+                    # DDP needs every parameter used)
+                    term_losses = dense_losses + (term_losses - term_losses.detach()) + 0.0 * feats.sum(dim=1)
                 else:
                     term_losses = 0.5 * (term_losses + dense_losses)
             losses.append(term_losses)

@@ -329,8 +329,7 @@ class TargetLookup:
 
     def holds_maps(self, rows: torch.Tensor) -> bool:
         """Whether carried ``rows`` (tag dropped) are flat maps of a spatial store: ``h w`` times its dim wide."""
-        width = getattr(self.store, "width", None)
-        return getattr(self.store, "spatial", None) is not None and width != self.store.dim and rows.shape[1] == width
+        return getattr(self.store, "spatial", None) is not None and rows.shape[1] == self.store.width
 
     def carried(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows a batch carried (``wrap(targets=)``): a float ``[B, width]``, their sidecar folder's tag checked and

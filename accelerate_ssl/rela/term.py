@@ -93,7 +93,7 @@ class PriorTerm:
         samples = None
         if carried is not None:
             rows = self.targets.carried(carried)
-            if not self.targets.holds_maps(rows) and self.store.width != self.store.dim:
+            if not self.targets.holds_maps(rows):
                 raise ValueError(f"ReLA(dense=) with targets=: the batch carries rows of {rows.shape[1]} values, not "
                                  f"each sample's {'x'.join(map(str, self.store.grid))} map ({self.store.width} values): "
                                  "pass the rows as the sidecars' join / column hand them, or index= / keys=.")

@@ -600,7 +600,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "fitted over the locations of up to %d evenly spaced images before writing), or 'all' "
                              "channels; the rows are then the maps' means, and a view's crop box can be pooled from the "
                              "map (accelerate_ssl.targets.views). Streamed data: sidecars of maps, the PCA fitted "
-                             "after the raw pass" % SPATIAL_FIT_IMAGES)
+                             "on the first images of evenly spaced shards" % SPATIAL_FIT_IMAGES)
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="rows per resumable chunk file")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -725,8 +725,10 @@ def _run_stream(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"path": str(targets.path), "rows": len(targets), "dim": targets.dim, "prior": prior.spec,
                           "shards": len(targets.shards), "dtype": args.dtype,
-                          "bytes_per_sample": targets.metadata["bytes_per_sample"]}))
+                          "bytes_per_sample": targets.metadata["bytes_per_sample"],
+                          **({"spatial": targets.spatial} if targets.spatial else {})}))
     else:
-        print(f"wrote {targets.path}: {len(targets.shards)} sidecar shard(s), {len(targets)} rows x {targets.dim} "
+        grid = f" (maps on a {targets.grid[0]}x{targets.grid[1]} grid)" if targets.spatial else ""
+        print(f"wrote {targets.path}: {len(targets.shards)} sidecar shard(s), {len(targets)} rows x {targets.dim}{grid} "
               f"({prior.spec}, {args.dtype})")
     return 0

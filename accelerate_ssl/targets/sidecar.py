@@ -50,9 +50,10 @@ sidecars are rewritten reduced). A reduced folder's ``pca(n)`` is the first n of
 
 **Spatial sidecars** (``spatial=True`` / ``spatial=k``): each sample's row is the prior's feature map, channels
 last and flattened (``h w`` values of ``dim``), read off the stream's first sample for its grid and stride;
-``spatial=k`` reduces every location to its top k PCA components (fitted after the raw pass over the locations of up
-to 256 evenly spaced samples, saved in ``pca/`` with its sha256 in ``sidecars.json``'s ``spatial`` record, then every
-sidecar rewritten reduced). ``store[rows]`` gives the maps' means, :meth:`ShardedTargets.maps` the maps, and the join
+``spatial=k`` reduces every location to its top k PCA components, fitted before any sidecar is written over the
+locations of up to 256 samples (the first ones of evenly spaced shards; no pass over the stream), saved in ``pca/``
+with its sha256 in ``sidecars.json``'s ``spatial`` record: every sidecar is written reduced, so no full map reaches
+the disk, and a run resumed without that file recomputes its sidecars rather than mix two fits. ``store[rows]`` gives the maps' means, :meth:`ShardedTargets.maps` the maps, and the join
 hands each sample's map (with the tag): ``rela.wrap(loss, targets=..., geometry=...)`` pools each view's box from it
 and ``ReLA(dense=)`` reads it, as from a map-style spatial store.
 
@@ -183,9 +184,9 @@ def precompute_sidecars(prior, source, path, *, batch_size: Optional[int] = None
     opened :class:`ShardedTargets` (on every process).
 
     ``spatial=True`` keeps each sample's feature map (channels last, flattened), ``spatial=k`` every location of it
-    reduced to ``k`` PCA components (fitted after the raw pass over the locations of up to
-    :data:`~accelerate_ssl.targets.write.SPATIAL_FIT_IMAGES` evenly spaced samples; the raw sidecars are then rewritten
-    reduced), as a spatial store does (module docstring, "Spatial sidecars")."""
+    reduced to ``k`` PCA components (fitted before any sidecar is written, over the locations of up to
+    :data:`~accelerate_ssl.targets.write.SPATIAL_FIT_IMAGES` samples from the starts of evenly spaced shards; every
+    sidecar is written reduced), as a spatial store does (module docstring, "Spatial sidecars")."""
     from tqdm.auto import tqdm
 
     from .. import __version__
@@ -221,7 +222,7 @@ def precompute_sidecars(prior, source, path, *, batch_size: Optional[int] = None
                              "prior's map from.")
         geometry = map_geometry(prior, pre.batch(Preprocess.to_tensor(first[1]).unsqueeze(0)), spatial,
                                 SPATIAL_FIT_IMAGES)
-    map_k = None if geometry is None else geometry.get("components")  # the map's PCA, fitted after the raw pass
+    map_k = None if geometry is None else geometry.get("components")  # the map's PCA, fitted before the pass
     settings = json.loads(json.dumps({
         "prior": {**prior.describe(), "preprocess": pre.config},
         "data": {k: v for k, v in source.describe().items() if k != "spec"}, "shards": source.shards,
@@ -246,47 +247,45 @@ def precompute_sidecars(prior, source, path, *, batch_size: Optional[int] = None
         atomic_write_text(path / MANIFEST, json.dumps({"settings": settings, "command": command}, indent=1))
     state.wait_for_everyone()
 
+    device = state.device
+    prior = prior.to(device).eval()
+    reduce_map = None
+    if map_k:  # the map's PCA, fitted before any sidecar is written (as a spatial store's): no full map on disk
+        fit_file = path / PCA_DIR / f"write-n{map_k}-zscore.safetensors"
+        if state.is_main_process and not fit_file.is_file():
+            for stale in path.glob("*.safetensors"):  # sidecars written in a basis that is gone: recompute them
+                stale.unlink()
+            _save_pca(_fit_map_pca(prior, pre, source, geometry, batch_size, precision, device, progress), fit_file)
+        state.wait_for_everyone()
+        reduce_map = _load_pca(fit_file)
+
     mine = source.shards[state.process_index :: state.num_processes]  # every shard exactly once
     for shard in mine:
         for stale in path.glob(f"{sidecar_name(shard)}.*tmp*"):  # left by a write that was interrupted
             stale.unlink(missing_ok=True)
-    reduced_at_write = bool(components or map_k)  # a raw pass, a fit over it, then each sidecar rewritten reduced
-    raw_stage = "raw" if reduced_at_write else "final"
+    raw_stage = "raw" if components else "final"  # components=: a raw pass, a fit over it, then rewritten reduced
     todo = [s for s in mine if not (_sidecar_done(path / sidecar_name(s), settings_sha, raw_stage)
-                                    or (reduced_at_write and _sidecar_done(path / sidecar_name(s), settings_sha, "final")))]
+                                    or (components and _sidecar_done(path / sidecar_name(s), settings_sha, "final")))]
     if state.is_main_process and progress and len(todo) < len(mine):
         print(f"precompute: resuming {path}: {len(mine) - len(todo)} of {len(mine)} shard(s) of this process already "
               "done", file=sys.stderr)
-    device = state.device
-    prior = prior.to(device).eval()
     bar = tqdm(total=len(todo), desc=f"precompute {prior.spec}", unit="shard", dynamic_ncols=True,
                disable=not (progress and state.is_main_process))
     for shard in todo:
-        keys, rows, digests = _shard_rows(prior, pre, source, shard, batch_size, precision, views, device, geometry)
-        _write_sidecar(path / sidecar_name(shard), shard, keys, rows if reduced_at_write else cast_rows(rows, dtype),
+        keys, rows, digests = _shard_rows(prior, pre, source, shard, batch_size, precision, views, device, geometry,
+                                          reduce_map)
+        _write_sidecar(path / sidecar_name(shard), shard, keys, rows if components else cast_rows(rows, dtype),
                        digests, settings_sha, raw_stage)
         bar.update()
     bar.close()
     state.wait_for_everyone()
 
-    if reduced_at_write:  # PCA at write: fit over the raw rows (main process), then each process reduces its shards
-        k = components or map_k
-        fit_file = path / PCA_DIR / f"write-n{k}-zscore.safetensors"
-        channels = settings["dim"] if geometry is None else geometry["source_channels"]  # one fitted vector's width
+    if components:  # PCA at write: fit over every raw row (main process), then each process reduces its shards
+        fit_file = path / PCA_DIR / f"write-n{components}-zscore.safetensors"
         if state.is_main_process and not fit_file.is_file():
-            width = settings["dim"] if geometry is None else int(np.prod(geometry["grid"])) * channels
             raw = ShardedTargets(path, {"shards": [{"shard": s, "file": sidecar_name(s)} for s in source.shards],
-                                        "dim": width, "views": settings["views"]}, check=False)
-            if geometry is None:  # every row
-                fitted = TargetPCA.fit(_AllRows(raw), k, standardize=True, progress=progress)
-            else:  # every location of evenly spaced samples' maps
-                total = int(raw._offsets[-1])
-                rows = np.unique(np.linspace(0, total - 1, min(total, SPATIAL_FIT_IMAGES)).round().astype(np.int64))
-                if len(rows) * int(np.prod(geometry["grid"])) < 2:
-                    raise ValueError(f"spatial={k}: the map's PCA needs at least 2 locations; the stream holds {total} "
-                                     "sample(s).")
-                fitted = TargetPCA.fit(raw[rows].reshape(-1, channels), k, standardize=True)
-            _save_pca(fitted, fit_file)
+                                        "dim": settings["dim"], "views": settings["views"]}, check=False)
+            _save_pca(TargetPCA.fit(_AllRows(raw), components, standardize=True, progress=progress), fit_file)
         state.wait_for_everyone()
         fitted = _load_pca(fit_file)
         for shard in mine:
@@ -295,7 +294,7 @@ def precompute_sidecars(prior, source, path, *, batch_size: Optional[int] = None
                 continue
             meta, tensors = _read_sidecar(file)
             rows = tensors["targets"].float()
-            reduced = fitted.transform(rows.reshape(-1, channels)).reshape(len(rows), *rows.shape[1:-1], -1)
+            reduced = fitted.transform(rows.reshape(-1, rows.shape[-1])).reshape(*rows.shape[:-1], components)
             _write_sidecar(file, shard, meta["keys"], cast_rows(reduced, dtype), tensors["digests"].numpy(),
                            settings_sha, "final")
         state.wait_for_everyone()
@@ -306,9 +305,9 @@ def precompute_sidecars(prior, source, path, *, batch_size: Optional[int] = None
     return ShardedTargets.open(path)
 
 
-def _shard_rows(prior, pre, source, shard, batch_size, precision, views, device, geometry=None):
+def _shard_rows(prior, pre, source, shard, batch_size, precision, views, device, geometry=None, reduce_map=None):
     """Keys, float32 rows ``[n, d]`` (``[n, k, d]`` with views; a spatial run's: ``[n, h w C]``, each map channels
-    last) and image-bytes digests of one data shard."""
+    last, every location reduced by ``reduce_map`` when given) and image-bytes digests of one data shard."""
     from ..priors import Preprocess
     from .write import embed
 
@@ -326,9 +325,14 @@ def _shard_rows(prior, pre, source, shard, batch_size, precision, views, device,
         x = (pre.batch(torch.stack(batch)) if len(shapes) == 1 else
              torch.stack([pre.batch(t.unsqueeze(0))[0] for t in batch]))
         first = len(keys) - len(batch) // k  # the key of the batch's first row
-        out.append(embed(prior, x, precision, device,
-                         lambda bad: f"keys {[keys[first + i // k] for i in bad]} of shard {shard!r}",
-                         spatial=geometry is not None).cpu().reshape(len(x), -1))
+        rows = embed(prior, x, precision, device,
+                     lambda bad: f"keys {[keys[first + i // k] for i in bad]} of shard {shard!r}",
+                     spatial=geometry is not None)
+        if geometry is not None:
+            _check_grid(rows, geometry, f"shard {shard!r}, keys {keys[first]!r}...")
+            if reduce_map is not None:
+                rows = reduce_map.transform(rows.reshape(-1, rows.shape[-1])).reshape(*rows.shape[:-1], -1)
+        out.append(rows.cpu().reshape(len(x), -1))
         batch.clear()
 
     for key, image, raw in source.samples(shard):
@@ -347,17 +351,56 @@ def _shard_rows(prior, pre, source, shard, batch_size, precision, views, device,
         if len(batch) >= batch_size * k:
             flush()
     flush()
-    dim = int(prior.output_dim) if geometry is None else \
-        int(np.prod(geometry["grid"])) * geometry["source_channels"]
+    dim = int(prior.output_dim) if geometry is None else int(np.prod(geometry["grid"])) * geometry["channels"]
     rows = torch.cat(out) if out else torch.zeros(0, dim)
     if views is not None:
         rows = rows.reshape(len(keys), k, dim)
     return keys, rows, np.asarray(digests, dtype=np.int64)
 
 
-def _finish(path: Path, source, settings: dict, command: str, processes: int, version: str) -> None:
-    from .write import SPATIAL_FIT_IMAGES
+def _check_grid(maps: torch.Tensor, geometry: dict, where: str) -> None:
+    """Every map of a spatial run on the grid read off the stream's first sample, or the error naming the fix."""
+    if list(maps.shape[1:3]) != list(geometry["grid"]):
+        raise ValueError(f"spatial=: the prior's map of {where} is {maps.shape[1]}x{maps.shape[2]} but the stream's "
+                         f"first sample gave {geometry['grid'][0]}x{geometry['grid'][1]}: the images differ in size and "
+                         "the prior does not resize them to one. Use a prior that resizes and crops to a fixed input "
+                         "(any zoo prior), or write the shards with images of one size.")
 
+
+def _fit_map_pca(prior, pre, source, geometry: dict, batch_size: int, precision: str, device, show: bool) -> TargetPCA:
+    """The map's PCA of a ``spatial=k`` run (Eq. 41, z-scored), fitted over every location of up to
+    :data:`~accelerate_ssl.targets.write.SPATIAL_FIT_IMAGES` samples: the first samples of evenly spaced shards, as
+    many from each (a stream is read from its shards' starts; no pass over it)."""
+    from ..priors import Preprocess
+    from .write import SPATIAL_FIT_IMAGES, embed
+
+    want = SPATIAL_FIT_IMAGES
+    picked = [source.shards[int(i)] for i in np.unique(np.linspace(0, len(source.shards) - 1,
+                                                                   min(want, len(source.shards))).round())]
+    per = -(-want // len(picked))
+    images = []
+    for shard in picked:
+        for j, (_, image, _) in enumerate(source.samples(shard)):
+            if j == per or len(images) == want:
+                break
+            images.append(Preprocess.to_tensor(image))
+    if len(images) * int(np.prod(geometry["grid"])) < 2:
+        raise ValueError(f"spatial={geometry['channels']}: the map's PCA needs at least 2 locations; the stream gave "
+                         f"{len(images)} sample(s).")
+    maps = []
+    for a in range(0, len(images), batch_size):
+        part = images[a:a + batch_size]
+        for group in [part] if len({tuple(t.shape) for t in part}) == 1 else [[t] for t in part]:  # one size a forward
+            out = embed(prior, pre.batch(torch.stack(group)), precision, device,
+                        lambda bad: f"the PCA fit's samples {bad}", spatial=True)
+            _check_grid(out, geometry, "a sample of the PCA fit")
+            maps.append(out.reshape(-1, out.shape[-1]).cpu())
+    if show:
+        print(f"precompute: fitted the map's PCA over {len(images)} samples of {len(picked)} shard(s)", file=sys.stderr)
+    return TargetPCA.fit(torch.cat(maps), geometry["channels"], standardize=True)
+
+
+def _finish(path: Path, source, settings: dict, command: str, processes: int, version: str) -> None:
     shards, owner = [], {}
     for shard in source.shards:
         file = path / sidecar_name(shard)
@@ -377,7 +420,8 @@ def _finish(path: Path, source, settings: dict, command: str, processes: int, ve
     spatial = settings.get("spatial")
     if spatial is not None and spatial["reduction"] == "pca":  # the samples its PCA was fitted on, and the fit file
         fit = path / PCA_DIR / f"write-n{spatial['channels']}-zscore.safetensors"
-        spatial = {**spatial, "fit_images": min(samples, SPATIAL_FIT_IMAGES), "pca_sha256": file_sha256(fit)}
+        fitted = _load_pca(fit)
+        spatial = {**spatial, "fit_images": fitted.num_rows // int(np.prod(spatial["grid"])), "pca_sha256": file_sha256(fit)}
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "settings": settings, "shards": shards,
             "num_samples": samples, "num_rows": samples * k,
             "dim": spatial["channels"] if spatial else settings["components"] or settings["dim"],

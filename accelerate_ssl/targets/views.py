@@ -391,6 +391,12 @@ def record_geometry(transform):
     if type(getattr(transform, "transform", None)) in composes:
         return _record_compose(transform.transform)
     views = getattr(transform, "transforms", None)
+    if type(transform).__module__.startswith("torchvision.") and isinstance(views, (list, tuple)):
+        # RandomChoice, RandomApply, RandomOrder: containers of one view, not multi-view transforms
+        raise TypeError(f"record_geometry: {_describe(transform)} applies its transforms to one view (at random), not "
+                        "one view each; record the view transform it is part of (a Compose with one "
+                        "RandomResizedCrop and a RandomHorizontalFlip right after it), or build RecordGeometry(crop, "
+                        "flip, then=...) yourself.")
     if isinstance(views, (list, tuple)) and views:
         recorded = []
         for i, view in enumerate(views):

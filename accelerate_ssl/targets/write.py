@@ -249,10 +249,11 @@ def map_geometry(prior, x: torch.Tensor, spatial, n: int) -> dict:
     ``[H, W]`` (the preprocessed image), the prior's ``source_channels`` and the stored ``channels``, ``layout``
     (``"hwc"``), ``reduction`` (``"pca"`` with its ``fit_images``, at most :data:`SPATIAL_FIT_IMAGES` of the ``n``
     images, or ``"none"``); ``components`` = k for a reduced map."""
+    device = next((p.device for p in prior.parameters()), None) if hasattr(prior, "parameters") else None
     try:
         stride = int(prior.map_stride)
         with torch.inference_mode():
-            fmap = prior.feature_map(x)
+            fmap = prior.feature_map(x if device is None else x.to(device))
     except (ValueError, AttributeError) as err:
         raise ValueError(f"Prior {prior.spec}: {err}") from None
     _, channels, h, w = fmap.shape
