@@ -17,7 +17,8 @@ Student: ConvNet 16/32/64, the same initialisation per seed. Methods, ``--steps`
 * ``global``: ``rela.wrap(vicreg_loss)``, each view's target pooled from the stored map over its box;
 * ``dense``: the same, with ``ReLA(dense=student.features)``: each location of the student's map pulled toward the
   stored map pooled over the view's box, through a 1x1 head;
-* ``dense-only``: the same with ``dense_only=True``: the student pulled by the dense term alone.
+* ``dense-only``: the same with ``dense_only=True``: the student pulled by the dense term alone;
+* ``global-whole``: ``global`` without the views' geometry: every view gets its whole scene's row (the map's mean).
 
 Cost: each run's CPU seconds, plus the precompute's for the ReLA methods; ``plain`` is also read at the seconds each
 ReLA run took (equal CPU time). Every unit is one JSON under ``--cache`` (rerun to resume).
@@ -46,9 +47,9 @@ import torch.nn.functional as F  # noqa: E402
 from accelerate_ssl.atomic import atomic_write_json  # noqa: E402
 from accelerate_ssl.results import save_figure, write_results  # noqa: E402
 
-METHODS = ("plain", "global", "dense", "dense-only")
+METHODS = ("plain", "global", "dense", "dense-only", "global-whole")
 LABEL = {"plain": "plain VICReg", "global": "ReLA, global (per view)", "dense": "ReLA, global + dense (per view)",
-         "dense-only": "ReLA, dense only (per view)"}
+         "dense-only": "ReLA, dense only (per view)", "global-whole": "ReLA, global (whole image)"}
 BACKGROUND = 10
 
 
@@ -217,7 +218,7 @@ def run_unit(a, kind: str, seed: int, r: str = None) -> dict:
         log = train_ssl(method, tensor_batches(xtr, shuffled_batches(len(xtr), 128, seed)), a.steps,
                         optimizer=torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01),
                         view_generator=torch.Generator().manual_seed(seed + 1), rela=rela, rela_views="weak",
-                        per_view=rela is not None, checkpoints=a.probes, probe=probe,
+                        per_view=rela is not None and kind != "global-whole", checkpoints=a.probes, probe=probe,
                         checkpoint_extras=lambda: dict(last), progress=f"{kind} {seed}")
     finally:
         if rela is not None:

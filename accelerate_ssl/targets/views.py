@@ -325,8 +325,10 @@ def _record_compose(compose) -> RecordGeometry:
             continue
         why = _moves_no_pixel(t)
         if why is not None:
-            raise _refuse(f"{why} ({where})", "Drop that transform (lightly's view transforms: rr_prob=0, "
-                                              "vf_prob=0). ")
+            lightly_flag = {"RandomRotate": "rr_prob=0", "RandomRotateDegrees": "rr_prob=0",
+                            "RandomVerticalFlip": "vf_prob=0"}.get(type(t).__name__)
+            raise _refuse(f"{why} ({where})", "Drop that transform" + (
+                f" (lightly's view transforms: {lightly_flag}). " if lightly_flag else ". "))
         (before if crop is None and flip is None else then).append(t)
     api = type(compose)
     then = api(then) if then else None
