@@ -322,6 +322,21 @@ def figure(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    an, st = res["analysis"], res["settings"]
+    if len(st["reductions"]) > 1:  # accuracy at the end against the stored map's bytes per image, per method
+        for ax, key, title in zip(axes, ("miou", "top1"), ("dense probe: mIoU %", "global linear probe: top-1 %")):
+            for m in (m for m in st["methods"] if m != "plain"):
+                pts = sorted((an["stores"][r]["bytes_per_image"], an["at_steps"][f"{m} {r}"][str(st["steps"])][key], r)
+                             for r in st["reductions"])
+                ax.errorbar([b for b, _, _ in pts], [v["mean"] for _, v, _ in pts], yerr=[v["sd"] for _, v, _ in pts],
+                            marker="o", capsize=3, label=LABEL[m])
+                for b, v, r in pts:
+                    ax.annotate(r, (b, v["mean"]), textcoords="offset points", xytext=(4, -10), fontsize=7)
+            ax.set(xscale="log", xlabel="stored map, bytes per image", title=f"{title} at step {st['steps']}")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=8)
+        save_figure(fig, path)
+        return
     for ax, key, title in zip(axes, ("miou", "top1"), ("dense probe: mIoU %", "global linear probe: top-1 %")):
         for name, rows in res["analysis"]["at_steps"].items():
             steps = [int(k) for k in rows if k != "cpu_seconds"]
