@@ -54,8 +54,8 @@ class Spy:
         self.rows.append(out.detach().cpu())
         return out
 
-    def reduce_rows(self, rows, device):
-        out = self.lookup.reduce_rows(rows, device)
+    def reduce_rows(self, rows, device, geometry=None):
+        out = self.lookup.reduce_rows(rows, device, geometry)
         self.rows.append(out.detach().cpu())
         return out
 
