@@ -309,7 +309,7 @@ def _shard_rows(prior, pre, source, shard, batch_size, precision, views, device,
     """Keys, float32 rows ``[n, d]`` (``[n, k, d]`` with views; a spatial run's: ``[n, h w C]``, each map channels
     last, every location reduced by ``reduce_map`` when given) and image-bytes digests of one data shard."""
     from ..priors import Preprocess
-    from .write import embed
+    from .write import embed, preprocess_images
 
     keys: list[str] = []
     digests: list[int] = []
@@ -321,10 +321,8 @@ def _shard_rows(prior, pre, source, shard, batch_size, precision, views, device,
     def flush():
         if not batch:
             return
-        shapes = {tuple(t.shape) for t in batch}
-        x = (pre.batch(torch.stack(batch)) if len(shapes) == 1 else
-             torch.stack([pre.batch(t.unsqueeze(0))[0] for t in batch]))
         first = len(keys) - len(batch) // k  # the key of the batch's first row
+        x = preprocess_images(batch, pre, f" (shard {shard!r}, from key {keys[first]!r})")
         rows = embed(prior, x, precision, device,
                      lambda bad: f"keys {[keys[first + i // k] for i in bad]} of shard {shard!r}",
                      spatial=geometry is not None)
@@ -362,9 +360,9 @@ def _check_grid(maps: torch.Tensor, geometry: dict, where: str) -> None:
     """Every map of a spatial run on the grid read off the stream's first sample, or the error naming the fix."""
     if list(maps.shape[1:3]) != list(geometry["grid"]):
         raise ValueError(f"spatial=: the prior's map of {where} is {maps.shape[1]}x{maps.shape[2]} but the stream's "
-                         f"first sample gave {geometry['grid'][0]}x{geometry['grid'][1]}: the images differ in size and "
-                         "the prior does not resize them to one. Use a prior that resizes and crops to a fixed input "
-                         "(any zoo prior), or write the shards with images of one size.")
+                         f"first sample gave {geometry['grid'][0]}x{geometry['grid'][1]}: images of different sizes "
+                         "give different input sizes for this prior: create it with size=<pixels> (e.g. "
+                         "create_prior(spec, size=224)) so they are resized and cropped.")
 
 
 def _fit_map_pca(prior, pre, source, geometry: dict, batch_size: int, precision: str, device, show: bool) -> TargetPCA:
@@ -372,7 +370,7 @@ def _fit_map_pca(prior, pre, source, geometry: dict, batch_size: int, precision:
     :data:`~accelerate_ssl.targets.write.SPATIAL_FIT_IMAGES` samples: the first samples of evenly spaced shards, as
     many from each (a stream is read from its shards' starts; no pass over it)."""
     from ..priors import Preprocess
-    from .write import SPATIAL_FIT_IMAGES, embed
+    from .write import SPATIAL_FIT_IMAGES, embed, preprocess_images
 
     want = SPATIAL_FIT_IMAGES
     picked = [source.shards[int(i)] for i in np.unique(np.linspace(0, len(source.shards) - 1,
@@ -390,11 +388,10 @@ def _fit_map_pca(prior, pre, source, geometry: dict, batch_size: int, precision:
     maps = []
     for a in range(0, len(images), batch_size):
         part = images[a:a + batch_size]
-        for group in [part] if len({tuple(t.shape) for t in part}) == 1 else [[t] for t in part]:  # one size a forward
-            out = embed(prior, pre.batch(torch.stack(group)), precision, device,
-                        lambda bad: f"the PCA fit's samples {bad}", spatial=True)
-            _check_grid(out, geometry, "a sample of the PCA fit")
-            maps.append(out.reshape(-1, out.shape[-1]).cpu())
+        out = embed(prior, preprocess_images(part, pre, " (the samples of the map's PCA fit)"), precision, device,
+                    lambda bad: f"the PCA fit's samples {bad}", spatial=True)
+        _check_grid(out, geometry, "a sample of the PCA fit")
+        maps.append(out.reshape(-1, out.shape[-1]).cpu())
     if show:
         print(f"precompute: fitted the map's PCA over {len(images)} samples of {len(picked)} shard(s)", file=sys.stderr)
     return TargetPCA.fit(torch.cat(maps), geometry["channels"], standardize=True)

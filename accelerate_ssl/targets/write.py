@@ -121,18 +121,20 @@ class _Collate:
         images = [im for im, _ in items]
         digests = torch.tensor([digest for _, digest in items], dtype=torch.int64)
         if isinstance(self.preprocess, (list, tuple)):
-            return [self._images(images, pre) for pre in self.preprocess], digests
-        return self._images(images, self.preprocess), digests
+            return [preprocess_images(images, pre) for pre in self.preprocess], digests
+        return preprocess_images(images, self.preprocess), digests
 
-    @staticmethod
-    def _images(images: list[torch.Tensor], preprocess) -> torch.Tensor:
-        if all(im.shape == images[0].shape and im.dtype == images[0].dtype for im in images):
-            return preprocess.batch(torch.stack(images))
-        out = [preprocess.batch(im.unsqueeze(0))[0] for im in images]
-        if any(o.shape != out[0].shape for o in out):
-            raise ValueError("Images of different sizes give different input sizes for this prior: create it with "
-                             "size=<pixels> (e.g. create_prior(spec, size=224)) so they are resized and cropped.")
-        return torch.stack(out)
+
+def preprocess_images(images: list[torch.Tensor], preprocess, where: str = "") -> torch.Tensor:
+    """One batch of the prior's inputs from images of any sizes (``preprocess.batch`` each, stacked); images the
+    preprocessing leaves at different sizes are refused naming the fix (``where`` says which, for a message)."""
+    if all(im.shape == images[0].shape and im.dtype == images[0].dtype for im in images):
+        return preprocess.batch(torch.stack(images))
+    out = [preprocess.batch(im.unsqueeze(0))[0] for im in images]
+    if any(o.shape != out[0].shape for o in out):
+        raise ValueError(f"Images of different sizes{where} give different input sizes for this prior: create it with "
+                         "size=<pixels> (e.g. create_prior(spec, size=224)) so they are resized and cropped.")
+    return torch.stack(out)
 
 
 class _ChunkBatches(torch.utils.data.Sampler):
