@@ -187,7 +187,6 @@ class RecipeLog:
     def watch(self, rela) -> None:
         if not isinstance(rela.targets.store, ReadSpy):
             rela.targets.store = ReadSpy(rela.targets.store)
-            next(iter(rela.priors.values())).store = rela.targets.store  # (where per-view rows are pooled from)
         self.spy, self._seen = rela.targets.store, len(rela.targets.store.reads)
 
     def step(self, rela, own) -> None:

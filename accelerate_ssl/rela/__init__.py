@@ -628,18 +628,17 @@ class ReLA:
 
     # ------------------------------------------------------------------ the loss
     def _rela_term(self, features: Sequence[torch.Tensor], index: dict, rows: Optional[dict] = None,
-                   path: Optional[str] = None, dense: Optional[tuple] = None,
-                   samples: Optional[int] = None, carried_geometry: Optional[torch.Tensor] = None,
-                   pooled: bool = False) -> torch.Tensor:
+                   path: Optional[str] = None, maps: Optional[torch.Tensor] = None,
+                   geometry: Optional[torch.Tensor] = None) -> torch.Tensor:
         """ReLA's loss over every prior (:func:`~accelerate_ssl.rela.term.combine_losses`); ``index`` / ``rows``: each
-        prior's row indices / carried rows, by name (``carried_geometry``: the views' geometry, pooled from carried
-        maps; ``pooled``: ``rows`` are the views' raw rows pooled from a store already). Records each prior's loss and
-        weight for :attr:`stats`."""
+        prior's row indices / carried rows, by name; ``maps``: the student's captured maps (the dense term);
+        ``geometry``: the views' (each view's target pooled over its box). Records each prior's loss and weight for
+        :attr:`stats`."""
         first = next(iter((rows or index).values()))
-        n = samples or (len(first) if rows is not None else len(torch.as_tensor(first).reshape(-1)))
+        n = len(first) if rows is not None else len(torch.as_tensor(first).reshape(-1))
         if n == 0:
             raise ValueError("ReLA.wrap got an empty batch (no sample indices / target rows).")
-        if rows is not None and any(len(r) != (len(first) if samples else n) for r in rows.values()):
+        if rows is not None and any(len(r) != n for r in rows.values()):
             raise ValueError(f"ReLA.wrap(targets=): the priors' rows cover different numbers of samples "
                              f"({ {k: len(r) for k, r in rows.items()} }); pass each prior's rows of this batch.")
         for f in features:
@@ -662,16 +661,11 @@ class ReLA:
             self.to(feats.device)
         losses = []
         for name, t in self.priors.items():
-            if pooled:
-                target = t.targets.reduce_raw(rows[name], feats.device)
-            else:
-                target = t.rows(feats.device, index=None if index is None else index[name],
-                                carried=None if rows is None else rows[name], geometry=carried_geometry)
+            sample_index, carried = None if index is None else index[name], None if rows is None else rows[name]
+            target = t.rows(feats.device, index=sample_index, carried=carried, geometry=geometry)
             term_losses = t.losses(feats.detach() if self.dense_only else feats, target, n, path)
-            if dense is not None:  # (maps, each prior's sample index, geometry): the mean of the global and dense terms
-                maps, sample_index, geometry = dense
-                dense_losses = t.dense_losses(maps, None if sample_index is None else sample_index[name], geometry,
-                                              carried=None if sample_index is not None else rows[name])
+            if maps is not None:  # the mean of the global and dense terms
+                dense_losses = t.dense_losses(maps, sample_index, geometry, carried=carried)
                 if self.dense_only:  # the value and the student's gradient: dense; the global head still learns
                     # (the features enter with weight 0: the layers after the dense module stay in the graph, as
                     # DDP needs every parameter used)
@@ -778,7 +772,7 @@ class ReLA:
                     warnings.warn("ReLA.wrap(index=): no data set was checked against this target store, so nothing "
                                   "proves row i belongs to your item i. Pass ReLA(..., dataset=clean_train_set) (or call "
                                   "rela.check_dataset(train_set)).", UserWarning, stacklevel=2)
-        dense, samples = None, None
+        maps = None
         if self.dense_capture is not None:
             maps, map_error = self.dense_capture.take()
             if map_error is not None:
@@ -786,23 +780,18 @@ class ReLA:
             if not maps:
                 raise RuntimeError("ReLA(dense=): no feature map of the hooked module was captured since the last wrap; "
                                    "it must run in training mode with grad enabled on the views of this step.")
-            per_prior = None if rows is not None else index if isinstance(index, dict) else {
-                name: index for name in self.priors}
-            dense = (torch.cat(maps) if len(maps) > 1 else maps[0], per_prior, geometry)
-        carried_geometry, pooled = None, False
-        if geometry is not None and rows is not None:  # maps carried by the batch: each view's box pooled from them
-            carried_geometry = geometry
-        elif geometry is not None:  # each view's rows pooled from the maps at the rows the batch's index names
-            pooled = True
-            rows = {name: self._view_rows(t, index[name] if isinstance(index, dict) else index, geometry)
-                    for name, t in self.priors.items()}
-            first = next(iter(index.values())) if isinstance(index, dict) else index
-            samples = len(torch.as_tensor(first).reshape(-1))  # the rows are per view, [V n, d]: n samples
-            index = None
+            maps = torch.cat(maps) if len(maps) > 1 else maps[0]
+        if geometry is not None and rows is None:  # each view's rows pooled from the stored maps at the batch's rows
+            flat = [name for name, t in self.priors.items() if getattr(t.store, "spatial", None) is None]
+            if flat:
+                whose = f"prior {flat[0]!r}'s" if self._several else "the"
+                raise ValueError(f"ReLA.wrap(geometry=) pools each view's target from a spatial store's maps, but "
+                                 f"{whose} store holds one row per image: precompute it with spatial=k (`accelerate-ssl "
+                                 "precompute --spatial K`), or drop geometry= (every view then gets its whole image's "
+                                 "row).")
         if index is not None and not isinstance(index, dict):
             index = {name: index for name in self.priors}  # one batch: the same positions in every prior's store
-        l_rela = self._rela_term(feats, index, rows=rows, path=path, dense=dense, samples=samples,
-                                 carried_geometry=carried_geometry, pooled=pooled)
+        l_rela = self._rela_term(feats, index, rows=rows, path=path, maps=maps, geometry=geometry)
 
         if lam >= 1.0:
             l_ssl = None if callable(loss) else loss
@@ -816,23 +805,6 @@ class ReLA:
         self._last = {"lambda": lam, "loss_rela": d, "loss_ssl": None if l_ssl is None else l_ssl.detach(),
                       "priors": self._per_prior}
         return out
-
-    def _view_rows(self, term: PriorTerm, index, geometry) -> torch.Tensor:
-        """Raw rows of every view (``geometry`` ``[V B, 7]``) of the ``B`` samples at ``index``, pooled from the
-        prior's spatial store (:func:`~accelerate_ssl.targets.views.view_targets`)."""
-        from ..targets.views import view_targets
-
-        whose = f"prior {term.name!r}'s" if self._several else "the"
-        if getattr(term.store, "spatial", None) is None:
-            raise ValueError(f"ReLA.wrap(geometry=) pools each view's target from a spatial store's maps, but {whose} "
-                             "store holds one row per image: precompute it with spatial=k (`accelerate-ssl precompute "
-                             "--spatial K`), or drop geometry= (every view then gets its whole image's row).")
-        index = torch.as_tensor(index).reshape(-1)
-        g = torch.as_tensor(geometry)
-        if g.ndim != 2 or len(index) == 0 or len(g) % len(index):
-            raise ValueError(f"ReLA.wrap(geometry=): {tuple(g.shape)} views' geometry for {len(index)} samples; pass one "
-                             "row of 7 per view, views stacked as blocks of the batch in the order of the features.")
-        return view_targets(term.store, index.repeat(len(g) // len(index)), g)
 
     def _key_rows(self, term: PriorTerm, keys) -> torch.Tensor:
         if not hasattr(term.store, "key_rows"):

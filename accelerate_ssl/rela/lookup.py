@@ -213,6 +213,15 @@ class RowPrefetcher:
             self._pool = None
 
 
+def _views_of(geometry, samples: int) -> int:
+    """How many views ``geometry`` (``[V n, 7]``, views stacked as blocks) holds of ``samples`` samples, or the error."""
+    g = torch.as_tensor(geometry)
+    if g.ndim != 2 or samples == 0 or len(g) % samples:
+        raise ValueError(f"ReLA.wrap(geometry=): {tuple(g.shape)} views' geometry for {samples} samples; pass one row "
+                         "of 7 per view, views stacked as blocks of the batch in the order of the features.")
+    return len(g) // samples
+
+
 class TargetLookup:
     """The (PCA-reduced) target rows of a batch, from a store opened by :func:`open_targets`.
 
@@ -319,13 +328,20 @@ class TargetLookup:
             return self.reduce_raw(maps.mean((2, 3)), device)
         from ..targets.views import pool_views
 
-        g = torch.as_tensor(geometry)
-        if g.ndim != 2 or len(g) % len(maps):
-            raise ValueError(f"ReLA.wrap(geometry=): {tuple(g.shape)} views' geometry for {len(maps)} samples; pass one "
-                             "row of 7 per view, views stacked as blocks of the batch in the order of the features.")
-        pooled = pool_views(maps.float().repeat(len(g) // len(maps), 1, 1, 1), g.to(maps.device), self.store.spatial,
-                            self.store.preprocess)
+        views = _views_of(geometry, len(maps))
+        pooled = pool_views(maps.float().repeat(views, 1, 1, 1), torch.as_tensor(geometry).to(maps.device),
+                            self.store.spatial, self.store.preprocess)
         return self.reduce_raw(pooled, device)
+
+    def view_rows(self, index, geometry, device) -> torch.Tensor:
+        """The rows the loss uses for every view (``geometry`` ``[V n, 7]``, views stacked as blocks of the ``n``
+        samples at ``index``): each pooled from its image's stored map over its box
+        (:func:`~accelerate_ssl.targets.views.view_targets`), then reduced as stored rows are (``[V n, d]``)."""
+        from ..targets.views import view_targets
+
+        index = torch.as_tensor(index).reshape(-1)
+        views = _views_of(geometry, len(index))
+        return self.reduce_raw(view_targets(self.store, index.repeat(views), torch.as_tensor(geometry)), device)
 
     def holds_maps(self, rows: torch.Tensor) -> bool:
         """Whether carried ``rows`` (tag dropped) are flat maps of a spatial store: ``h w`` times its dim wide."""

@@ -110,8 +110,11 @@ class PriorTerm:
              geometry: Optional[torch.Tensor] = None) -> torch.Tensor:
         """This prior's reduced target rows ``[n, d_k]`` of the batch: looked up by ``index`` in its store, or the
         rows the batch ``carried`` (sidecar rows with their folder's tag, checked against this store and dropped;
-        carried maps give their mean, or each view's box with ``geometry``: ``[V n, d_k]``)."""
-        return self.targets(index, device) if carried is None else self.targets.reduce_rows(carried, device, geometry)
+        carried maps give their mean); with ``geometry`` (``[V n, 7]``) each view's box pooled from the maps, stored
+        or carried: ``[V n, d_k]``."""
+        if carried is not None:
+            return self.targets.reduce_rows(carried, device, geometry)
+        return self.targets(index, device) if geometry is None else self.targets.view_rows(index, geometry, device)
 
     def losses(self, feats: torch.Tensor, target: torch.Tensor, n: int, path: Optional[str]) -> torch.Tensor:
         """Per-row ReLA losses ``1 - cos(W phi(x) + b, y)`` (ReLA v2 Eq. 9) of ``feats`` (``[V n, D]``: views stacked
