@@ -69,8 +69,8 @@ from .format import (AT_WRITE_PCA, CHUNKS, DTYPES, FORMAT, FORMAT_VERSION, IDENT
                      encode_rows, read_json)
 from .store import TargetStore
 from .write import (PRECISIONS, SPATIAL_FIT_IMAGES, check_first_item, check_spatial, default_batch_size, embed,
-                    image_channels, image_tensor, input_batches, map_geometry, process_state, resolve_preprocess,
-                    sample_batches, settings_diff)
+                    fit_map_pca, image_channels, image_tensor, input_batches, map_geometry, process_state,
+                    resolve_preprocess, sample_batches, settings_diff)
 
 DEFAULT_CHUNK_SIZE = 8192
 
@@ -414,13 +414,10 @@ def _spatial_pca(prior, dataset, pre, path: Path, state, geometry: dict, batch_s
         for stale in (path / CHUNKS).glob("*.npy"):  # written in a basis that is gone: recompute them
             stale.unlink()
         rows = np.unique(np.linspace(0, len(dataset) - 1, geometry["fit_images"]).round().astype(np.int64))
-        model = prior.to(device).eval()
-        maps = [embed(model, x, precision, device, lambda bad: f"the PCA fit's items {bad}", spatial=True)
-                .reshape(-1, geometry["source_channels"]).cpu() for x in sample_batches(dataset, pre, rows, batch_size,
-                                                                                         image_key)]
+        fitted = fit_map_pca(prior.to(device).eval(), sample_batches(dataset, pre, rows, batch_size, image_key),
+                             geometry, precision, device, "the items of the map's PCA fit")
         if show:
             print(f"precompute: fitted the map's PCA over {len(rows)} items", file=sys.stderr)
-        fitted = TargetPCA.fit(torch.cat(maps), geometry["channels"], standardize=True)
         file.parent.mkdir(exist_ok=True)
         with atomic_path(file, suffix=".safetensors") as tmp:
             save_file(fitted.state_dict(), str(tmp), metadata={"n_components": str(geometry["channels"]),

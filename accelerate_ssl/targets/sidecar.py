@@ -309,7 +309,7 @@ def _shard_rows(prior, pre, source, shard, batch_size, precision, views, device,
     """Keys, float32 rows ``[n, d]`` (``[n, k, d]`` with views; a spatial run's: ``[n, h w C]``, each map channels
     last, every location reduced by ``reduce_map`` when given) and image-bytes digests of one data shard."""
     from ..priors import Preprocess
-    from .write import embed, preprocess_images
+    from .write import check_grid, embed, preprocess_images
 
     keys: list[str] = []
     digests: list[int] = []
@@ -327,7 +327,7 @@ def _shard_rows(prior, pre, source, shard, batch_size, precision, views, device,
                      lambda bad: f"keys {[keys[first + i // k] for i in bad]} of shard {shard!r}",
                      spatial=geometry is not None)
         if geometry is not None:
-            _check_grid(rows, geometry, f"shard {shard!r}, keys {keys[first]!r}...")
+            check_grid(rows, geometry, f"shard {shard!r}, keys {keys[first]!r}...")
             if reduce_map is not None:
                 rows = reduce_map.transform(rows.reshape(-1, rows.shape[-1])).reshape(*rows.shape[:-1], -1)
         out.append(rows.cpu().reshape(len(x), -1))
@@ -356,21 +356,12 @@ def _shard_rows(prior, pre, source, shard, batch_size, precision, views, device,
     return keys, rows, np.asarray(digests, dtype=np.int64)
 
 
-def _check_grid(maps: torch.Tensor, geometry: dict, where: str) -> None:
-    """Every map of a spatial run on the grid read off the stream's first sample, or the error naming the fix."""
-    if list(maps.shape[1:3]) != list(geometry["grid"]):
-        raise ValueError(f"spatial=: the prior's map of {where} is {maps.shape[1]}x{maps.shape[2]} but the stream's "
-                         f"first sample gave {geometry['grid'][0]}x{geometry['grid'][1]}: images of different sizes "
-                         "give different input sizes for this prior: create it with size=<pixels> (e.g. "
-                         "create_prior(spec, size=224)) so they are resized and cropped.")
-
-
 def _fit_map_pca(prior, pre, source, geometry: dict, batch_size: int, precision: str, device, show: bool) -> TargetPCA:
     """The map's PCA of a ``spatial=k`` run (Eq. 41, z-scored), fitted over every location of up to
     :data:`~accelerate_ssl.targets.write.SPATIAL_FIT_IMAGES` samples: the first samples of evenly spaced shards, as
     many from each (a stream is read from its shards' starts; no pass over it)."""
     from ..priors import Preprocess
-    from .write import SPATIAL_FIT_IMAGES, embed, preprocess_images
+    from .write import SPATIAL_FIT_IMAGES, fit_map_pca, preprocess_images
 
     want = SPATIAL_FIT_IMAGES
     picked = [source.shards[int(i)] for i in np.unique(np.linspace(0, len(source.shards) - 1,
@@ -385,16 +376,12 @@ def _fit_map_pca(prior, pre, source, geometry: dict, batch_size: int, precision:
     if len(images) * int(np.prod(geometry["grid"])) < 2:
         raise ValueError(f"spatial={geometry['channels']}: the map's PCA needs at least 2 locations; the stream gave "
                          f"{len(images)} sample(s).")
-    maps = []
-    for a in range(0, len(images), batch_size):
-        part = images[a:a + batch_size]
-        out = embed(prior, preprocess_images(part, pre, " (the samples of the map's PCA fit)"), precision, device,
-                    lambda bad: f"the PCA fit's samples {bad}", spatial=True)
-        _check_grid(out, geometry, "a sample of the PCA fit")
-        maps.append(out.reshape(-1, out.shape[-1]).cpu())
+    batches = (preprocess_images(images[a:a + batch_size], pre, " (the samples of the map's PCA fit)")
+               for a in range(0, len(images), batch_size))
+    fitted = fit_map_pca(prior, batches, geometry, precision, device, "the samples of the map's PCA fit")
     if show:
         print(f"precompute: fitted the map's PCA over {len(images)} samples of {len(picked)} shard(s)", file=sys.stderr)
-    return TargetPCA.fit(torch.cat(maps), geometry["channels"], standardize=True)
+    return fitted
 
 
 def _finish(path: Path, source, settings: dict, command: str, processes: int, version: str) -> None:

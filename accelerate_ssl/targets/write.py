@@ -10,7 +10,8 @@ settings are compared with an earlier run's.
   precompute reads, each batch's images preprocessed in the workers with each row's identity digest.
 - :func:`embed`: one batch of preprocessed images through the prior, under the precision's autocast, checked for
   shape and NaN/Inf (the one forward both writers run).
-- :func:`map_geometry`: what a spatial store or sidecar folder records of the prior's feature maps.
+- :func:`map_geometry`: what a spatial store or sidecar folder records of the prior's feature maps;
+  :func:`check_grid` that a map lies on it; :func:`fit_map_pca` the PCA every location of those maps is reduced with.
 - :func:`settings_diff`: what differs between a folder's recorded settings and a new run's.
 """
 
@@ -270,6 +271,30 @@ def map_geometry(prior, x: torch.Tensor, spatial, n: int) -> dict:
     if fit * h * w < 2:
         raise ValueError(f"The map's PCA needs at least 2 locations; {fit} item(s) of a {h}x{w} map give {fit * h * w}.")
     return {**geometry, "channels": int(spatial), "reduction": "pca", "fit_images": fit, "components": int(spatial)}
+
+
+def check_grid(maps: torch.Tensor, geometry: dict, where: str) -> None:
+    """Maps (``[B, h, w, C]``, as :func:`embed` returns them) on the grid :func:`map_geometry` read off the first
+    image, or the error naming the fix (images of different sizes under a prior that keeps their size)."""
+    if list(maps.shape[1:3]) != list(geometry["grid"]):
+        raise ValueError(f"spatial=: the prior's map of {where} is {maps.shape[1]}x{maps.shape[2]} but the first image "
+                         f"gave {geometry['grid'][0]}x{geometry['grid'][1]}: images of different sizes give different "
+                         "input sizes for this prior: create it with size=<pixels> (e.g. create_prior(spec, size=224)) "
+                         "so they are resized and cropped.")
+
+
+def fit_map_pca(prior, batches, geometry: dict, precision: str, device, where: str):
+    """The PCA every location of a spatial target's maps is reduced with (Eq. 41, z-scored columns, ``geometry``'s
+    ``channels`` components): fitted over every location of the prior's maps of the preprocessed ``batches`` (each map
+    checked to lie on the recorded grid); ``where`` names them in messages."""
+    from .pca import TargetPCA
+
+    maps = []
+    for x in batches:
+        out = embed(prior, x, precision, device, lambda bad: f"{where}: rows {bad}", spatial=True)
+        check_grid(out, geometry, where)
+        maps.append(out.reshape(-1, out.shape[-1]).cpu())
+    return TargetPCA.fit(torch.cat(maps), geometry["channels"], standardize=True)
 
 
 def settings_diff(path: Path, old: dict, new: dict, finished: bool) -> str:
