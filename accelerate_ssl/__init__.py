@@ -23,7 +23,7 @@ _LAZY: dict[str, str] = {
     "StoredViews": "accelerate_ssl.data.views", "ReplayViews": "accelerate_ssl.data.views",
     "RecordGeometry": "accelerate_ssl.targets.views", "record_geometry": "accelerate_ssl.targets.views",
     "synthesize": "accelerate_ssl.distill.synthesize", "warm_start": "accelerate_ssl.distill.warmstart",
-    "ReLA": "accelerate_ssl.rela", "Witness": "accelerate_ssl.rela",
+    "ReLA": "accelerate_ssl.rela", "Witness": "accelerate_ssl.rela", "Handover": "accelerate_ssl.rela",
     "distill_compact": "accelerate_ssl.compact", "CompactDataset": "accelerate_ssl.compact", "pretrain_on_compact": "accelerate_ssl.compact",
 }
 

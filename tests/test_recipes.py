@@ -103,28 +103,34 @@ def _count_calls(model):
 
 @pytest.mark.parametrize("views", ["weak", "clean"])
 def test_one_view_rela_step_skips_the_ssl_branch_then_resyncs_the_ema(views):
-    """While lambda == 1 the default step forwards one view and never touches the momentum network; the first
-    step with lambda < 1 copies the student into it (m = 0), then BYOL runs with its EMA as usual."""
+    """While lambda == 1 the default step forwards one view and never touches the momentum network; at the switch
+    the hand-over copies the student into it (``Handover(momentum=method.momentum_pairs())``), then BYOL runs with
+    its EMA as usual. Without that hand-over the momentum network stays as initialised."""
+    from accelerate_ssl.rela import Handover
     from accelerate_ssl.schedules import Epochs
 
-    model, opt = _byol()
-    calls = _count_calls(model)
-    momentum0 = [p.clone() for p in model.backbone_momentum.parameters()]
-    rela = ReLA(torch.randn(64, 6), model.backbone, schedule=Epochs(0.5, total_steps=4),
-                feature_dim=model.backbone.feature_dim)
-    opt.add_param_group({"params": list(rela.parameters())})
-    batches = tensor_batches(IMAGES, random_batches(64, 16, torch.Generator().manual_seed(0)))
-    log = train_ssl(model, batches, 2, optimizer=opt, view_generator=torch.Generator().manual_seed(2), rela=rela,
-                    rela_views=views)
-    assert log["lambda_per_step"] == [1.0, 1.0]
-    assert calls == {"online": 2, "momentum": 0, "ema": []}  # one forward per step, no momentum forward, no EMA
-    assert all(torch.equal(a, b) for a, b in zip(momentum0, model.backbone_momentum.parameters()))
-    assert len(log["step_cpu_seconds"]) == 2 and log["train_cpu_seconds"] > 0
-    train_ssl(model, batches, 4, optimizer=opt, view_generator=torch.Generator().manual_seed(3), rela=rela,
-              rela_views=views, start_step=2, momentum=0.9)
-    rela.close()
-    assert calls["online"] == 2 + 2 * 2 and calls["momentum"] == 2 * 2  # the full method: two views, momentum targets
-    assert calls["ema"] == [0.0, 0.9, 0.9]  # re-sync to the student, then the EMA of every step
+    for reset in (True, False):
+        model, opt = _byol()
+        calls = _count_calls(model)
+        momentum0 = [p.clone() for p in model.backbone_momentum.parameters()]
+        rela = ReLA(torch.randn(64, 6), model.backbone, schedule=Epochs(0.5, total_steps=4),
+                    feature_dim=model.backbone.feature_dim,
+                    handover=Handover(momentum=model.momentum_pairs() if reset else ()))
+        opt.add_param_group({"params": list(rela.parameters())})
+        batches = tensor_batches(IMAGES, random_batches(64, 16, torch.Generator().manual_seed(0)))
+        log = train_ssl(model, batches, 2, optimizer=opt, view_generator=torch.Generator().manual_seed(2), rela=rela,
+                        rela_views=views)
+        assert log["lambda_per_step"] == [1.0, 1.0]
+        assert calls == {"online": 2, "momentum": 0, "ema": []}  # one forward per step, no momentum forward, no EMA
+        now = [(p, q) for online, copy_ in model.momentum_pairs() for p, q in zip(online.parameters(), copy_.parameters())]
+        assert all(torch.equal(p, q) for p, q in now) == reset  # the switch came after step 2: the copy is the student
+        assert all(torch.equal(a, b) for a, b in zip(momentum0, model.backbone_momentum.parameters())) != reset
+        assert len(log["step_cpu_seconds"]) == 2 and log["train_cpu_seconds"] > 0
+        train_ssl(model, batches, 4, optimizer=opt, view_generator=torch.Generator().manual_seed(3), rela=rela,
+                  rela_views=views, start_step=2, momentum=0.9)
+        rela.close()
+        assert calls["online"] == 2 + 2 * 2 and calls["momentum"] == 2 * 2  # the full method: two views, momentum targets
+        assert calls["ema"] == [0.9, 0.9]  # the EMA of every step after the switch
 
 
 def test_two_view_rela_step_keeps_the_old_behaviour():

@@ -45,8 +45,21 @@ class _Method(nn.Module):
         """The loss of one step of a two-view method (``index``: the batch's dataset indices, unused)."""
         return self.loss_from_features(*features, *views)
 
-    def update_momentum(self, m: float) -> None:  # methods without a momentum encoder
-        return None
+    def momentum_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
+        """``(online, momentum copy)`` pairs of a method with a momentum encoder (backbone and projection head; none
+        without one): what :meth:`update_momentum` blends, and what ReLA's ``Handover(momentum=)`` resets."""
+        if not self.has_momentum:
+            return []
+        return [(self.backbone, self.backbone_momentum), (self.projection_head, self.projection_head_momentum)]
+
+    def update_momentum(self, m: float) -> None:
+        """The EMA update ``copy <- m copy + (1 - m) online`` of every momentum pair (a no-op without them)."""
+        if not self.has_momentum:
+            return
+        from lightly.models.utils import update_momentum
+
+        for online, copy_ in self.momentum_pairs():
+            update_momentum(online, copy_, m)
 
 
 class SimCLR(_Method):
@@ -136,12 +149,6 @@ class MoCo(_Method):
     def _key(self, v):
         return self.projection_head_momentum(self.backbone_momentum(v)).detach()
 
-    def update_momentum(self, m: float) -> None:
-        from lightly.models.utils import update_momentum
-
-        update_momentum(self.backbone, self.backbone_momentum, m)
-        update_momentum(self.projection_head, self.projection_head_momentum, m)
-
     def loss_from_features(self, f0, f1, v0, v1):
         q0, q1 = self.projection_head(f0), self.projection_head(f1)
         return 0.5 * (self.criterion(q0, self._key(v1)) + self.criterion(q1, self._key(v0)))
@@ -169,12 +176,6 @@ class DINO(_Method):
         (self.backbone_momentum,) = _momentum_copy(backbone)
         self.projection_head_momentum = teacher_head
         self.criterion = DINOLoss(output_dim=out_dim, warmup_teacher_temp_epochs=0)
-
-    def update_momentum(self, m: float) -> None:
-        from lightly.models.utils import update_momentum
-
-        update_momentum(self.backbone, self.backbone_momentum, m)
-        update_momentum(self.projection_head, self.projection_head_momentum, m)
 
     def loss_from_features(self, f0, f1, v0, v1):
         with torch.no_grad():
@@ -212,12 +213,6 @@ class BYOL(_Method):
     @torch.no_grad()
     def forward_momentum(self, x: torch.Tensor) -> torch.Tensor:
         return self.projection_head_momentum(self.backbone_momentum(x)).detach()
-
-    def update_momentum(self, m: float) -> None:
-        from lightly.models.utils import update_momentum
-
-        update_momentum(self.backbone, self.backbone_momentum, m)
-        update_momentum(self.projection_head, self.projection_head_momentum, m)
 
     def loss(self, v0: torch.Tensor, v1: torch.Tensor) -> torch.Tensor:
         return self.loss_from_features(self.backbone(v0), self.backbone(v1), v0, v1)

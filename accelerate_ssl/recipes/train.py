@@ -147,10 +147,11 @@ def train_ssl(
     While ``rela.lam >= 1`` (the ReLA term only, ReLA v1 App. J's first stage) the step is ReLA's regression
     alone: with ``rela_step="one-view"`` (default) the student sees **one** view per image (``rela_views``, see
     :data:`RELA_VIEWS`) and the SSL branch is skipped entirely: no second view, no momentum forward, no EMA
-    update. The first step with lambda < 1 copies the online backbone and heads into the momentum network
-    (``update_momentum(0.0)``: the EMA restarts from the student the regression produced, not from its
-    initialisation), then the full method runs. ``rela_step="two-view"``: ``n_views`` views (``rela_views``)
-    and the EMA update every step, as before the cheaper step existed.
+    update; from the first step with lambda < 1 the full method runs. What the SSL side gets at that switch (its
+    momentum network reset to the student, its heads warmed on the frozen backbone, the learning rate re-warmed) is
+    ``rela.handover``'s (:class:`~accelerate_ssl.rela.Handover`; e.g. ``Handover(momentum=method.momentum_pairs())``),
+    as in any loop. ``rela_step="two-view"``: ``n_views`` views (``rela_views``) and the EMA update every step, as
+    before the cheaper step existed.
 
     ``teacher`` (with ``rela``): online targets instead of the store's rows. On every step whose ReLA term is computed
     (until the schedule has finished), ``teacher(view)`` embeds each view the student forwards, under ``no_grad``,
@@ -217,9 +218,6 @@ def train_ssl(
                 group["lr"] = lr(step)
         rela_only = rela is not None and rela.lam >= 1.0
         one_view = rela_only and rela_step == "one-view"
-        if not rela_only and getattr(method, "_ema_behind", False):
-            method.update_momentum(0.0)  # the momentum network restarts from the student ReLA trained
-            method._ema_behind = False
         n = 1 if one_view else method.n_views
         geometry = None
         if rela_only and rela_views == "clean":  # one forward pass of the images themselves
@@ -248,9 +246,7 @@ def train_ssl(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        if one_view:
-            method._ema_behind = True  # on the method, so a run continued by another call re-syncs too
-        else:
+        if not one_view:
             method.update_momentum(momentum_at(step))
         if cuda:
             torch.cuda.synchronize()

@@ -95,6 +95,7 @@ from ..schedules import Constant, Schedule, create_schedule, needs_run_length, t
 from .capture import FeatureCapture, check_hooked_module, flatten_features, infer_feature_dim
 from .distributed import average_gradients, is_distributed, mean_over_processes
 from .guard import AlignmentGuard
+from .handover import Handover
 from .head import TransportHead
 from .lookup import as_index, check_trained_dataset
 from .term import BALANCES, PriorTerm, combine_losses, term_names
@@ -190,6 +191,9 @@ class ReLA:
             term, and the global head still trains, on detached features, so that the alignment check keeps watching
             the rows (its loss adds nothing to the value and no gradient to the student). Default False: the mean of
             the global and the dense term.
+        handover: what happens when lambda reaches 0 for good and your loss takes over (:class:`Handover`: reset your
+            momentum network to the student, warm your SSL heads on the frozen backbone, re-warm the learning rate);
+            :meth:`on_handover` adds a callback. Default: ``Handover()``, which changes nothing.
     """
 
     def __init__(
@@ -220,6 +224,7 @@ class ReLA:
         seed: int = 0,
         dense: Optional[nn.Module] = None,
         dense_only: bool = False,
+        handover: Optional[Handover] = None,
     ):
         if not isinstance(backbone, nn.Module):
             raise TypeError(f"backbone must be an nn.Module (the student's feature extractor), got {type(backbone).__name__}.")
@@ -231,6 +236,10 @@ class ReLA:
         if not 0.0 <= float(drop) < 1.0:
             raise ValueError(f"drop must be in [0, 1) (the probability of dropping a prior for a sample), got {drop!r}.")
         self.balance, self.drop = balance, float(drop)
+        if handover is not None and not isinstance(handover, Handover):
+            raise TypeError(f"ReLA(handover=) takes a Handover (accelerate_ssl.rela.Handover), got {type(handover).__name__}.")
+        #: what happens at the switch and the steps after it (:mod:`.handover`)
+        self.handover = handover if handover is not None else Handover()
         self._drop_generator = torch.Generator().manual_seed(int(seed))
 
         def term(name, t):
@@ -872,29 +881,41 @@ class ReLA:
             id(p) in self._backbone_param_ids for g in opt.param_groups for p in g["params"])
 
     def _before_optimizer_step(self, opt, args: tuple, kwargs: dict):
-        """torch's pre-step hook: the head's gradients are averaged across processes (the head is not in the user's
-        DDP module) once they are complete. Without a closure they are complete now; a closure (Lightning always
-        passes one; LBFGS calls it several times) runs the backward inside ``step``, so it is replaced by one that
-        averages right after it returns (the hook's ``(args, kwargs)`` return value is what ``step`` is called with)."""
-        if self.head_in_ddp or not is_distributed() or not self._is_user_optimizer(opt):
+        """torch's pre-step hook, for your optimiser: what must happen once the step's gradients are complete: the
+        head's gradients averaged across processes (the head is not in your DDP module) and the hand-over's gradient
+        drop (:meth:`Handover.before_step`). Without a closure the gradients are complete now; a closure (Lightning
+        always passes one; LBFGS calls it several times) runs the backward inside ``step``, so it is replaced by one
+        that does both right after it returns (the hook's ``(args, kwargs)`` return value is what ``step`` is called
+        with)."""
+        if not self._is_user_optimizer(opt):
+            return None
+        sync = not self.head_in_ddp and is_distributed()
+        if not sync and self.handover.since(self.steps) is None:
             return None
         # torch passes the bound call's args: (optimizer, closure?, ...)
         closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+        step, params = self.steps, list(self.backbone.parameters())
+
+        def gradients_complete(r: "ReLA") -> None:
+            if sync:
+                r._sync_head_gradients()
+            r.handover.before_step(opt, step, params)
+
         if closure is None:
-            self._sync_head_gradients()
+            gradients_complete(self)
             return None
         ref = weakref.ref(self)
 
-        def closure_then_average():
+        def closure_then_complete():
             out = closure()
             r = ref()
             if r is not None:
-                r._sync_head_gradients()
+                gradients_complete(r)
             return out
 
         if "closure" in kwargs:
-            return args, {**kwargs, "closure": closure_then_average}
-        return (args[0], closure_then_average, *args[2:]), kwargs
+            return args, {**kwargs, "closure": closure_then_complete}
+        return (args[0], closure_then_complete, *args[2:]), kwargs
 
     def average_head_gradients(self, optimizer=None) -> None:
         """For integrations that step the optimiser themselves (Lightning's ``on_before_optimizer_step``, before gradient
@@ -923,6 +944,7 @@ class ReLA:
 
     def _after_optimizer_step(self, opt) -> None:
         if self._is_user_optimizer(opt):
+            self.handover.after_step()
             self._step(user_optimizer=opt)
 
     def step(self) -> None:
@@ -943,6 +965,8 @@ class ReLA:
             if len(self._pending_losses) >= self.sync_every:
                 self._feed_schedule()
         self.steps += 1
+        if self.schedule.finished and self.handover.switched_at is None:
+            self.handover.switch(self.steps)
         self._window_sum, self._window_count = None, 0
         for t in self.priors.values():
             t.targets.end_step()
@@ -1002,7 +1026,7 @@ class ReLA:
         such entry per prior by name, and the draws of ``balance="drop"``."""
         self._feed_schedule()  # a checkpoint holds the controller with every step's loss read
         common = {"schedule": {"type": type(self.schedule).__name__, **self.schedule.state_dict()},
-                  "steps": self.steps, "n_components": self.n_components}
+                  "steps": self.steps, "n_components": self.n_components, "handover": self.handover.state_dict()}
         if not self._several:
             return {**next(iter(self.priors.values())).state_dict(), **common}
         return {**common, "priors": {name: t.state_dict() for name, t in self.priors.items()},
@@ -1044,6 +1068,8 @@ class ReLA:
             self._drop_generator.set_state(state["balance"]["generator"])
         self.schedule.load_state_dict(sched)
         self.steps = int(state["steps"])
+        if "handover" in state:  # (checkpoints written before the hand-over was recorded have none)
+            self.handover.load_state_dict(state["handover"])
         self._window_sum, self._window_count = None, 0
         self.capture.clear()
         if self.dense_capture is not None:
@@ -1051,6 +1077,11 @@ class ReLA:
         self._pending_losses = []
         # rela.stats describes the loaded state (the lambda of the next step), not the last wrap before the load
         self._last = self._no_wrap()
+
+    def on_handover(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """Call ``fn()`` once, at the optimiser step where lambda reaches 0 for good (e.g. to put your SSL augmentation
+        back); returns ``fn``, so it can decorate. The other parts of the hand-over are :class:`Handover`'s options."""
+        return self.handover.add_callback(fn)
 
     def close(self) -> None:
         """Remove the forward hook and the optimiser hooks (also done when ReLA is garbage-collected)."""
