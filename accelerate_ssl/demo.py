@@ -222,10 +222,11 @@ def train_byol(args, train, probe, steps: int, checkpoints: list[int], store=Non
     params = [p for p in model.parameters() if p.requires_grad]
     rela = None
     if store is not None:
-        from .rela import ReLA
+        from .rela import Handover, ReLA
 
         options = {"schedule": parse_schedule(args.schedule, args.budget), "feature_dim": backbone.feature_dim,
-                   "n_components": args.components or "auto", "head_init": args.head_init, **(rela_options or {})}
+                   "n_components": args.components or "auto", "head_init": args.head_init,
+                   "handover": Handover(momentum=model.momentum_pairs()), **(rela_options or {})}
         rela = ReLA(store, backbone, dataloader=loader, **options)
         params += list(rela.parameters())  # the transport head trains with the model (same AdamW)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
