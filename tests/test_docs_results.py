@@ -70,3 +70,62 @@ def test_every_committed_result_carries_its_provenance(path):
 
 def test_there_are_results_to_check():
     assert len(RESULTS) >= 30
+
+
+# ---------------------------------------------------------------------------------------------- generated blocks
+def _render():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_render_for_tests", ROOT / "benchmarks" / "render.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_generated_block_is_what_its_result_file_gives_now():
+    """Every number in a generated block of README.md and docs/ is what benchmarks/render.py renders from the JSON."""
+    assert _render().check() == []
+
+
+def test_a_number_that_differs_from_its_file_is_caught(tmp_path, monkeypatch):
+    render = _render()
+    rendered = render.blocks()
+    text = (ROOT / "README.md").read_text()
+    assert render.render_page(text, rendered) == text
+    block = render.MARKER.search(text)
+    body = block.group("body")
+    number = re.search(r"\d+\.\d\d", body).group(0)
+    edited = text.replace(body, body.replace(number, f"{float(number) + 0.01:.2f}", 1))
+    assert render.render_page(edited, rendered) != edited  # a hand-edited number
+    # and a result file whose numbers moved: the page, unchanged, is now stale
+    name = next(n for n in render.RENDERERS if n == "speedup.json")
+    moved = json.loads((render.RESULTS / name).read_text())
+    first = next(iter(moved["cells"].values()))
+    first["top1"] += 1.0
+    (tmp_path / name).write_text(json.dumps(moved))
+    for other in render.RESULTS.glob("*.json"):
+        if other.name != name:
+            (tmp_path / other.name).write_text(other.read_text())
+    monkeypatch.setattr(render, "RESULTS", tmp_path)
+    assert render.render_page(text, render.blocks()) != text
+
+
+def test_every_result_file_has_a_renderer_and_no_file_without_provenance_is_rendered(tmp_path):
+    render = _render()
+    assert {p.name for p in (ROOT / "benchmarks" / "results").glob("*.json")} == set(render.RENDERERS)
+    bare = tmp_path / "x.json"
+    bare.write_text(json.dumps({"top1": 70.0}))
+    with pytest.raises(ValueError, match="no provenance block"):
+        render.Result(bare)
+
+
+def test_no_table_of_numbers_outside_a_generated_block():
+    """On the benchmark pages and the README, every table holding a number is a generated one."""
+    render = _render()
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs" / "benchmarks").glob("*.md"))]
+    for page in pages:
+        outside = render.MARKER.sub("", page.read_text())
+        outside = re.sub(r"```.*?```", "", outside, flags=re.S)  # commands may hold numbers
+        rows = [line for line in outside.splitlines() if line.startswith("|") and not set(line) <= set("|-: ")]
+        numeric = [row for row in rows if re.search(r"\d", row)]
+        assert numeric == [], f"{page.relative_to(ROOT)}: a table of numbers typed by hand: {numeric[:2]}"
