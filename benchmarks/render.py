@@ -152,6 +152,10 @@ def table(header: list[str], rows: list[list[str]], align: Optional[str] = None)
     return "\n".join(lines)
 
 
+def yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
 def gib(b: float) -> str:
     return f"{b / 2 ** 30:.2f}"
 
@@ -262,7 +266,7 @@ def h2h_blocks(r: Result, key: str, clocks=("side_by_side", "cpu")) -> dict[str,
                         + [pm(t[m]["mean"], t[m]["sd"]) if m in t and t[m] else "–" for m in methods]
                         + [f"{diff['mean']:+.2f} ± {diff['sd_of_difference']:.2f}" if diff else ""])
         blocks[f"{key}.{clock}"] = table(["ReLA steps", "s"] + [METHOD[m] for m in methods]
-                                         + ["cached - online, points"], rows, "rr" + "r" * len(methods) + "r") + (
+                                         + ["cached - online, points (per-seed differences: mean ± sd)"], rows, "rr" + "r" * len(methods) + "r") + (
             f"\n\nTop-1 % (mean ± sd over {len(s['seeds'])} seeds) read at the seconds of each probe of the cached run "
             f"({CLOCK[clock]}, its precompute included).\n\n" + r.source())
     reach = a["reach_plain_final"]
@@ -274,7 +278,8 @@ def h2h_blocks(r: Result, key: str, clocks=("side_by_side", "cpu")) -> dict[str,
             iv = v["speedup_interval"]
             reached = f"{iv['reached']} of {iv['of']}"
             rows.append([METHOD[m], CLOCK[clock], reached,
-                         xs(iv["geomean"]) if iv["reached"] == iv["of"] else "not reached by every seed",
+                         xs(iv["geomean"]) if iv["reached"] == iv["of"] else
+                         ("not reached" if not iv["reached"] else "not reached by every seed"),
                          f"{iv['low']:.2f}-{iv['high']:.2f}x" if iv["reached"] == iv["of"] else "–"])
     blocks[f"{key}.reach"] = table(["method", "clock", "seeds reaching plain's final accuracy", "speed-up (geometric mean)",
                                     "95 % interval for one more run"], rows, "lllrr") + "\n\n" + r.source()
@@ -470,8 +475,8 @@ def scale(r: Result) -> dict[str, str]:
     rows = [[f"{p['rows']:,}", f"{p['peak_anon_bytes'] / 2 ** 20:.0f} MiB", human_bytes(p["store_bytes"]),
              f"{p['rows_per_second']:.0f}"] for p in pre]
     big = r["write_big"]
-    rows.append([f"{big['rows']:,}", f"{big['peak_anon_bytes'] / 2 ** 20:.0f} MiB", human_bytes(big["store_bytes"]),
-                 f"{big['rows'] / big['seconds']:.0f}"])
+    rows.append([f"{big['rows']:,} (rows written directly, no prior)", f"{big['peak_anon_bytes'] / 2 ** 20:.0f} MiB",
+                 human_bytes(big["store_bytes"]), f"{big['rows'] / big['seconds']:.0f}"])
     look = [[f"{x['rows']:,}", f"{x['lookup_seconds_median']['cold'] * 1e3:.2f} / {x['lookup_seconds_median']['warm'] * 1e3:.2f}",
              f"{x['pca_seconds']:.1f} s, {x['pca_peak_anon_bytes'] / 2 ** 20:.0f} MiB"] for x in r["lookup"]]
     res = r["resume_after_kill"]
@@ -479,7 +484,7 @@ def scale(r: Result) -> dict[str, str]:
             + "\n\n" + table(["rows", "lookup + PCA of 256 random rows, cold / warm ms", "batch PCA fit"], look, "rrr")
             + f"\n\nKilled after {res['chunks_kept_after_kill']} of {res['chunks_total']} chunks, the same call recomputed "
             f"the other {res['rows_recomputed']:,} rows in {res['resume_seconds']:.0f} s; same sha256 as the "
-            f"uninterrupted store: {res['same_sha256_as_uninterrupted']}. Prior `{r['prior']}` ({r['dim']}-d).\n\n"
+            f"uninterrupted store: {yes(res['same_sha256_as_uninterrupted'])}. Prior `{r['prior']}` ({r['dim']}-d).\n\n"
             + r.source()}
 
 
@@ -546,7 +551,7 @@ def streams(r: Result) -> dict[str, str]:
     rows = [
         ["2 gloo ranks, uninterrupted", f"{p['sidecars']} sidecars, {p['seconds']:.0f} s ({p['images_per_s']:.0f} img/s)"],
         ["killed after some sidecars, then rerun", f"{r['kill']['sidecars_when_killed']} of {s['shards']} were done; "
-         f"all byte-identical to the uninterrupted run: {p['identical_after_kill_and_resume']}"],
+         f"all byte-identical to the uninterrupted run: {yes(p['identical_after_kill_and_resume'])}"],
         ["precompute / bare prior forward over the same stream", f"{r['throughput']['ratio']:.2f}"],
         ["bytes per sample: " + " / ".join(b), " / ".join(f"{v:.0f}" for v in b.values())],
         ["training step with sidecar targets joined / without targets (medians)",
@@ -635,15 +640,16 @@ def dense_reductions(r: Result) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------- several priors
 @renders("several_priors.json")
 def several_priors(r: Result) -> dict[str, str]:
-    rows = []
+    rows, used, specs = [], [], r["settings"]["priors"]
     for name, c in r["cells"].items():
         priors, std, balance = name.split("|")
+        used += [n for n in priors.split("+") if n not in used]
         tops = [p["top1"] for p in c["per_seed"]]
         rows.append([priors, std, balance, f"{pm(c['top1'], c['top1_std'])} ({', '.join(f2(t) for t in tops)})",
                      xs(c["steps"]["speedup"])])
     return {"several_priors.table": table(["priors", "standardisation", "balance", "top-1 % at 250 steps (seeds)",
                                            "speed-up in steps"], rows, "lllrr")
-            + f"\n\nPriors: {', '.join(f'`{v}`' for v in r['settings']['priors'].values())}. This study shared the cores "
+            + f"\n\nPriors: {', '.join(f'{n} = `{specs[n]}`' for n in used)}. This study shared the cores "
             "with other jobs, so only its accuracies and steps compare; its wall-clock speed-ups are in the file.\n\n"
             + r.source()}
 
@@ -688,9 +694,10 @@ def distill(r: Result) -> dict[str, str]:
     for name, v in r["rows"].items():
         acc = [100 * a for a in v["accuracies"]]
         per_image = cost.get(name)
-        rows.append([name, pm(statistics.fmean(acc), sd(acc)), ", ".join(f"{a:.1f}" for a in acc),
+        rows.append([name, pm(100 * v["accuracy_mean"], 100 * v["accuracy_std"]), ", ".join(f"{a:.1f}" for a in acc),
                      f"{statistics.median(per_image):.2f}" if per_image else "–"])
-    return {"distill.table": table(["method", "student top-1 %", "seeds", "synthesis CPU s per image"], rows, "lrrr")
+    return {"distill.table": table(["method", "student top-1 % (mean ± population sd)", "seeds",
+                                    "synthesis CPU s per image"], rows, "lrrr")
             + f"\n\nDWA / SRe2L++ cost: {r['cost']['dwa_over_sre2lpp']:.2f}x.\n\n" + r.source()}
 
 
