@@ -327,8 +327,9 @@ def head_to_head_vit(r: Result) -> dict[str, str]:
         f"The teacher is {teacher_line(s['prior'])}: in-domain and trained "
         f"{rec['train_seconds'] / plain_clock:.0f}x as long as the plain run's {plain_clock:.0f} s, so these rows are "
         "an upper bound for what a public prior gives. The lightly-train row ran lightly-train's own loss, views, optimiser "
-        "and schedule at their defaults, which were not tuned for this student (lightly's documentation recommends "
-        "another version of its distillation for classification).\n\n" + r.source())
+        f"and schedule at their defaults, which were not tuned for this student: `distillation` is its v3 (the default "
+        f"since lightly-train 0.15.0), where lightly-train's documentation recommends `distillationv1` for purely global "
+        f"tasks such as classification.\n\n" + r.source())
     return blocks
 
 
