@@ -47,7 +47,7 @@ from typing import Optional
 import torch
 
 from .atomic import atomic_write_json
-from .results import save_figure, write_results
+from .results import cpu_model, save_figure, write_results
 
 DEFAULT_PRIOR = "shipped:digits-byol"  # trained on other data (scikit-learn digits), no label: a user's situation
 
@@ -73,7 +73,8 @@ NUMERIC_SETTINGS = ("budget", "plain_multiple", "probes", "prior", "weights", "s
 REFERENCE: dict | None = {
     "seeds": [0, 1, 2, 3, 4, 5], "speedup_cpu": [4.14, 3.29, 2.77, 1.46, 3.81, 3.06], "mean_cpu": 3.29,
     "speedup_steps": [2.5, 2.14, 2.0, 0.97, 2.46, 2.03],
-    "machine": "a 2-core AMD EPYC VM (AVX512), torch 2.15.0, near-idle"}
+    "machine": "a 2-core AMD EPYC VM (AVX512), torch 2.15.0, near-idle", "torch": "2.15.0+cu132",
+    "cpu_capability": "AVX512"}
 
 #: two-sided 95 % quantiles of Student's t by degrees of freedom (for :func:`prediction_interval`)
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -291,6 +292,17 @@ def _reference_line(args, result: dict) -> str:
             f"{place('speedup_cpu', result['speedup_cpu']['speedup'])}")
     if "speedup" in result:
         text += f"; in steps: {place('speedup_steps', result['speedup']['speedup'])}"
+    # another torch or other CPU kernels round differently, which moves the curves like another seed: say so
+    import torch
+
+    here = result.get("machine", {})
+    mine = {"torch": here.get("torch", torch.__version__),
+            "cpu_capability": here.get("cpu_capability", torch.backends.cpu.get_cpu_capability())}
+    differ = [f"{name.replace('_', ' ')} {mine[name]} here, {REFERENCE[name]} there" for name in ("torch", "cpu_capability")
+              if name in REFERENCE and mine[name] != REFERENCE[name]]
+    if differ:
+        text += (f" (measured on another setup: {'; '.join(differ)}; kernels that round differently move the curves "
+                 "like another seed, so read the placement as a rough guide)")
     return text
 
 
@@ -427,7 +439,7 @@ def run(args) -> int:
     result = {
         "command": " ".join(shlex.quote(a) for a in ["accelerate-ssl", *sys.argv[1:]]),
         "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "cpu_capability": torch.backends.cpu.get_cpu_capability(), "processor": _cpu_model(),
+                    "cpu_capability": torch.backends.cpu.get_cpu_capability(), "processor": cpu_model() or "unknown",
                     "platform": platform.platform(), "python": platform.python_version(), "device": args.device,
                     "gpu": torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else None,
                     "cuda": torch.version.cuda if args.device.startswith("cuda") else None,
@@ -449,7 +461,7 @@ def run(args) -> int:
     result["table"] = table
     png = out / "demo.png"
     write_png(result, png)
-    write_results(out / "demo.json", result)
+    write_results(out / "demo.json", result, device=args.device)
 
     if args.json:
         print(json.dumps({"speedup": result["speedup"], "speedup_wall": result["speedup_wall"],
@@ -484,16 +496,6 @@ def run(args) -> int:
           f"{load_start[0]:.1f} at start, {result['machine']['load_average_end'][0]:.1f} at end")
     print(f"wrote {png} and {out / 'demo.json'}")
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _safe_name(spec: str) -> str:

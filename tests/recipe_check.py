@@ -1,14 +1,16 @@
-"""What every README recipe test uses: the recipe's code block and its stated line count read from the README, the
-count measured on the test script, and a log of the rows ReLA read at each step of the script's run.
+"""What every recipe test uses: the recipe's code block and its stated line count read from the page that shows it
+(a host page under ``docs/hosts/``, the Quick start of the README and of ``docs/index.md``), the count measured on the
+test script, and a log of the rows ReLA read at each step of the script's run.
 
 **Markers.** A recipe test script is written the way the host's own example is; the lines ReLA adds end in
 ``# ReLA: added``, the lines it changes in ``# ReLA: changed, was: <the host's line>``, and lines that only observe the
 run for the test (never part of a recipe) in ``# test``. :func:`plain_script` removes the added and test lines and
 puts the host's lines back, so the difference between the host's script and the recipe is exactly the marked lines.
 
-**The README.** Each recipe is introduced by a sentence stating ``N added, M changed`` and followed by its
+**The page.** Each recipe is introduced by a sentence stating ``N added, M changed`` and followed by its
 ````python`` block: the lines ReLA adds or changes, and the host's lines around them (``# yours``), each of which must
-appear verbatim in the test script (comments and ``...`` aside).
+appear verbatim in the test script (comments and ``...`` aside). The host pages also include the whole script from its
+file (``--8<--``), so what a reader sees is what the test runs.
 
 **Rows.** :class:`RecipeLog` wraps the store ReLA reads, and after each ``wrap`` compares the rows read with the
 store's rows of the samples the batch really holds (their indices, carried by the batch for the test).
@@ -21,49 +23,67 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+HOSTS = DOCS / "hosts"
 ADDED, CHANGED, TEST = "# ReLA: added", "# ReLA: changed, was: ", "# test"
 COUNT = re.compile(r"\*\*(\d+)\s+added,\s+(\d+)\s+changed\*\*")
 
+#: a page (read from its file) or its text
+Page = Union[Path, str]
 
-# ---------------------------------------------------------------------------------------------- the README
+
+# ---------------------------------------------------------------------------------------------- the page
 def code(line: str) -> str:
     """A line without its trailing comment (two spaces then ``#``) and surrounding white space."""
     return re.split(r"\s{2,}#", line, maxsplit=1)[0].strip()
 
 
-def readme_recipe(anchor: str, text: Optional[str] = None) -> tuple[int, int, list[str]]:
-    """``(added, changed, lines)`` of the recipe whose introduction contains ``anchor`` (in the README, or ``text``):
-    the first ``**N added, M changed**`` after it, and the code lines of the first ````python`` block after that
-    (comments, blank lines and ``...`` lines left out)."""
-    text = README.read_text() if text is None else text
+def page_text(page: Page) -> tuple[str, str]:
+    """``(name, text)`` of a page given as a path or as its text."""
+    if isinstance(page, Path):
+        return str(page.relative_to(ROOT)) if page.is_relative_to(ROOT) else str(page), page.read_text()
+    return "the page", page
+
+
+def page_recipe(anchor: str, page: Page) -> tuple[int, int, list[str]]:
+    """``(added, changed, lines)`` of the recipe whose introduction contains ``anchor`` on ``page``: the first
+    ``**N added, M changed**`` after it, and the code lines of the first ````python`` block after that (comments,
+    blank lines and ``...`` lines left out)."""
+    name, text = page_text(page)
     pattern = r"\s+".join(re.escape(word) for word in anchor.split())  # the anchor may be wrapped over lines
     found = list(re.finditer(pattern, text))
-    assert len(found) == 1, f"README: {anchor!r} must occur exactly once, found {len(found)}"
+    assert len(found) == 1, f"{name}: {anchor!r} must occur exactly once, found {len(found)}"
     rest = text[found[0].end():]
     count = COUNT.search(rest)
-    assert count is not None, f"README: no '**N added, M changed**' after {anchor!r}"
+    assert count is not None, f"{name}: no '**N added, M changed**' after {anchor!r}"
     block = rest[count.end():].split("```python\n", 1)[1].split("```", 1)[0]
-    assert "```" not in rest[count.end():].split("```python\n", 1)[0], f"README: the count after {anchor!r} is not the next block's"
+    assert "```" not in rest[count.end():].split("```python\n", 1)[0], f"{name}: the count after {anchor!r} is not the next block's"
     lines = [code(line) for line in block.splitlines()]
     return int(count.group(1)), int(count.group(2)), [line for line in lines if line and not line.startswith(("#", "..."))]
 
 
-def readme_command(anchor: str, text: Optional[str] = None) -> list[str]:
+def page_command(anchor: str, page: Page) -> list[str]:
     """The words of the first ``accelerate-ssl ...`` command of a ````bash`` block after ``anchor`` (its comment off)."""
     import shlex
 
-    text = README.read_text() if text is None else text
+    name, text = page_text(page)
     pattern = r"\s+".join(re.escape(word) for word in anchor.split())
-    rest = text[re.search(pattern, text).end():]
-    for block in re.findall(r"```bash\n(.*?)```", rest, flags=re.S):
+    found = re.search(pattern, text)
+    assert found is not None, f"{name}: {anchor!r} not found"
+    for block in re.findall(r"```bash\n(.*?)```", text[found.end():], flags=re.S):
         for line in block.splitlines():
             if line.startswith("accelerate-ssl "):
                 return shlex.split(line, comments=True)
-    raise AssertionError(f"README: no accelerate-ssl command after {anchor!r}")
+    raise AssertionError(f"{name}: no accelerate-ssl command after {anchor!r}")
+
+
+def includes(page: Path, script: Path) -> bool:
+    """Whether ``page`` includes ``script`` whole from its file (``--8<-- "<path from the repository>"``)."""
+    return f'--8<-- "{script.relative_to(ROOT).as_posix()}"' in page.read_text()
 
 
 # ---------------------------------------------------------------------------------------------- the script
@@ -111,27 +131,31 @@ def plain_script(source: str) -> str:
 RELA_NAMES = {"rela", "ReLA", "ReLACallback", "ShardedTargets"}
 
 
-def check_recipe(script: Path, anchor: str, readme: Optional[str] = None) -> tuple[int, int]:
-    """The README recipe introduced by ``anchor`` is what ``script`` adds and changes, and says so.
+def check_recipe(script: Path, anchor: str, page: Page) -> tuple[int, int]:
+    """The recipe introduced by ``anchor`` on ``page`` is what ``script`` adds and changes, and says so.
 
-    - every code line of the README's block is a line of the script (verbatim, comments aside);
-    - every line the script marks as added or changed is in the README's block (the README shows all of them);
-    - the README's ``N added, M changed`` is the number of marked lines;
+    - every code line of the page's block is a line of the script (verbatim, comments aside);
+    - every line the script marks as added or changed is in the page's block (the page shows all of them);
+    - the page's ``N added, M changed`` is the number of marked lines;
+    - a host page (under ``docs/hosts/``) includes the script whole from its file;
     - without the marked lines (and the test's), the script is a valid script of the host with no ReLA left in it.
 
     Returns ``(added, changed)``."""
-    stated_added, stated_changed, block = readme_recipe(anchor, readme)
+    name, _ = page_text(page)
+    stated_added, stated_changed, block = page_recipe(anchor, page)
     source = script.read_text()
     lines = {code(line) for line in source.splitlines()}
-    assert [line for line in block if line not in lines] == [], f"README lines of {anchor!r} missing from {script.name}"
+    assert [line for line in block if line not in lines] == [], f"{name}: lines of {anchor!r} missing from {script.name}"
     added, changed = marked(source)
     shown = set(block)
     assert [line for line in added + [c for c, _ in changed] if line not in shown] == [], \
-        f"lines {script.name} marks as ReLA's are not in the README's {anchor!r} block"
+        f"lines {script.name} marks as ReLA's are not in the {anchor!r} block of {name}"
     assert (len(added), len(changed)) == (stated_added, stated_changed), (
-        f"README says {stated_added} added, {stated_changed} changed for {anchor!r}; {script.name} marks "
+        f"{name} says {stated_added} added, {stated_changed} changed for {anchor!r}; {script.name} marks "
         f"{len(added)} added, {len(changed)} changed")
     assert all(new != was for new, was in changed)
+    if isinstance(page, Path) and page.is_relative_to(HOSTS):
+        assert includes(page, script), f"{name} does not include {script.relative_to(ROOT)} from its file"
     plain = plain_script(source)
     tree = ast.parse(plain)  # the host's script is valid Python
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {

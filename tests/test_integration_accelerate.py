@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from accelerate_ssl.data.datasets import fashion_mnist_dir
 from accelerate_ssl.rela import ReLA
 from processes import cpu_process_env  # noqa: E402
-from recipe_check import assert_every_row_is_the_samples_own, check_recipe, read_logs  # noqa: E402
+from recipe_check import HOSTS, assert_every_row_is_the_samples_own, check_recipe, read_logs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "accelerate_byol.py"
@@ -35,7 +35,7 @@ ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 HAVE_FMNIST = any((fashion_mnist_dir() / f).exists() for f in ("train-images-idx3-ubyte.gz", "train-images-idx3-ubyte"))
 needs_fmnist = pytest.mark.skipif(not HAVE_FMNIST, reason="Fashion-MNIST idx files not installed")
 
-#: the README's commands (README section "HF Accelerate"); the tests below run exactly these.
+#: the commands of docs/hosts/accelerate.md ("BYOL under `accelerate launch`"); the tests below run exactly these.
 LAUNCH = "accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no"
 README_PRECOMPUTE = (f"{LAUNCH} -m accelerate_ssl.cli precompute --prior random:convnet --data fashion-mnist "
                      "--limit 512 --out rela-targets/fmnist-512")
@@ -299,11 +299,12 @@ def test_rela_track_of_a_prepared_loader_publishes_at_its_yield(accelerator):
 
 
 def test_the_accelerate_recipe_is_three_added_and_two_changed_lines_of_accelerates_cv_example():
-    assert check_recipe(CV_RECIPE, "written the way Accelerate's own `examples/cv_example.py`") == (3, 2)
+    assert check_recipe(CV_RECIPE, "written the way Accelerate's own `examples/cv_example.py`", HOSTS / "accelerate.md") == (3, 2)
 
 
 def test_the_accelerate_resume_recipe_is_four_added_and_two_changed_lines_of_accelerates_checkpointing_example():
-    assert check_recipe(RESUME_RECIPE, "In a script written like Accelerate's `examples/by_feature/checkpointing.py`") == (4, 2)
+    assert check_recipe(RESUME_RECIPE, "In a script written like Accelerate's `examples/by_feature/checkpointing.py`",
+                        HOSTS / "accelerate.md") == (4, 2)
 
 
 def test_from_prior_on_a_prepared_loader_and_a_clean_set_in_another_order(accelerator, tmp_path):

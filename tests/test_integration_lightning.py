@@ -23,7 +23,7 @@ from accelerate_ssl.integrations.lightning import ReLACallback
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _lightning_ddp_worker import IndexImages, make_module, target_rows  # noqa: E402
 from processes import cpu_process_env  # noqa: E402
-from recipe_check import assert_every_row_is_the_samples_own, check_recipe, read_logs  # noqa: E402
+from recipe_check import HOSTS, assert_every_row_is_the_samples_own, check_recipe, read_logs  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_lightning_ddp_worker.py"
 RECIPES = Path(__file__).resolve().parent / "recipes"
@@ -299,12 +299,13 @@ def _recipe(script: str, tmp_path: Path) -> subprocess.CompletedProcess:
 
 
 def test_the_lightning_recipe_is_one_added_and_two_changed_lines_of_lightlys_example():
-    assert check_recipe(RECIPES / "lightning_byol.py", "For lightly's `examples/pytorch_lightning/byol.py`") == (1, 2)
+    assert check_recipe(RECIPES / "lightning_byol.py", "For lightly's `examples/pytorch_lightning/byol.py`",
+                        HOSTS / "lightning.md") == (1, 2)
 
 
 def test_the_lightning_ddp_recipe_is_two_added_and_one_changed_line_of_lightlys_example():
     assert check_recipe(RECIPES / "lightning_ddp_byol.py",
-                        "For lightly's `examples/pytorch_lightning_distributed/byol.py`") == (2, 1)
+                        "For lightly's `examples/pytorch_lightning_distributed/byol.py`", HOSTS / "lightning.md") == (2, 1)
 
 
 def test_the_lightning_recipe_runs_as_written(tmp_path, fashion_mnist_available):

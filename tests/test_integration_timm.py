@@ -424,13 +424,16 @@ def test_timm_style_ddp_on_the_cpu_under_two_gloo_processes(image_folder, tmp_pa
 
 
 def test_the_readme_lines_are_the_workers_and_their_count_is_stated():
-    """Every line of the README's train.py block is a line of the worker that runs them under torchrun (above), and
-    the README's count is the block's: one line changed (the loss), every other one added."""
+    """Every line of the timm page's train.py block is a line of the worker that runs them under torchrun (above),
+    which the page includes whole, and the page's count is the block's: one line changed (the loss), every other one
+    added."""
     from pathlib import Path
 
-    from recipe_check import code, readme_recipe
+    from recipe_check import HOSTS, code, includes, page_recipe
 
-    added, changed, block = readme_recipe("Then add these lines to `train.py`")
+    added, changed, block = page_recipe("Then add these lines to `train.py`", HOSTS / "timm.md")
+    worker_file = Path(__file__).with_name("_timm_ddp_worker.py")
+    assert includes(HOSTS / "timm.md", worker_file)  # the page shows the script the test runs
     worker = {code(line) for line in (Path(__file__).with_name("_timm_ddp_worker.py")).read_text().splitlines()}
     assert [line for line in block if line not in worker] == []
     replaced = [line for line in block if line.startswith("_loss = ")]  # train.py's `_loss = result['loss']`

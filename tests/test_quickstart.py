@@ -1,4 +1,4 @@
-"""The README's Quick start: its lines in a script written the way lightly's examples/pytorch/byol.py is
+"""The Quick start (the README's, the docs' front page's and the lightly page's): its lines in a script written the way lightly's examples/pytorch/byol.py is
 (tests/recipes/quickstart_byol.py), run as written on Fashion-MNIST with every row read checked to be the sample's own
 and the lines counted; and what ``total_steps`` does in that loop (digits, a random ConvNet prior, BYOL from the demo
 recipe): with it lambda falls within the 300 steps; without it ReLA warns that lambda will stay high, and it does."""
@@ -32,8 +32,10 @@ def recipe_env(log: Path) -> dict:
     return cpu_process_env(PYTHONPATH=path, PYTHONUNBUFFERED="1", RECIPE_LOG=str(log))
 
 
-def test_the_quick_start_is_lightlys_byol_example_with_two_added_and_one_changed_line():
-    assert check_recipe(SCRIPT, "## Quick start") == (2, 1)
+@pytest.mark.parametrize("page", [ROOT / "README.md", ROOT / "docs" / "index.md", ROOT / "docs" / "hosts" / "lightly.md"],
+                         ids=["README", "docs-index", "docs-lightly"])
+def test_the_quick_start_is_lightlys_byol_example_with_two_added_and_one_changed_line(page):
+    assert check_recipe(SCRIPT, "## Quick start", page) == (2, 1)
 
 
 def test_the_quick_start_runs_as_written_and_every_row_is_the_samples_own(tmp_path, fashion_mnist_available):

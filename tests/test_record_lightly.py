@@ -210,11 +210,11 @@ def test_lightlys_byol_example_with_per_view_targets_is_three_added_two_changed_
     from pathlib import Path
 
     from processes import cpu_process_env
-    from recipe_check import assert_every_row_is_the_samples_own, check_recipe, read_logs
+    from recipe_check import HOSTS, assert_every_row_is_the_samples_own, check_recipe, read_logs
 
     root = Path(__file__).resolve().parents[1]
     script = root / "tests" / "recipes" / "lightly_views.py"
-    assert check_recipe(script, "**With lightly's transforms.**") == (3, 2)
+    assert check_recipe(script, "**With lightly's transforms.**", HOSTS / "lightly.md") == (3, 2)
     path = os.pathsep.join([str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")])
     env = cpu_process_env(PYTHONPATH=path, PYTHONUNBUFFERED="1", RECIPE_LOG=str(tmp_path / "log"))
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, text=True, capture_output=True,

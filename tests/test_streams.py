@@ -27,7 +27,7 @@ from accelerate_ssl.data.streams import open_stream  # noqa: E402
 from accelerate_ssl.data.views import apply_view  # noqa: E402
 from accelerate_ssl.targets.sidecar import SidecarError, key_index  # noqa: E402
 from processes import cpu_process_env  # noqa: E402
-from recipe_check import check_recipe, readme_command  # noqa: E402
+from recipe_check import HOSTS, check_recipe, page_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = 8
@@ -702,12 +702,13 @@ def _run_recipe(name: str) -> dict:
 
 
 def test_the_webdataset_recipe_is_four_added_and_four_changed_lines():
-    assert check_recipe(RECIPES / "webdataset_loop.py", "A WebDataset loop") == (4, 4)
+    assert check_recipe(RECIPES / "webdataset_loop.py", "A WebDataset loop", HOSTS / "webdataset.md") == (4, 4)
 
 
 def test_the_datasets_recipes_are_three_added_and_two_or_three_changed_lines():
-    assert check_recipe(RECIPES / "hf_datasets.py", "A Hugging Face `datasets` loop over a data set with an id column") == (3, 2)
-    assert check_recipe(RECIPES / "hf_imagefolder.py", "Without an id column") == (3, 3)
+    assert check_recipe(RECIPES / "hf_datasets.py", "A Hugging Face `datasets` loop over a data set with an id column",
+                        HOSTS / "hf-datasets.md") == (3, 2)
+    assert check_recipe(RECIPES / "hf_imagefolder.py", "Without an id column", HOSTS / "hf-datasets.md") == (3, 3)
 
 
 def test_the_webdataset_recipe_runs_as_written(fmnist, tmp_path, monkeypatch):
@@ -725,7 +726,7 @@ def test_the_webdataset_recipe_runs_as_written(fmnist, tmp_path, monkeypatch):
                     info.size = len(data)
                     tar.addfile(info, io.BytesIO(data))
     monkeypatch.chdir(tmp_path)
-    command = readme_command("A WebDataset loop")
+    command = page_command("A WebDataset loop", HOSTS / "webdataset.md")
     assert command[:2] == ["accelerate-ssl", "precompute"]
     assert main(command[1:] + ["--no-progress"]) == 0
     run = _run_recipe("webdataset_loop.py")
@@ -747,7 +748,7 @@ def test_the_datasets_recipe_with_an_id_column_runs_as_written(fmnist, tmp_path,
                                                                 "label": datasets.Value("int64")}))
     ds.shuffle(seed=0).save_to_disk(str(tmp_path / "data" / "train"))  # rows in another order than the numbers
     monkeypatch.chdir(tmp_path)
-    command = readme_command("A Hugging Face `datasets` loop over a data set with an id column")
+    command = page_command("A Hugging Face `datasets` loop over a data set with an id column", HOSTS / "hf-datasets.md")
     assert main(command[1:] + ["--no-progress"]) == 0
     run = _run_recipe("hf_datasets.py")
     seen = [([int(i[3:]) for i in ids], rows) for ids, rows in run["seen"]]

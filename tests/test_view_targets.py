@@ -139,16 +139,16 @@ def test_pooled_view_rows_train_through_wrap_targets(store):
 
 
 def test_the_readme_block_is_lines_of_a_loop_that_runs(tmp_path, monkeypatch, fashion_mnist_available):
-    """Every code line of the README's spatial-store block is a line of tests/recipes/spatial_views.py, which trains a
+    """Every code line of the targets page's spatial-store block is a line of tests/recipes/spatial_views.py, which trains a
     few steps on real images: each step's targets are the stored maps pooled over that step's recorded boxes."""
     import runpy
     from pathlib import Path
 
     import accelerate_ssl.targets.views as views
-    from recipe_check import README, code
+    from recipe_check import DOCS, code
 
     script = Path(__file__).with_name("recipes") / "spatial_views.py"
-    text = README.read_text()
+    text = (DOCS / "concepts" / "targets.md").read_text()
     block = text[text.index("**Spatial stores: a target for any crop.**"):].split("```python\n", 1)[1].split("```")[0]
     lines = [code(line) for line in block.splitlines()]
     lines = [line for line in lines if line and not line.startswith(("#", "..."))]

@@ -26,11 +26,15 @@ RECOMMENDED: list[tuple[str, str, Optional[str]]] = [
      "BSD-3-Clause (torchvision); ImageNet terms of use"),
     ("timm:resnet50.a1_in1k", "ResNet-50 (timm A1 recipe), supervised on ImageNet-1k", None),
     # the priors that ship with the package (ConvNets for 28 px grayscale images such as Fashion-MNIST)
-    ("shipped:fashion-mnist-byol-20k", "BYOL ConvNet, unlabelled Fashion-MNIST, 20,000 steps (ships; demo default)",
+    ("shipped:digits-byol", "BYOL ConvNet, unlabelled scikit-learn digits: other data (ships; the demo's default)",
      "Apache-2.0"),
-    ("shipped:fashion-mnist-byol", "BYOL ConvNet, unlabelled Fashion-MNIST, 1000 steps (ships)", "Apache-2.0"),
-    ("shipped:digits-byol", "BYOL ConvNet, unlabelled scikit-learn digits: other data (ships)", "Apache-2.0"),
-    ("shipped:fashion-mnist-supervised", "ConvNet trained WITH the Fashion-MNIST labels (ships)", "Apache-2.0"),
+    ("shipped:fashion-mnist-byol-20k", "BYOL ConvNet, unlabelled Fashion-MNIST, 20,000 steps (ships; in-domain: an "
+     "upper bound on Fashion-MNIST)", "Apache-2.0"),
+    ("shipped:fashion-mnist-byol", "BYOL ConvNet, unlabelled Fashion-MNIST, 1000 steps (ships; in-domain: an upper "
+     "bound on Fashion-MNIST)", "Apache-2.0"),
+    ("shipped:fashion-mnist-supervised", "ConvNet trained WITH the Fashion-MNIST labels (ships; labelled: an upper "
+     "bound on Fashion-MNIST)",
+     "Apache-2.0"),
 ]
 
 

@@ -1,0 +1,131 @@
+"""Numbers that cannot drift from their results: every committed result file says which code and which machine
+measured it (and where its per-seed values are), and every benchmark table in the docs is what
+``benchmarks/render.py`` renders from those files now."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from accelerate_ssl.results import claims_seeds, find, provenance_problems, write_results
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = sorted((ROOT / "benchmarks" / "results").glob("*.json")) + sorted((ROOT / "benchmarks").glob("prior_runs/*/*.json"))
+
+
+# ---------------------------------------------------------------------------------------------- provenance
+def test_write_results_records_the_commit_and_the_machine(tmp_path):
+    """A result written through write_results carries the checkout's commit and the full machine block."""
+    write_results(tmp_path / "r.json", {"top1": 71.5, "provenance": {"stale": True}}, ROOT, per_seed=["top1"])
+    block = json.loads((tmp_path / "r.json").read_text())["provenance"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode == 0:  # a git checkout (CI's clean clone is one)
+        assert block["commit"] == head.stdout.strip()
+    assert "stale" not in block  # the block describes this write
+    for field in ("device", "torch", "cuda", "cudnn", "cpu_capability", "load_average"):
+        assert field in block["machine"]
+    assert len(block["machine"]["load_average"]) == 3 and block["per_seed"] == ["top1"]
+    assert provenance_problems(json.loads((tmp_path / "r.json").read_text())) == []
+    # outside a git checkout (an installed wheel) the commit says it is not recorded, and why
+    write_results(tmp_path / "w.json", {"x": 1}, tmp_path)
+    commit = json.loads((tmp_path / "w.json").read_text())["provenance"]["commit"]
+    assert commit.startswith("not recorded (accelerate-ssl ") or re.fullmatch(r"[0-9a-f]{40}", commit)
+
+
+def test_provenance_problems_names_what_is_missing():
+    machine = {"device": "cpu", "torch": "2.5", "cuda": None, "cudnn": "not recorded", "cpu_capability": "AVX2",
+               "load_average": [1, 1, 1]}
+    good = {"provenance": {"commit": "a" * 40, "commit_source": "git", "machine": {**machine, "cuda": "12.4"},
+                           "machine_source": "read when written"}, "x": 1}
+    assert provenance_problems(good) == []
+    assert provenance_problems({"x": 1}) == ["no provenance block"]
+    bad = json.loads(json.dumps(good))
+    bad["provenance"].update(commit="HEAD", machine=machine)
+    assert provenance_problems(bad) == ["commit: 'HEAD' is not a 40-digit git commit",
+                                        "machine: no 'cuda' (a value, or 'not recorded')"]
+    seeds = {**good, "settings": {"seeds": [0, 1, 2]}, "runs": [{"seed": 0, "top1": 70.0}]}
+    assert claims_seeds(seeds) and not claims_seeds(good)
+    assert claims_seeds({"a": {"mean": 1.0, "sd": 0.1, "n": 3}}) and not claims_seeds({"a": {"mean": 1.0, "n": 1}})
+    assert "does not say where its per-seed values are" in provenance_problems(seeds)[0]
+    seeds["provenance"]["per_seed"] = ["runs.*.accuracy"]
+    assert provenance_problems(seeds) == ["per_seed: 'runs.*.accuracy' matches no values"]
+    seeds["provenance"]["per_seed"] = ["runs.*.top1"]
+    assert provenance_problems(seeds) == [] and find(seeds, "runs.*.top1") == [70.0]
+    seeds["provenance"]["per_seed"] = "kept elsewhere"
+    assert "say 'not recorded'" in provenance_problems(seeds)[0]
+    seeds["provenance"]["per_seed"] = "not recorded: means only"
+    assert provenance_problems(seeds) == []
+
+
+@pytest.mark.parametrize("path", RESULTS, ids=[str(p.relative_to(ROOT / "benchmarks")) for p in RESULTS])
+def test_every_committed_result_carries_its_provenance(path):
+    """Commit, machine (device, torch, CUDA, cuDNN, CPU capability, load), and where the per-seed values are."""
+    assert provenance_problems(json.loads(path.read_text())) == []
+
+
+def test_there_are_results_to_check():
+    assert len(RESULTS) >= 30
+
+
+# ---------------------------------------------------------------------------------------------- generated blocks
+def _render():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_render_for_tests", ROOT / "benchmarks" / "render.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_generated_block_is_what_its_result_file_gives_now():
+    """Every number in a generated block of README.md and docs/ is what benchmarks/render.py renders from the JSON."""
+    assert _render().check() == []
+
+
+def test_a_number_that_differs_from_its_file_is_caught(tmp_path, monkeypatch):
+    render = _render()
+    rendered = render.blocks()
+    text = (ROOT / "README.md").read_text()
+    assert render.render_page(text, rendered) == text
+    block = render.MARKER.search(text)
+    body = block.group("body")
+    number = re.search(r"\d+\.\d\d", body).group(0)
+    edited = text.replace(body, body.replace(number, f"{float(number) + 0.01:.2f}", 1))
+    assert render.render_page(edited, rendered) != edited  # a hand-edited number
+    # and a result file whose numbers moved: the page, unchanged, is now stale
+    name = next(n for n in render.RENDERERS if n == "speedup.json")
+    moved = json.loads((render.RESULTS / name).read_text())
+    first = next(iter(moved["cells"].values()))
+    first["top1"] += 1.0
+    (tmp_path / name).write_text(json.dumps(moved))
+    for other in render.RESULTS.glob("*.json"):
+        if other.name != name:
+            (tmp_path / other.name).write_text(other.read_text())
+    monkeypatch.setattr(render, "RESULTS", tmp_path)
+    assert render.render_page(text, render.blocks()) != text
+
+
+def test_every_result_file_has_a_renderer_and_no_file_without_provenance_is_rendered(tmp_path):
+    render = _render()
+    assert {p.name for p in (ROOT / "benchmarks" / "results").glob("*.json")} == set(render.RENDERERS)
+    bare = tmp_path / "x.json"
+    bare.write_text(json.dumps({"top1": 70.0}))
+    with pytest.raises(ValueError, match="no provenance block"):
+        render.Result(bare)
+
+
+def test_no_table_of_numbers_outside_a_generated_block():
+    """On the benchmark pages and the README, every table holding a number is a generated one."""
+    render = _render()
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs" / "benchmarks").glob("*.md"))]
+    for page in pages:
+        outside = render.MARKER.sub("", page.read_text())
+        outside = re.sub(r"```.*?```", "", outside, flags=re.S)  # commands may hold numbers
+        rows = [line for line in outside.splitlines() if line.startswith("|") and not set(line) <= set("|-: ")]
+        numeric = [row for row in rows if re.search(r"\d", row)]
+        assert numeric == [], f"{page.relative_to(ROOT)}: a table of numbers typed by hand: {numeric[:2]}"
