@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -54,6 +53,11 @@ STUDENTS = {  # the settings each student's study runs with unless given
     "convnet": {"ssl": "byol", "train_size": 20000, "test_size": 10000, "full": 1000},
 }
 INDOMAIN_SEED = 1000  # the in-domain prior's own seed, distinct from every student's
+#: ReLA v1 Table 1, CIFAR-10, BYOL, ResNet-18, linear probe top-1 %: plain BYOL, ReLA with a random prior, with a
+#: BYOL prior trained on CIFAR-100 (other data) and on CIFAR-10 itself (CF10-T, in-domain), and full-budget BYOL
+PAPER_CIFAR10 = {0.1: {"plain": 58.3, "random": 71.4, "other": 78.2, "indomain": 81.1},
+                 0.2: {"plain": 70.1, "random": 77.1, "other": 81.4, "indomain": 83.6},
+                 0.5: {"plain": 77.9, "random": 82.7, "other": 86.2, "indomain": 86.5}, 1.0: {"plain": 82.7}}
 
 
 def parse_args(argv=None):
@@ -294,7 +298,12 @@ def analyse(a, runs: dict) -> dict:
         memo = store_dir(a, prior).with_suffix(".json")
         if memo.is_file():
             priors[prior] = json.loads(memo.read_text())
-    longer = {str(k[2]): end(r) for k, r in runs.items() if k[0] == "plain" and k[2] > a.full}
+    longer = {}
+    for steps in sorted({k[2] for k in runs if k[0] == "plain" and k[2] > a.full}):
+        rs = [end(r) for k, r in runs.items() if k[0] == "plain" and k[2] == steps]
+        same = [end(full[k[3]]) for k in runs if k[0] == "plain" and k[2] == steps]  # the full runs of those seeds
+        longer[str(steps)] = {"seeds": len(rs), **{q: statistics.fmean(r[q] for r in rs) for q in probes},
+                              "full_same_seeds": {q: statistics.fmean(r[q] for r in same) for q in probes}}
     return {"seeds": seeds, "table": table, "priors": priors, "longer_plain": longer,
             "full_curve": {str(s): r["curve"] for s, r in full.items()}}
 
@@ -307,32 +316,42 @@ def fmt(cell: dict | None, key: str = "top1") -> str:
         (f" ({cell['seeds']} seeds)" if cell["seeds"] < 5 else "")
 
 
-def tables(result: dict) -> str:
+PROBES = {"top1": "linear probe, all labels", "knn_top1": "kNN, k = 20", "few_label_top1": "linear probe, 100 labels per class"}
+
+
+def tables(result: dict) -> dict[str, str]:
+    """The study's tables by name: ``top1`` (with the paper's CIFAR-10 rows), ``knn_top1``, ``few_label_top1``,
+    ``compute`` (each run's cost against the full plain run, and where lambda reached 0) and ``longer`` (what plain
+    SSL gains past the full budget)."""
     an, s = result["analysis"], result["settings"]
     priors = [p for p in PRIORS if any(p in row for row in an["table"]["budgets"].values())]
-    lines = []
-    for key, name in (("top1", "linear probe, all labels"), ("knn_top1", "kNN, k = 20"),
-                      ("few_label_top1", "linear probe, 100 labels per class")):
-        lines += [f"Top-1 % ({name}), mean ± sd over seeds:", "",
-                  "| budget | plain SSL | " + " | ".join(f"ReLA + SSL, {PRIOR_LABEL[p]}" for p in priors) +
-                  " | plain SSL, full budget |", "|---" * (3 + len(priors)) + "|"]
+    out = {}
+    for key in PROBES:
+        lines = ["| budget | plain SSL | " + " | ".join(f"ReLA + SSL, {PRIOR_LABEL[p]}" for p in priors) +
+                 " | plain SSL, full budget |", "|---" * (3 + len(priors)) + "|"]
         for steps, row in an["table"]["budgets"].items():
-            pct = round(100 * int(steps) / s["full"])
-            lines.append(f"| {pct} % ({steps} steps) | {fmt(row.get('plain'), key)} | " +
+            frac = int(steps) / s["full"]
+            lines.append(f"| {round(100 * frac)} % ({steps} steps) | {fmt(row.get('plain'), key)} | " +
                          " | ".join(fmt(row.get(p), key) for p in priors) + f" | {fmt(an['table']['full'], key)} |")
-        lines.append("")
-    lines += ["Compute of each run / the same seed's full plain run (CPU seconds of training; ReLA: + its precompute), "
-              "and the step where lambda reached 0:", "", "| budget | plain SSL | " +
-              " | ".join(f"ReLA, {p}: compute, hand-over step" for p in priors) + " |", "|---" * (2 + len(priors)) + "|"]
+            paper = PAPER_CIFAR10.get(round(frac, 2))
+            if key == "top1" and paper:
+                lines.append(f"| *paper, CIFAR-10, {round(100 * frac)} %* | *{paper['plain']}* | " +
+                             " | ".join(f"*{paper[p]}*" if p in paper else "–" for p in priors) +
+                             f" | *{PAPER_CIFAR10[1.0]['plain']}* |")
+        out[key] = "\n".join(lines)
+    lines = ["| budget | plain SSL: compute | " + " | ".join(f"ReLA, {PRIOR_LABEL[p]}: compute; hand-over step per seed"
+                                                           for p in priors) + " |", "|---" * (2 + len(priors)) + "|"]
     for steps, row in an["table"]["budgets"].items():
-        cells = []
-        for p in priors:
-            c = row.get(p)
-            cells.append("–" if not c else f"{c['compute']['mean']:.3f}, " +
-                         ", ".join("never" if h is None else str(h) for h in c["handover_step"]))
-        lines.append(f"| {steps} | {row['plain']['compute']['mean']:.3f} | " + " | ".join(cells) + " |"
-                     if "plain" in row else f"| {steps} | – | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        cells = ["–" if p not in row else f"{row[p]['compute']['mean']:.3f}; " +
+                 ", ".join("never" if h is None else str(h) for h in row[p]["handover_step"]) for p in priors]
+        plain = f"{row['plain']['compute']['mean']:.3f}" if "plain" in row else "–"
+        lines.append(f"| {steps} steps | {plain} | " + " | ".join(cells) + " |")
+    out["compute"] = "\n".join(lines)
+    longer = an.get("longer_plain") or {}
+    out["longer"] = "\n".join(["| plain SSL steps | seeds | linear % | kNN % | 100 labels/class % |", "|---:|---:|---:|---:|---:|"] +
+                              [f"| {k} | {v['seeds']} | " + " | ".join(f"{v[q]:.2f}" for q in PROBES) + " |"
+                               for k, v in sorted(longer.items(), key=lambda kv: int(kv[0]))])
+    return out
 
 
 def figure(result: dict, path: Path) -> None:
@@ -363,7 +382,7 @@ def figure(result: dict, path: Path) -> None:
 def main(argv=None) -> None:
     a = parse_args(argv)
     if a.tables:
-        print(tables(json.loads(Path(a.tables).read_text())))
+        print("\n\n".join(tables(json.loads(Path(a.tables).read_text())).values()))
         return
     import head_to_head as h2h
 
@@ -376,13 +395,13 @@ def main(argv=None) -> None:
     if len(runs) < len(todo):
         print(f"budget.py: {len(runs)} of {len(todo)} runs done; rerun to finish (other workers may still run).")
         return
-    result = {"command": " ".join(sys.argv), "commit": commit(), "settings": settings(a),
-              "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "platform": platform.platform(),
-                          "cpu_capability": torch.backends.cpu.get_cpu_capability()},
-              "analysis": analyse(a, runs), "runs": {unit_file(a, u).stem: r for u, r in runs.items()}}
-    write_results(a.out, result)
+    result = {"command": "python benchmarks/" + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+              "settings": settings(a), "analysis": analyse(a, runs),
+              "runs": {unit_file(a, u).stem: r for u, r in runs.items()}}
+    write_results(a.out, result, device=a.device if a.device != "cpu" else None,
+                  per_seed=["runs.*.curve", "analysis.table.budgets.*.*.top1.per_seed"])
     figure(result, Path(a.out).with_suffix(".png"))
-    print(tables(result))
+    print("\n\n".join(tables(result).values()))
 
 
 if __name__ == "__main__":

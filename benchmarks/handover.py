@@ -214,10 +214,10 @@ def main(argv=None) -> None:
         return
     settings = {k: getattr(a, k) for k in ("study", "student", "prior", "seeds", "steps", "switch", "variants",
                                            "warm_heads", "rewarm", "after", "budgets", "schedules", "handover", "threads")}
-    result = {"command": " ".join(sys.argv), "commit": budget.commit(), "settings": settings,
-              "recipe": budget.settings(b), "analysis": analyse(a, runs),
+    result = {"command": "python benchmarks/" + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+              "settings": settings, "recipe": budget.settings(b), "analysis": analyse(a, runs),
               "runs": {"-".join(map(str, u)): r for u, r in runs.items()}}
-    write_results(a.out, result)
+    write_results(a.out, result, per_seed=["runs.*.curve", "analysis.*.end.top1.per_seed"])
     figure(result, Path(a.out).with_suffix(".png"))
     print(tables(result))
 
