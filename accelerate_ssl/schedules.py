@@ -12,21 +12,22 @@ same interface:
   ``Epochs`` switch, or None when only the losses can end it);
 - ``state_dict()`` / ``load_state_dict()``.
 
-Controllers (see the table in the README):
+Controllers (the docs' "Schedules" page compares them on the budget study):
 
 =================  =======================================================  =====================
 name               rule                                                     source
 =================  =======================================================  =====================
 ``Decay``          adaptive in [0, 0.8]: falls as the ReLA loss plateaus    ReLA v2, App. L, Alg. 1
-``Switch``         lambda 1 until the ReLA loss converges, then 0 for good  ReLA v1, App. J
+``Switch``         lambda 1 until the ReLA loss converges, then 0 for good  ReLA v1, App. J (default)
 ``Constant(lam)``  fixed lambda                                             ablation
 ``Epochs(f, T)``   lambda 1 for the first fraction f of T steps, then 0     authors' ``--rela_conlam``
 =================  =======================================================  =====================
 
 Use :func:`create_schedule` to build one from a spec (``"decay"``, ``"switch"``, ``"constant:<lambda>"``,
 ``"epochs:<fraction>"``), planned for ``total_steps``; ReLA, the CLI and the solo-learn mixin all take that spec.
-``Decay`` only approaches 0 (unless ``finish_below``) and ``Switch`` ends when the ReLA loss converges, so neither has a
-planned end of its own: ``end_step`` gives them one (e.g. to hand the run over to timm's mixup at a chosen epoch).
+``Decay`` only approaches 0 (unless ``finish_below``), so it has no planned end of its own; ``Switch`` planned for a run
+hands over when the ReLA loss converges and at the latest at ``max_switch_fraction`` (0.5) of it. ``end_step`` gives
+any of them a planned end (e.g. to hand the run over to timm's mixup at a chosen epoch).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def _check_loss(loss_rela: Optional[float], name: str) -> float:
 
 
 class Decay(Schedule):
-    """Continuous adaptive lambda, ReLA v2 App. L, Algorithm 1 (the default controller).
+    """Continuous adaptive lambda, ReLA v2 App. L, Algorithm 1.
 
     State ``l_m = 2.0`` (EMA of the ReLA loss), ``rho_m = 0.0``. Per optimiser step with ReLA loss ``l_c``::
 
@@ -201,6 +202,12 @@ class Switch(Schedule):
     ``min_switch_fraction * total_steps`` (default 0.25): ``slow_momentum = 0.005^(1/t_min)`` and
     ``fast_momentum = 1 - (1 - slow_momentum) / 10`` (the paper's 10:1 ratio of rates). Explicit
     momenta win.
+
+    A planned run also has a latest switch: at ``max_switch_fraction * total_steps`` (default 0.5) lambda goes to 0
+    whatever the losses say (``end_step``), so the run hands over inside itself. Measured on the budget study's
+    short CPU runs, the rule alone never fired within 100-1000 steps (the ReLA loss kept falling slowly), and those
+    runs stopped as pure regression toward the prior (benchmarks, "The hand-over"). An explicit ``end_step`` wins;
+    ``max_switch_fraction=None`` leaves the losses alone to decide.
     """
 
     _state_keys = Schedule._state_keys + ("loss_slow", "loss_fast")
@@ -210,6 +217,7 @@ class Switch(Schedule):
         *,
         total_steps: Optional[int] = None,
         min_switch_fraction: float = 0.25,
+        max_switch_fraction: Optional[float] = 0.5,
         fast_momentum: Optional[float] = None,
         slow_momentum: Optional[float] = None,
         threshold: float = 0.995,
@@ -218,16 +226,21 @@ class Switch(Schedule):
         initial_fast: float = 1.0,
         end_step: Optional[int] = None,
     ):
-        super().__init__(end_step)
         scaled_slow, scaled_fast = 0.99, 0.999
         if total_steps is not None:
             if total_steps <= 0:
                 raise ValueError(f"total_steps must be positive, got {total_steps}.")
             if not 0.0 < min_switch_fraction <= 1.0:
                 raise ValueError(f"min_switch_fraction must be in (0, 1], got {min_switch_fraction}.")
+            if max_switch_fraction is not None and not min_switch_fraction <= max_switch_fraction <= 1.0:
+                raise ValueError(f"max_switch_fraction must be in [min_switch_fraction, 1] = [{min_switch_fraction}, 1] "
+                                 f"(or None: no latest switch), got {max_switch_fraction}.")
+            if max_switch_fraction is not None and end_step is None:  # the planned latest switch
+                end_step = max(1, round(max_switch_fraction * total_steps))
             t_min = max(1.0, min_switch_fraction * total_steps)
             scaled_slow = min(0.99, 0.005 ** (1.0 / t_min))
             scaled_fast = 1.0 - (1.0 - scaled_slow) / 10.0
+        super().__init__(end_step)
         self.fast_momentum = float(scaled_fast if fast_momentum is None else fast_momentum)
         self.slow_momentum = float(scaled_slow if slow_momentum is None else slow_momentum)
         for name, m in (("fast_momentum", self.fast_momentum), ("slow_momentum", self.slow_momentum)):
@@ -322,6 +335,10 @@ class Epochs(Schedule):
 
 
 SCHEDULES = {"decay": Decay, "switch": Switch, "constant": Constant, "epochs": Epochs}
+#: the schedule ReLA uses when none is given: ``Switch`` planned for the run (the SSL loss skipped while lambda is 1;
+#: the switch when the ReLA loss plateaus, at the latest at half the run), so a run told its length hands over inside
+#: it; measured against the others in the budget study (benchmarks, "The hand-over")
+DEFAULT_SCHEDULE = "switch"
 #: the one grammar of a schedule spec, for Python, every CLI verb and the solo-learn ``cfg.rela.schedule``
 SPEC_GRAMMAR = "'decay', 'switch', 'constant:<lambda>' or 'epochs:<fraction>'"
 _VALUE = {"constant": "lam", "epochs": "fraction"}  # what ':<value>' sets
@@ -333,8 +350,8 @@ def list_schedules() -> list[str]:
 
 
 def _base(spec: str | None) -> str:
-    """The schedule name of a spec: ``"Epochs:0.5"`` -> ``"epochs"``; ``None`` -> the default ``"decay"``."""
-    return str(spec or "decay").lower().partition(":")[0]
+    """The schedule name of a spec: ``"Epochs:0.5"`` -> ``"epochs"``; ``None`` -> the default (:data:`DEFAULT_SCHEDULE`)."""
+    return str(spec or DEFAULT_SCHEDULE).lower().partition(":")[0]
 
 
 def takes_run_length(spec: str | None) -> bool:
@@ -348,7 +365,7 @@ def needs_run_length(spec: str | None) -> bool:
 
 
 def create_schedule(spec: str | Schedule | None = None, *, total_steps: Optional[int] = None, **kwargs) -> Schedule:
-    """Build a controller from a spec: ``"decay"`` (default), ``"switch"``, ``"constant:<lambda>"`` (0.5 without a
+    """Build a controller from a spec: ``"switch"`` (default, :data:`DEFAULT_SCHEDULE`), ``"decay"``, ``"constant:<lambda>"`` (0.5 without a
     value) or ``"epochs:<fraction>"``; ``total_steps`` plans those that take the run length (ignored by
     ``Constant``); other keyword arguments go to the class (``end_step=`` to every one). A :class:`Schedule` instance
     is returned as is."""
@@ -356,7 +373,7 @@ def create_schedule(spec: str | Schedule | None = None, *, total_steps: Optional
         if kwargs or total_steps is not None:
             raise ValueError("create_schedule got a Schedule instance and keyword arguments; pass one or the other.")
         return spec
-    text = "decay" if spec is None else str(spec)
+    text = DEFAULT_SCHEDULE if spec is None else str(spec)
     base, sep, value = text.lower().partition(":")
     if base not in SCHEDULES:
         raise ValueError(f"Unknown schedule {text!r}; use {SPEC_GRAMMAR}, or pass a Schedule instance.")

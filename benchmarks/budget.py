@@ -71,10 +71,11 @@ def parse_args(argv=None):
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--priors", nargs="+", default=list(PRIORS), choices=list(PRIORS))
     p.add_argument("--methods", nargs="+", default=["plain", "rela"], choices=["plain", "rela"])
-    p.add_argument("--schedule", default=None,
-                   help="lambda schedule spec, planned for each budget (default: ReLA's); '<spec>@<f>': ReLA's term "
+    p.add_argument("--schedule", default="switch",
+                   help="lambda schedule spec, planned for each budget (default: ReLA's default, switch); '<spec>@<f>': ReLA's term "
                         "ends for good at fraction f of the run (ReLA(end_step=))")
-    p.add_argument("--handover", default=None, help="ReLA's hand-over, as Handover.from_spec reads it (default: ReLA's)")
+    p.add_argument("--handover", default="momentum,warm-heads=auto",
+                   help="ReLA's hand-over, as Handover.from_spec reads it ('momentum' resets the method's momentum copies)")
     p.add_argument("--rela-views", choices=("weak", "byol"), default="weak",
                    help="the student's one view per step while lambda is 1: ReLA v1's weak views or the SSL views")
     p.add_argument("--ssl", help="the SSL objective (default: the student's)")
@@ -151,6 +152,7 @@ def train_run(a, data, seed: int, steps: int, prior: str | None = None, checkpoi
         if rela is not None:
             rela.close()
     return {"curve": log["curve"], "lambda_per_step": log["lambda_per_step"], "loss_per_step": losses,
+            "rela": None if rela is None else {"schedule": repr(rela.schedule), "handover": rela.handover.state_dict()},
             "train_seconds": log["train_seconds"], "train_cpu_seconds": log["train_cpu_seconds"],
             "handover_step": next((i for i, lam in enumerate(log["lambda_per_step"]) if lam == 0.0), None)}
 

@@ -55,7 +55,8 @@ def parse_args(argv=None):
                    help="switch study: probes this many steps after the switch (and at the run's end)")
     p.add_argument("--budgets", type=int, nargs="+", default=[100, 1000], help="schedules study: run lengths")
     p.add_argument("--schedules", nargs="+", default=["switch", "decay", "constant:0.5", "epochs:0.25", "epochs:0.5"])
-    p.add_argument("--handover", default="none", help="schedules study: the hand-over of every run")
+    p.add_argument("--handover", default="momentum,warm-heads=auto",
+                   help="schedules study: the hand-over of every run (Handover.from_spec)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--worker", default="0/1", metavar="I/N")
     p.add_argument("--out", help="results JSON (default: benchmarks/results/handover_<study>_<student>.json)")

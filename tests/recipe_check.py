@@ -224,8 +224,10 @@ class RecipeLog:
         expected = torch.as_tensor(self.spy.store[own.numpy()])
         views = len(reads[0]) // max(len(own), 1) if len(reads) == 1 else 0  # per-view reads: the batch once per view
         same = torch.equal if views == 1 else lambda a, b: torch.allclose(a, b, rtol=0, atol=1e-5)
+        over = rela.stats["loss_rela"] is None and rela.stats["finished"]  # handed over: no row is needed, none read
         self.steps.append({"own": own.tolist(), "reads": len(reads), "views": views, "lambda": float(rela.stats["lambda"]),
-                           "own_rows": views >= 1 and len(reads[0]) == views * len(own)
+                           "handed_over": over,
+                           "own_rows": not reads if over else views >= 1 and len(reads[0]) == views * len(own)
                            and same(reads[0], expected.repeat(views, 1))})
 
     def save(self, rank: Optional[int] = None) -> None:
@@ -243,6 +245,9 @@ def read_logs(folder: Path, ranks: int = 1) -> list[list[dict]]:
 
 
 def assert_every_row_is_the_samples_own(steps: list[dict]) -> None:
+    """Every step before the hand-over read its samples' own rows (and at least one did); every step after it read
+    none."""
     assert steps, "the recipe trained no step"
+    assert any(not s.get("handed_over") for s in steps), "every step came after the hand-over: no row was checked"
     bad = [s for s in steps if not s["own_rows"]]
     assert not bad, f"{len(bad)} of {len(steps)} steps read rows that are not their samples' own: {bad[:2]}"

@@ -27,7 +27,7 @@ class Net(nn.Module):
 def setup(momentum=False, **handover):
     net = Net()
     rows = torch.randn(N, D_T, generator=torch.Generator().manual_seed(1))
-    hand = Handover(momentum=[(net.backbone, net.backbone_momentum)] if momentum else (), **handover)
+    hand = Handover(momentum=[(net.backbone, net.backbone_momentum)] if momentum else (), **{"warm_heads": 0, **handover})
     rela = ReLA(rows, net.backbone, schedule=Epochs(SWITCH / 10, total_steps=10), feature_dim=4, handover=hand,
                 witness=False)
     opt = torch.optim.AdamW([*net.backbone.parameters(), *net.head.parameters(), *rela.parameters()], lr=1e-2)
@@ -142,15 +142,30 @@ def test_state_survives_a_checkpoint():
 
 @pytest.mark.parametrize("spec, expected", [
     ("none", (0, 0, 0)), (None, (0, 0, 0)), ("warm-heads=20", (0, 20, 0)), ("momentum,rewarm=5", (1, 0, 5)),
-    ("Momentum, warm-heads=2, rewarm=3", (1, 2, 3)),
+    ("Momentum, warm-heads=2, rewarm=3", (1, 2, 3)), ("momentum,warm-heads=auto", (1, 10, 0)),
 ])
-def test_spec(spec, expected):
+def test_spec_does_what_it_says(spec, expected):
+    """A part the spec does not name is off; ``warm-heads=auto`` is the planned default (5 % of a 200-step run)."""
     net = Net()
     h = Handover.from_spec(spec, momentum=[(net.backbone, net.backbone_momentum)])
+    h.plan(200)
     assert (len(h.momentum), h.warm_heads, h.rewarm) == expected
 
 
-@pytest.mark.parametrize("spec", ["warm-heads", "momentum=3", "rewarm=-1", "heads=2", "rewarm=2,rewarm=3"])
+def test_the_default_warms_the_heads_for_a_fraction_of_a_planned_run():
+    net = Net()
+    rows = torch.randn(N, D_T)
+    assert ReLA(rows, net.backbone, feature_dim=4, total_steps=400, witness=False).handover.warm_heads == 20
+    assert ReLA(rows, net.backbone, feature_dim=4, witness=False).handover.warm_heads == 0  # no run length: none
+    rela = ReLA(rows, net.backbone, feature_dim=4, witness=False)
+    rela.set_total_steps(1000)  # (Lightning's callback plans the run this way)
+    assert rela.handover.warm_heads == 50
+    assert ReLA(rows, net.backbone, feature_dim=4, total_steps=400, handover=Handover(warm_heads=3),
+                witness=False).handover.warm_heads == 3  # given: kept
+
+
+@pytest.mark.parametrize("spec", ["warm-heads", "momentum=3", "rewarm=-1", "heads=2", "rewarm=2,rewarm=3",
+                                  "rewarm=auto", "warm-heads=1,warm-heads=2"])
 def test_bad_spec_names_the_grammar(spec):
     with pytest.raises(ValueError, match="warm-heads=<steps>"):
         Handover.from_spec(spec)

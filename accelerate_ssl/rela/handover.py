@@ -26,27 +26,35 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-__all__ = ["Handover", "HANDOVER_SPEC"]
+__all__ = ["Handover", "HANDOVER_SPEC", "WARM_HEADS_FRACTION"]
+
+#: the heads' warm-up of a run ReLA knows the length of, when ``warm_heads`` is not given: this fraction of its
+#: optimiser steps (measured on the budget study: docs, "The hand-over")
+WARM_HEADS_FRACTION = 0.05
 
 #: the grammar of :meth:`Handover.from_spec` (the benchmarks' and the CLI's ``--handover``)
-HANDOVER_SPEC = "'none', or comma-separated 'momentum', 'warm-heads=<steps>', 'rewarm=<steps>'"
+HANDOVER_SPEC = "'none', or comma-separated 'momentum', 'warm-heads=<steps>|auto', 'rewarm=<steps>'"
 
 
 class Handover:
-    """What ReLA does at the switch and the steps after it (module docstring). ``Handover()`` does nothing but count.
+    """What ReLA does at the switch and the steps after it (module docstring).
 
     Args:
         momentum: ``(online, momentum_copy)`` module pairs reset at the switch (``copy <- online``).
-        warm_heads: optimiser steps after the switch during which the backbone's gradients are dropped.
+        warm_heads: optimiser steps after the switch during which the backbone's gradients are dropped. Default:
+            planned by ReLA as :data:`WARM_HEADS_FRACTION` of the run when it knows the run length (``total_steps``),
+            0 when it does not.
         rewarm: optimiser steps, after ``warm_heads``, over which the learning rates ramp from 0 to theirs.
     """
 
-    def __init__(self, *, momentum: Sequence[tuple[nn.Module, nn.Module]] = (), warm_heads: int = 0, rewarm: int = 0):
-        for name, v in (("warm_heads", warm_heads), ("rewarm", rewarm)):
+    def __init__(self, *, momentum: Sequence[tuple[nn.Module, nn.Module]] = (), warm_heads: Optional[int] = None,
+                 rewarm: int = 0):
+        for name, v in (("warm_heads", 0 if warm_heads is None else warm_heads), ("rewarm", rewarm)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"Handover({name}=) is a number of optimiser steps >= 0, got {v!r}.")
         self.momentum = [self._pair(p) for p in momentum]
-        self.warm_heads, self.rewarm = warm_heads, rewarm
+        self._planned_warm_up = warm_heads is None  # (set by plan(), from the run's length)
+        self.warm_heads, self.rewarm = warm_heads or 0, rewarm
         self.callbacks: list[Callable[[], Any]] = []
         #: the optimiser step (ReLA's count) at which lambda reached 0, or None before
         self.switched_at: Optional[int] = None
@@ -66,17 +74,23 @@ class Handover:
 
     @classmethod
     def from_spec(cls, spec: Optional[str], momentum: Sequence[tuple[nn.Module, nn.Module]] = ()) -> "Handover":
-        """``"none"`` or e.g. ``"momentum,warm-heads=20,rewarm=50"`` (:data:`HANDOVER_SPEC`); ``momentum`` are the pairs
-        the ``momentum`` word resets (a spec without it resets none)."""
+        """A hand-over that does exactly what the spec says: ``"none"`` (nothing), or e.g.
+        ``"momentum,warm-heads=20,rewarm=50"`` (:data:`HANDOVER_SPEC`; a part not named is off, ``warm-heads=auto`` is
+        the planned default); ``momentum`` are the pairs the ``momentum`` word resets."""
         text = (spec or "none").strip().lower()
+        kwargs: dict[str, Any] = {"warm_heads": 0}
         if text == "none":
-            return cls()
-        kwargs: dict[str, Any] = {}
+            return cls(**kwargs)
+        seen: set[str] = set()
         for word in (w.strip() for w in text.split(",")):
-            m = re.fullmatch(r"(momentum|warm-heads|rewarm)(?:=(\d+))?", word)
-            if m is None or (m.group(1) == "momentum") != (m.group(2) is None) or m.group(1).replace("-", "_") in kwargs:
+            m = re.fullmatch(r"(momentum|warm-heads|rewarm)(?:=(\d+|auto))?", word)
+            name, value = (m.group(1), m.group(2)) if m else (None, None)
+            fits = {"momentum": value is None, "warm-heads": value is not None, "rewarm": value not in (None, "auto")}
+            if name is None or not fits[name] or name in seen:
                 raise ValueError(f"Handover spec {spec!r}: {word!r} is not understood; use {HANDOVER_SPEC}.")
-            kwargs[m.group(1).replace("-", "_")] = momentum if m.group(1) == "momentum" else int(m.group(2))
+            seen.add(name)
+            key = name.replace("-", "_")
+            kwargs[key] = momentum if name == "momentum" else None if value == "auto" else int(value)
         return cls(**kwargs)
 
     def add_callback(self, fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -87,6 +101,11 @@ class Handover:
         return fn
 
     # ------------------------------------------------------------------ run by ReLA
+    def plan(self, total_steps: int) -> None:
+        """The run is ``total_steps`` optimiser steps long: a warm-up not given is :data:`WARM_HEADS_FRACTION` of it."""
+        if self._planned_warm_up:
+            self.warm_heads = round(WARM_HEADS_FRACTION * total_steps)
+
     def switch(self, step: int) -> None:
         """lambda reached 0 after optimiser step ``step``: reset the momentum copies, call the callbacks (once)."""
         if self.switched_at is not None:

@@ -7,8 +7,9 @@ with the user's loss (ReLA v2 Eq. 9 / ReLA v1 Eq. 9)::
 
     L = lambda * L_rela + (1 - lambda) * L_user,     L_rela = 1 - cos(W phi(x) + b, y)
 
-with lambda driven by a controller from :mod:`accelerate_ssl.schedules` (default :class:`Decay`,
-ReLA v2 App. L Alg. 1).
+with lambda driven by a controller from :mod:`accelerate_ssl.schedules` (default :class:`Switch` planned for the
+run, ReLA v1 App. J: lambda 1 while the ReLA loss falls, then 0 for good, at the latest at half the run), and what
+happens when it reaches 0 by :mod:`.handover`.
 
 Usage (plain PyTorch; lightly's BYOL example plus two lines)::
 
@@ -91,7 +92,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..data.indexing import IndexTracker, guard_timm_mixers, track_loader, untracked_loader_hint
-from ..schedules import Constant, Schedule, create_schedule, needs_run_length, takes_run_length
+from ..schedules import DEFAULT_SCHEDULE, Constant, Schedule, create_schedule, needs_run_length, takes_run_length
 from .capture import FeatureCapture, check_hooked_module, flatten_features, infer_feature_dim
 from .distributed import average_gradients, is_distributed, mean_over_processes
 from .guard import AlignmentGuard
@@ -118,10 +119,10 @@ class ReLA:
             gives the feature dim by one dry forward (eval mode, no grad, state restored).
         dataloader: a DataLoader to track indices from (same as calling :meth:`track`); its dataset
             gives the feature dim when ``dataset`` is not given, and its length is checked.
-        schedule: a :class:`~accelerate_ssl.schedules.Schedule` or a spec (``"decay"`` default, ``"switch"``,
-            ``"constant:<lambda>"``, ``"epochs:<fraction>"``), planned for ``total_steps``. The short CPU
-            benchmarks measured ``switch`` and ``decay`` within noise of each other; ``decay`` is the default
-            because it hands over to your loss gradually in runs long enough for the ReLA loss to plateau.
+        schedule: a :class:`~accelerate_ssl.schedules.Schedule` or a spec (``"switch"`` default, ``"decay"``,
+            ``"constant:<lambda>"``, ``"epochs:<fraction>"``), planned for ``total_steps``. The default hands over
+            inside the planned run (at the latest at half of it), so your loss carries the student past the prior;
+            ``decay`` (ReLA v2) never reaches 0 by itself (docs: "Schedules").
         n_components: target dim after PCA. ``"auto"`` (default): the student feature dim, capped by the
             target dim; an int: that many; ``None`` or 0: raw targets, no PCA and no z-scoring. (The demo's
             64-d student did better with 16 than with 64 at 250 steps; "auto" is the size-agnostic choice.)
@@ -136,11 +137,12 @@ class ReLA:
             solution from that batch's student features to its targets (:func:`fit_transport_head`);
             ``"random"``: PyTorch's default ``nn.Linear`` initialisation, as in the papers.
         total_steps: the planned number of optimiser steps of the whole run, for a schedule given by name
-            (``Decay`` and ``Switch`` scale their constants to it; without it the first ``wrap`` warns); also
-            settable later with :meth:`set_total_steps`.
+            (``Decay`` and ``Switch`` scale their constants to it, ``Switch`` hands over by half of it, and the
+            hand-over's heads warm-up is a fraction of it; without it the first ``wrap`` warns that lambda may never
+            reach 0); also settable later with :meth:`set_total_steps`.
         end_step: ReLA's term ends for good after this many optimiser steps, under any schedule (lambda 0,
             ``stats["finished"]`` True; ``wrap`` returns your loss unchanged from then on). ``Decay`` never ends by
-            itself and ``Switch`` ends when the ReLA loss converges; an end step is a planned hand-over. While a term
+            itself and ``Switch`` ends when the ReLA loss converges (planned: by half the run); an end step is a planned hand-over. While a term
             with a planned end runs (this, or an ``epochs:`` schedule's switch), timm's mixup / cutmix is held off
             instead of refused, and mixes again once it is over (README, "timm"). For a :class:`Schedule` instance,
             pass it to the instance (``Decay(..., end_step=n)``).
@@ -193,7 +195,7 @@ class ReLA:
             the global and the dense term.
         handover: what happens when lambda reaches 0 for good and your loss takes over (:class:`Handover`: reset your
             momentum network to the student, warm your SSL heads on the frozen backbone, re-warm the learning rate);
-            :meth:`on_handover` adds a callback. Default: ``Handover()``, which changes nothing.
+            :meth:`on_handover` adds a callback. Default: ``Handover()``: the heads warm up for 5 % of a planned run.
     """
 
     def __init__(
@@ -240,6 +242,8 @@ class ReLA:
             raise TypeError(f"ReLA(handover=) takes a Handover (accelerate_ssl.rela.Handover), got {type(handover).__name__}.")
         #: what happens at the switch and the steps after it (:mod:`.handover`)
         self.handover = handover if handover is not None else Handover()
+        if total_steps is not None:
+            self.handover.plan(int(total_steps))
         self._drop_generator = torch.Generator().manual_seed(int(seed))
 
         def term(name, t):
@@ -276,7 +280,7 @@ class ReLA:
         if getattr(dataloader, "dataset", None) is not None:
             self.check_dataset(dataloader.dataset, "the DataLoader's dataset")
         self.backbone = backbone
-        self._schedule_name = None if isinstance(schedule, Schedule) else str(schedule or "decay")
+        self._schedule_name = None if isinstance(schedule, Schedule) else str(schedule or DEFAULT_SCHEDULE)
         self._end_step = end_step
         if self._schedule_name is None:
             if end_step is not None:
@@ -613,6 +617,7 @@ class ReLA:
         if not isinstance(total_steps, int) or total_steps <= 0:
             raise ValueError(f"total_steps must be a positive int (optimiser steps of the whole run), got {total_steps!r}.")
         planned = self._plan(total_steps)
+        self.handover.plan(total_steps)
         if self.schedule.steps:  # a resumed run: its state was planned for this run already, keep it
             planned.load_state_dict(self.schedule.state_dict())
         self.schedule = planned
@@ -731,7 +736,8 @@ class ReLA:
             self._planned = True  # warn once
             warnings.warn(
                 f"ReLA: the {self._schedule_name!r} schedule was not told the run length, so it keeps the papers' "
-                "ImageNet constants: lambda stays near its start for the first ~600 optimiser steps. Pass "
+                "ImageNet constants: lambda stays near its start for the first ~600 optimiser steps and may never "
+                "reach 0 (your loss would never take over: distillation, not ReLA). Pass "
                 "ReLA(..., total_steps=<optimiser steps of the whole run>) (epochs * len(loader) / accumulation "
                 "steps, with the loader this process iterates; Lightning's ReLACallback plans it), or call "
                 "rela.set_total_steps(n) before training.", UserWarning, stacklevel=2)
