@@ -119,11 +119,12 @@ class PriorTerm:
     def losses(self, feats: torch.Tensor, target: torch.Tensor, n: int, path: Optional[str]) -> torch.Tensor:
         """Per-row ReLA losses ``1 - cos(W phi(x) + b, y)`` (ReLA v2 Eq. 9) of ``feats`` (``[V n, D]``: views stacked
         as blocks of the ``n`` samples) against this prior's rows ``target`` (``[n, d]``, or ``[V n, d]``: one per
-        view, ``wrap(geometry=)``; the witness then compares the first view's), ``[V n]``. The witness
-        re-embeds some of the batch's inputs first (on its steps); the head is least-squares fitted on the first
-        batch (whose predictions the alignment check does not observe), the others are observed."""
+        view, ``wrap(geometry=)``, each view's box), ``[V n]``. The witness re-embeds some of the batch's inputs first
+        (on its steps) and ranks them against the rows they are pulled toward (each view's own, with per-view rows);
+        the head is least-squares fitted on the first batch (whose predictions the alignment check does not observe),
+        the others are observed."""
         if self.witness is not None:  # the prior re-embeds some of this batch's inputs (on its witnessed steps)
-            self.witness.observe(target[:n], n, lambda e: self.targets.reduce_raw(e, feats.device), path)
+            self.witness.observe(target, n, lambda e: self.targets.reduce_raw(e, feats.device), path)
         if target.shape[0] != feats.shape[0]:  # one row per sample: views are stacked blocks of n, sharing it
             target = target.repeat(feats.shape[0] // n, 1)
         if self.transport.needs_fit:  # fitted on this batch: its loss is not observed by the guard (fitted rows align)
