@@ -159,7 +159,7 @@ def test_checkpoint_resumes_every_prior_and_refuses_another_set_of_stores():
     with pytest.raises(ValueError, match=r"trained for prior 'b' on another target store"):
         ReLA({"a": a, "b": a + 1}, student(), feature_dim=D_F, schedule=Constant(1.0)).load_state_dict(state)
     with pytest.raises(ValueError, match=r"trained for prior 'a' on another target store"):
-        ReLA({"a": b, "b": b}, student(), feature_dim=D_F, schedule=Constant(1.0)).load_state_dict(state)
+        ReLA({"a": a + 1, "b": b}, student(), feature_dim=D_F, schedule=Constant(1.0)).load_state_dict(state)
     with pytest.raises(ValueError, match=r"a ReLA over 2 priors \(\['a', 'b'\]\), but this ReLA holds one target store"):
         ReLA(a, student(), feature_dim=D_F, schedule=Constant(1.0)).load_state_dict(state)
     single, *_ = train(a, 2)

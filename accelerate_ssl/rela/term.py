@@ -88,7 +88,7 @@ class PriorTerm:
         """Per view and sample, this prior's dense loss (:func:`~accelerate_ssl.rela.dense.dense_losses`) of the
         student's ``maps`` ``[V n, C, h, w]`` against the stored maps of the ``n`` samples at ``index``, or the maps
         the batch ``carried`` (spatial sidecars' rows, with their tag)."""
-        from .dense import dense_losses, dense_target_maps
+        from .dense import common_grid, dense_losses, dense_target_maps
 
         samples = None
         if carried is not None:
@@ -99,10 +99,8 @@ class PriorTerm:
                                  "pass the rows as the sidecars' join / column hand them, or index= / keys=.")
             samples = self.store.as_maps(rows)
         n = len(samples) if samples is not None else len(torch.as_tensor(index).reshape(-1))
-        if maps.shape[0] % n:
-            raise ValueError(f"ReLA(dense=): {maps.shape[0]} captured maps for a batch of {n} samples; the "
-                             "hooked module must run once per view, on the views wrap's features come from.")
-        targets = dense_target_maps(self.store, index, maps.shape[0] // n, geometry, maps=samples)
+        grid = common_grid(maps.shape[-2:], self.store.grid)  # (one map per view and sample: checked by validate)
+        targets = dense_target_maps(self.store, index, maps.shape[0] // n, geometry, maps=samples, grid=grid)
         return dense_losses(self.dense, maps, targets, self.targets.reduce_raw)
 
     # ------------------------------------------------------------------ a batch
