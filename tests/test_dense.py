@@ -63,7 +63,10 @@ def test_a_views_target_map_is_its_box_pooled_onto_the_grid(store):
     torch.testing.assert_close(maps[..., 1], 0.75 * stored[..., 0] + 0.25 * stored[..., 1], rtol=0, atol=1e-5)
     mirrored = dense_target_maps(store, idx, 1, torch.cat([left[:, :4], torch.ones(3, 1), left[:, 5:]], 1))
     torch.testing.assert_close(mirrored, maps.flip(-1))  # a flipped view sees its box mirrored
-    assert dense_target_maps(store, idx, 2, None).shape == (6, 5, 2, 2)  # no geometry: the stored map for every view
+    # no geometry: every view of a sample gets that sample's stored map (views stacked as blocks of the samples)
+    torch.testing.assert_close(dense_target_maps(store, idx, 2, None), torch.cat([store.maps(idx)] * 2), rtol=0, atol=0)
+    torch.testing.assert_close(dense_target_maps(store, idx, 3, None, grid=(1, 2)),  # a coarser student: rows averaged
+                               torch.cat([store.maps(idx).mean(2, keepdim=True)] * 3), rtol=0, atol=1e-6)
 
 
 def test_geometry_pools_both_terms_and_two_views_train(store):
