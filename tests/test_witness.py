@@ -129,7 +129,9 @@ def test_the_recorded_prior_is_rebuilt_and_other_weights_are_refused(fmnist):
         other = ReLA(store, nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten()), feature_dim=4, schedule="constant:1",
                      witness=Witness(prior=create_prior("shipped:digits-byol")))
     assert other.witness.status.startswith("off:")
-    hooked = ReLA(store, nn.Linear(4, 4), capture="input", feature_dim=4, schedule="constant:1")
+    with pytest.warns(WitnessWarning, match=r"witness is off: capture='input' hooks a module that sees features.*"
+                                            r"Witness\(input=model\)"):
+        hooked = ReLA(store, nn.Linear(4, 4), capture="input", feature_dim=4, schedule="constant:1")
     assert "Witness(input=" in hooked.witness.status  # a classifier's input is features, not images
     off = ReLA(store, nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten()), feature_dim=4, witness=False)
     assert off.witness is None

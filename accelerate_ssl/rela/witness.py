@@ -135,6 +135,12 @@ class Witness:
         if module is None:
             self.status = ("off: capture='input' hooks a module that sees features, not images; pass "
                            "Witness(input=<the module that takes the images>)")
+            meta = getattr(store, "metadata", None)
+            if self.prior is not None or (isinstance(meta, dict) and (meta.get("prior") or meta.get("settings"))):
+                self._say("input", "ReLA's witness is off: capture='input' hooks a module that sees features, not the "
+                                   "images the prior would re-embed. To turn it on, pass ReLA(..., witness=Witness("
+                                   "input=<the module that takes the images>)), e.g. Witness(input=model) for a timm "
+                                   "model hooked at model.get_classifier(). The other checks go on.")
             return
         try:
             self.prior = self._load_prior(store)
