@@ -632,7 +632,7 @@ class ReLA:
     # ------------------------------------------------------------------ the loss
     def _rela_term(self, features: Sequence[torch.Tensor], index: dict, rows: Optional[dict] = None,
                    path: Optional[str] = None, maps: Optional[torch.Tensor] = None,
-                   geometry: Optional[torch.Tensor] = None, n: Optional[int] = None) -> torch.Tensor:
+                   geometry: Optional[torch.Tensor] = None, *, n: int) -> torch.Tensor:
         """ReLA's loss over every prior (:func:`~accelerate_ssl.rela.term.combine_losses`); ``index`` / ``rows``: each
         prior's row indices / carried rows, by name; ``maps``: the student's captured maps (the dense term);
         ``geometry``: the views' (each view's target pooled over its box); ``n``: the batch's samples (the features
