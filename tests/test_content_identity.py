@@ -149,3 +149,33 @@ def test_from_prior_refuses_its_cached_store_after_the_images_changed(tmp_path):
     with pytest.raises(TargetStoreMismatchError, match=r"other contents of this data set's files.*ReLA\.from_prior"):
         ReLA.from_prior(spec, _student(), loader, cache_dir=tmp_path / "cache", total_steps=3, progress=False,
                         witness=False)
+
+
+@pytest.mark.parametrize("kind", ["file_names", "lightly"])
+def test_other_file_lists_are_identified_by_content_too(tmp_path, kind):
+    """Accelerate's cv_example keeps its files in .file_names (joined paths, no root); lightly's LightlyDataset lists
+    names under .input_dir: each row's file is found and its bytes checked."""
+    data = write_folder(tmp_path / "data")
+    if kind == "file_names":
+        from pets import PetsDataset, make_pet_images
+
+        files = make_pet_images(tmp_path / "pets", N, size=16)  # as the example lists its folder
+        dataset = lambda: PetsDataset(files)  # noqa: E731
+    else:
+        lightly = pytest.importorskip("lightly.data")
+        flat = tmp_path / "flat"
+        flat.mkdir()
+        for p in sorted(data.rglob("*.png")):
+            shutil.copyfile(p, flat / f"{p.parent.name}-{p.name}")
+        data = flat
+        dataset = lambda: lightly.LightlyDataset(input_dir=str(flat))  # noqa: E731
+    paths = fp.file_paths(dataset())
+    assert len(paths) == N and all(os.path.isabs(p) and os.path.isfile(p) for p in paths)
+    store = precompute_targets(create_prior("random:convnet", in_channels=3), dataset(), tmp_path / "store",
+                               batch_size=4, progress=False, image_key=0 if kind == "lightly" else None)
+    assert store.metadata["contents"] and store.metadata["dataset"]["fingerprint"]["kind"] == "files"
+    TargetStore.open(store.path, dataset=dataset())
+    victim = paths[5]
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(victim)  # one image re-exported in place
+    with pytest.raises(TargetStoreMismatchError, match=rf"1 file\(s\) hold other bytes .*{os.path.basename(victim)}"):
+        TargetStore.open(store.path, dataset=dataset())
