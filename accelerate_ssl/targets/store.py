@@ -245,9 +245,8 @@ class TargetStore(MapRows):
                    "Another data set: recompute the store for it.")
             )
         read = self.check_contents(dataset, full=True, progress=progress)  # a folder: every file's bytes too
-        if read is None:
-            return {"rows_checked": int(len(self)), "kind": identity.kind}
-        return {"rows_checked": int(len(self)), "kind": "file name and bytes", "files_read": read}
+        out = {"rows_checked": int(len(self)), "kind": identity.kind}
+        return out if read is None else {**out, "files_read": read}
 
     def check_dataset(self, dataset) -> None:
         """Raise :class:`TargetStoreMismatchError` unless ``dataset`` fingerprints like the stored one."""

@@ -64,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
         rows = ""
         if args.data is not None:
             how = summary["kind"]
-            if summary.get("files_read"):
-                how += f", {summary['files_read']} files read"
+            if "files_read" in summary:
+                how = f"file name and bytes, {summary['files_read']} files read"
             elif how == "files":
                 how = ("file names only: this store records no file contents (written by an older accelerate-ssl); "
                        "recompute it to compare the files' bytes")
