@@ -13,9 +13,10 @@ already), and refused with the fix:
   view, stacked as the features are (``view_targets`` of every view);
 - **geometry** (:func:`check_geometry`): ``[V n, 7]`` (or a list of the ``V`` blocks ``[n, 7]``, in the order of the
   features), one row per view and sample: neither one view's boxes for several views nor some of the views; no two
-  view blocks identical (from 4 samples on) unless every box is the whole image; both views of a sample on an image of one size; an image
-  of the size the store's prior saw when that prior keeps the image's size (no resize: a box in another size's pixels
-  would be clamped at the map's edge). A store whose map is one cell gives every box the whole image's row: said once.
+  view blocks identical (from 4 samples on) unless every box is the whole image; both views of a sample on an image of
+  one size; an image of the size the store's prior saw when that prior keeps the image's size (no resize: a box in
+  another size's pixels would be clamped at the map's edge). A store whose map is one cell gives every box the whole
+  image's row: said once.
   Views given in another order than the features cannot be told from shapes: the witness sees it (each view's input
   against its own box and the other view's);
 - **the student's map** (:func:`check_student_maps`): ``[V n, C, h, w]`` channels first (a channels-last map, as Swin or
@@ -38,12 +39,13 @@ import torch
 
 from ..targets.views import GEOMETRY_FIELDS, as_geometry
 
-__all__ = ["Views", "check_batch", "count_views", "geometry_blocks", "check_geometry", "check_student_maps", "check_priors",
-           "check_dense_priors", "name_prior"]
+__all__ = ["Views", "check_batch", "count_views", "geometry_blocks", "check_geometry", "check_student_maps",
+           "check_priors", "check_dense_priors", "name_prior"]
 
 FIELDS = len(GEOMETRY_FIELDS)
 #: samples from which two identical view blocks are refused: two random crops of one small image coincide now and then
-#: (integer boxes of a 28 px image: ~1 in 500), of four images all at once never in practice (~1 in 10^10)
+#: (RandomResizedCrop boxes of a 28 px image with a random flip: ~1 in 1,800 pairs at scale (0.5, 1), ~1 in 9,000 at
+#: (0.08, 1), drawn 60,000 times each), of four images all at once never in practice (below 1 in 10^13)
 SAME_BLOCK_SAMPLES = 4
 
 
@@ -80,8 +82,8 @@ def count_views(block_rows: Sequence[int], samples: Optional[int] = None, carrie
                 path, "the tracked loader's batch")
             raise ValueError(
                 f"ReLA.wrap: the student's features hold {_blocks(block_rows)} but {what} holds {n} samples: each "
-                "backbone call (or features= tensor) must be one or more whole views of the batch, n rows each. Was the "
-                "backbone called in training mode with grad on something else (run other calls under "
+                "backbone call (or features= tensor) must be one or more whole views of the batch, n rows each. Was "
+                "the backbone called in training mode with grad on something else (run other calls under "
                 "torch.no_grad()), or on a part of the batch? Pass features= (one tensor per view) to say which rows "
                 "are the student's." + (" Or is index= not this batch's?" if path == "index=" else ""))
         return Views(n, total // n)

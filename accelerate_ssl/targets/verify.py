@@ -22,9 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                           "recorded when it was written, and check that every row is finite. With "
                                           "--data, also check item by item that row i belongs to item i of that data "
                                           "set (for a folder: every file name and every file's bytes against the "
-                                          "contents recorded at precompute), naming the rows that do not. A sidecar folder (streamed data): every "
-                                          "sidecar's sha256, key list and rows; with --data wds:/hf:, every shard, "
-                                          "key and image digest of that stream against its sidecar.")
+                                          "contents recorded at precompute), naming the rows that do not. A sidecar "
+                                          "folder (streamed data): every sidecar's sha256, key list and rows; with "
+                                          "--data wds:/hf:, every shard, key and image digest of that stream against "
+                                          "its sidecar.")
     verify.add_argument("path", help="the store folder, or a sidecar folder of streamed data (written by "
                                      "`accelerate-ssl precompute --out`)")
     verify.add_argument("--data", default=None, type=data_spec,
