@@ -17,6 +17,13 @@ permutation on 512 images, trained 400 steps with both checks off, then continue
 witness cannot separate: a random prior (``random:convnet``) and heavy augmentation (crops down to 8 % of the image,
 strong jitter), aligned and fully shuffled.
 
+Per-view targets (``per-view``): a spatial store of the same prior (its 3x3 map of each image, every channel), each
+view's row pooled over the view's crop box (``wrap(geometry=)``), BYOL's two views per step: aligned; the two views'
+boxes given in the other order (``swapped boxes``: the geometry's view blocks swapped against the features); and every
+row another image's (``shuffled-100%``: the indices permuted). One-view loops (one weak view per step while lambda = 1)
+are where nothing calibrates the witness: it must confirm aligned rows and say, without stopping, when it cannot;
+the step it says so is recorded.
+
 Cost: the two-view step with both checks on vs off, interleaved step by step over ``--cost-steps`` steps.
 
     nice -n 5 python benchmarks/alignment.py             # the study in benchmarks/README.md (runs cached, resumable)
@@ -30,6 +37,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import platform
 import shlex
 import statistics
@@ -47,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 from accelerate_ssl.atomic import atomic_path, atomic_write_json  # noqa: E402
 from accelerate_ssl.results import save_figure, write_results  # noqa: E402
 
-VERSION = 4  # bump when a change invalidates cached runs
+VERSION = 5  # bump when a change invalidates cached runs
 PRIOR = "shipped:digits-byol"
 #: case -> (data, rows, recipe, seeds); rows: how the store's rows are given to the samples
 CASES = {
@@ -56,7 +64,9 @@ CASES = {
     "one-class:aligned": ("one-class", "aligned", "two-view", 6),
     "near-duplicates:aligned": ("near-duplicates", "aligned", "two-view", 6),
     "webdataset:aligned": ("webdataset", "aligned", "two-view", 6),
-    "fashion-mnist:aligned (one-view)": ("fashion-mnist", "aligned", "one-view", 2),
+    "per-view:aligned": ("fashion-mnist", "aligned", "per-view", 6),
+    "fashion-mnist:aligned (one-view)": ("fashion-mnist", "aligned", "one-view", 4),
+    "digits:aligned (one-view)": ("digits", "aligned", "one-view", 2),
     "fashion-mnist:shuffled-100%": ("fashion-mnist", "shuffled-100%", "two-view", 2),
     "fashion-mnist:shuffled-10%": ("fashion-mnist", "shuffled-10%", "two-view", 2),
     "fashion-mnist:swapped pair": ("fashion-mnist", "swapped pair", "two-view", 2),
@@ -64,6 +74,8 @@ CASES = {
     "fashion-mnist:stale": ("fashion-mnist", "stale", "two-view", 2),
     "fashion-mnist:memorised": ("fashion-mnist", "memorised", "two-view", 2),
     "fashion-mnist:shuffled-100% (one-view)": ("fashion-mnist", "shuffled-100%", "one-view", 2),
+    "per-view:swapped boxes": ("fashion-mnist", "swapped boxes", "per-view", 4),
+    "per-view:shuffled-100%": ("fashion-mnist", "shuffled-100%", "per-view", 2),
     "random prior:aligned": ("fashion-mnist", "aligned", "random prior", 2),
     "random prior:shuffled-100%": ("fashion-mnist", "shuffled-100%", "random prior", 2),
     "heavy augmentation:aligned": ("fashion-mnist", "aligned", "heavy augmentation", 2),
@@ -150,6 +162,32 @@ def train(model, rela, batches, steps: int, recipe: str, seed: int, on_step=None
                      rela_step="one-view" if recipe == "one-view" else "two-view", on_step=on_step)
 
 
+class Said:
+    """Records the step of each warning the checks give during a run (the witness's WitnessWarning, the head check's
+    and the witness's MisalignmentWarning), instead of printing them."""
+
+    def __init__(self):
+        self.rela, self.seen = None, []
+
+    def __enter__(self):
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = self._record
+        return self
+
+    def _record(self, message, category, *args, **kwargs):
+        if category.__name__ in ("WitnessWarning", "MisalignmentWarning"):
+            step = None if self.rela is None else self.rela.steps
+            self.seen.append({"step": step, "category": category.__name__, "message": str(message)[:400]})
+
+    def __exit__(self, *exc):
+        return self._catch.__exit__(*exc)
+
+    def first(self, category: str, contains: str = "") -> dict | None:
+        return next((w for w in self.seen if w["category"] == category and contains in w["message"]), None)
+
+
 def run_one(case: str, seed: int, args, stores: dict) -> dict:
     from accelerate_ssl.backbones import ConvNet
     from accelerate_ssl.recipes import BYOL, images_to_tensor, shuffled_batches, tensor_batches
@@ -157,6 +195,8 @@ def run_one(case: str, seed: int, args, stores: dict) -> dict:
     data, kind, recipe, _ = CASES[case]
     if data == "webdataset":
         return run_webdataset(seed, args, stores)
+    if recipe == "per-view":
+        return run_per_view(case, kind, seed, args, stores)
     prior_spec = "random:convnet" if recipe == "random prior" else PRIOR
     dataset, store = stores[(data, prior_spec)]
     images = images_to_tensor(dataset.data)
@@ -184,10 +224,46 @@ def run_one(case: str, seed: int, args, stores: dict) -> dict:
     if kind == "memorised":
         rela.load_state_dict({**state, "alignment_check": None, "witness": None})
     t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with Said() as said:
+        said.rela = rela
         train(model, rela, batches, args.steps, recipe, seed)
-    return summary_of(rela, case, seed, time.perf_counter() - t0)
+    return summary_of(rela, case, seed, time.perf_counter() - t0, said)
+
+
+def run_per_view(case: str, kind: str, seed: int, args, stores: dict) -> dict:
+    """BYOL's two views per step, each view's row pooled from the spatial store over its crop box
+    (``wrap(geometry=)``); ``swapped boxes``: the geometry's two view blocks in the other order than the features;
+    ``shuffled-100%``: every batch's indices mapped through a random permutation (another image's map)."""
+    from accelerate_ssl.backbones import ConvNet
+    from accelerate_ssl.recipes import BYOL, BYOL_VIEWS, images_to_tensor, random_views, shuffled_batches
+
+    dataset, store = stores["per-view"]
+    images = images_to_tensor(dataset.data)
+    permutation = torch.randperm(len(images), generator=torch.Generator().manual_seed(1000 + seed))
+    torch.manual_seed(seed)
+    backbone = ConvNet(widths=(16, 32, 64))
+    model = BYOL(backbone, backbone.feature_dim)
+    rela = make_rela(store, backbone, "two-view", args.steps, PRIOR)
+    opt = torch.optim.AdamW([*(p for p in model.parameters() if p.requires_grad), *rela.parameters()], lr=1e-3,
+                            weight_decay=0.01)
+    g = torch.Generator().manual_seed(seed + 1)
+    order = shuffled_batches(len(images), 128, seed=seed)
+    t0 = time.perf_counter()
+    with Said() as said:
+        said.rela = rela
+        for _ in range(args.steps):
+            index = next(order)
+            drawn = [random_views(images[index], BYOL_VIEWS, g, geometry=True) for _ in range(2)]
+            views, boxes = [v for v, _ in drawn], [b for _, b in drawn]
+            features = [backbone(v) for v in views]
+            geometry = torch.cat(boxes[::-1] if kind == "swapped boxes" else boxes)
+            rows = permutation[index] if kind == "shuffled-100%" else index
+            loss = rela.wrap(lambda: model.step_loss(features, views, None), index=rows, geometry=geometry)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            model.update_momentum(0.99)
+    return summary_of(rela, case, seed, time.perf_counter() - t0, said)
 
 
 def run_webdataset(seed: int, args, stores: dict) -> dict:
@@ -211,8 +287,8 @@ def run_webdataset(seed: int, args, stores: dict) -> dict:
                             weight_decay=0.01)
     g = torch.Generator().manual_seed(seed + 1)
     t0, step = time.perf_counter(), 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with Said() as said:
+        said.rela = rela
         while step < args.steps:
             for x, t in torch.utils.data.DataLoader(data, batch_size=128):
                 if step == args.steps:
@@ -225,16 +301,20 @@ def run_webdataset(seed: int, args, stores: dict) -> dict:
                 opt.step()
                 model.update_momentum(0.99)
                 step += 1
-    return summary_of(rela, "webdataset:aligned", seed, time.perf_counter() - t0)
+    return summary_of(rela, "webdataset:aligned", seed, time.perf_counter() - t0, said)
 
 
-def summary_of(rela, case: str, seed: int, seconds: float) -> dict:
-    rela.witness._judge_ready(None, wait=True)
-    rela.guard._poll(wait=True)
+def summary_of(rela, case: str, seed: int, seconds: float, said: Said) -> dict:
+    with said:  # the last reads' verdicts (and their warnings) at the run's end
+        rela.witness._judge_ready(None, wait=True)
+        rela.guard._poll(wait=True)
     rela.close()
+    told = said.first("WitnessWarning", "cannot refute")
     return {"case": case, "seed": seed, "seconds": seconds,
             "guard": {"alarm": rela.guard.alarm, "windows": [dict(w) for w in rela.guard.history]},
-            "witness": {"alarm": rela.witness.alarm, "status": rela.witness.status, "last": rela.witness.last}}
+            "witness": {"alarm": rela.witness.alarm, "status": rela.witness.status, "last": rela.witness.last,
+                        "said_one_view_step": None if told is None else told["step"]},
+            "warnings": said.seen}
 
 
 # ---------------------------------------------------------------------------------------------- cost
@@ -274,25 +354,45 @@ def summarise(runs: list[dict]) -> list[dict]:
         head = [r["guard"]["alarm"]["batch"] for r in rs if r["guard"]["alarm"]]
         ranks = [(r["witness"]["last"] or {}).get("rows_rank") for r in rs]
         views = [(r["witness"]["last"] or {}).get("view_rank") for r in rs]
+        boxes = [(r["witness"]["last"] or {}).get("own_box") for r in rs]
+        said = [r["witness"].get("said_one_view_step") for r in rs if r["witness"].get("said_one_view_step") is not None]
         statuses = sorted({r["witness"]["status"] for r in rs})
         out.append({"case": case, "runs": len(rs), "witness_alarms": len(wit), "head_alarms": len(head),
                     "witness_median_step": statistics.median(wit) if wit else None,
                     "head_median_batch": statistics.median(head) if head else None,
+                    "witness_said": len(said), "witness_said_median_step": statistics.median(said) if said else None,
                     "rows_rank": statistics.fmean([x for x in ranks if x is not None] or [float("nan")]),
                     "view_rank": statistics.fmean([x for x in views if x is not None] or [float("nan")]),
+                    "own_box": statistics.fmean([x for x in boxes if x is not None] or [float("nan")]),
                     "witness_status": ", ".join(statuses)})
     return out
 
 
+def false_alarms(summary: list[dict]) -> dict:
+    """Every alarm on an aligned case is a false one: counted over the aligned runs, for each check."""
+    aligned = [s for s in summary if ":aligned" in s["case"]]
+    return {"aligned_runs": sum(s["runs"] for s in aligned),
+            "witness_stops": sum(s["witness_alarms"] for s in aligned),
+            "head_warnings": sum(s["head_alarms"] for s in aligned)}
+
+
 def table(summary: list[dict], cost_result: dict) -> str:
-    lines = ["| case | runs | witness: stops | median step | head check: warns | median batch | own row's rank | "
-             "another view's rank | witness status |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| case | runs | witness: stops | median step | says it cannot refute | median step | head check: warns | "
+             "median batch | own row's rank | another view's rank | own box closer | witness status |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for s in summary:
         def med(v):
             return "" if v is None else f"{v:.0f}"
+
+        def num(v):
+            return "" if v is None or v != v else f"{v:.3f}"
         lines.append(f"| {s['case']} | {s['runs']} | {s['witness_alarms']} | {med(s['witness_median_step'])} | "
-                     f"{s['head_alarms']} | {med(s['head_median_batch'])} | {s['rows_rank']:.3f} | {s['view_rank']:.3f} | "
-                     f"{s['witness_status']} |")
+                     f"{s['witness_said']} | {med(s['witness_said_median_step'])} | "
+                     f"{s['head_alarms']} | {med(s['head_median_batch'])} | {num(s['rows_rank'])} | "
+                     f"{num(s['view_rank'])} | {num(s['own_box'])} | {s['witness_status']} |")
+    fa = false_alarms(summary)
+    lines.append(f"\nfalse alarms over {fa['aligned_runs']} aligned runs: witness {fa['witness_stops']}, head check "
+                 f"{fa['head_warnings']}")
     if cost_result:
         lines.append(f"\nstep with both checks / without (two-view recipe, {cost_result['steps']} interleaved steps, "
                      f"mean): {cost_result['ratio_of_means']:.4f} ({cost_result['mean_on'] * 1000:.1f} vs "
@@ -306,7 +406,7 @@ def plot(runs: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
     cases = list(dict.fromkeys(r["case"] for r in runs))
     for i, case in enumerate(cases):
         pts = [(r["witness"]["last"] or {}) for r in runs if r["case"] == case]
@@ -320,6 +420,16 @@ def plot(runs: list[dict], path: Path) -> None:
     ax.set_ylabel("own row's mean rank among the batch's rows")
     ax.set_title("ReLA's witness: the last verdict of each run (o aligned, x misaligned)", fontsize=10)
     ax.legend(fontsize=6, ncol=2, loc="upper right")
+    per_view = [c for c in cases if c.startswith("per-view")]
+    for i, case in enumerate(per_view):
+        shares = [(r["witness"]["last"] or {}).get("own_box") for r in runs if r["case"] == case]
+        shares = [s for s in shares if s is not None]
+        bx.scatter([i] * len(shares), shares, s=22, marker="o" if "aligned" in case else "x")
+    bx.axhline(0.5, color="gray", lw=0.6)
+    bx.set_xticks(range(len(per_view)), [c.split(":", 1)[1] for c in per_view], fontsize=8)
+    bx.set_ylim(0, 1)
+    bx.set_ylabel("share of samples whose views are closer to their own box")
+    bx.set_title("per-view rows: each view against its own box and the other's", fontsize=10)
     fig.tight_layout()
     save_figure(fig, path)
 
@@ -342,6 +452,13 @@ def prepare(args, cases: list[str]) -> dict:
                 spec = f"wds:{cache}/shards/shard-{{000000..{len(urls) - 1:06d}}}.tar"
                 precompute_sidecars(create_prior(PRIOR), spec, folder, progress=False)
             stores["webdataset"] = (urls, folder)
+        if recipe == "per-view" and "per-view" not in stores:  # the prior's 3x3 map of each image, every channel
+            dataset = images_of(data)
+            path = cache / f"store-{data}-{PRIOR.replace(':', '_')}-map"
+            store = TargetStore.open(path, dataset=dataset) if (path / "metadata.json").is_file() else \
+                precompute_targets(create_prior(PRIOR), dataset, path, progress=False, spatial=True)
+            stores["per-view"] = (dataset, store)
+            continue
         prior = "random:convnet" if recipe == "random prior" else PRIOR
         if (data, prior) not in stores:
             dataset = images_of(data)
@@ -375,8 +492,20 @@ def write_shards(dataset, folder: Path, per_shard: int = 1000) -> list[str]:
     return urls
 
 
+def git_commit() -> dict:
+    """The code's commit (``git rev-parse HEAD``) and whether the library or this script differed from it."""
+    import subprocess
+
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    return {"sha": git("rev-parse", "HEAD"),
+            "modified": git("status", "--porcelain", "--", "accelerate_ssl", "benchmarks/alignment.py").splitlines()}
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    load_start, started = os.getloadavg(), time.strftime("%Y-%m-%dT%H:%M:%S")
     torch.set_num_threads(args.threads)
     stores = prepare(args, args.cases + ["fashion-mnist:aligned"])
     settings = {"steps": args.steps, "threads": args.threads, "prior": PRIOR, "version": VERSION}
@@ -392,8 +521,13 @@ def main(argv=None) -> int:
     cost_result = cost(args, stores) if args.cost_steps else {}
     summary = summarise(runs)
     result = {"command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/alignment.py", *sys.argv[1:]]),
-              "machine": {"torch": torch.__version__, "platform": platform.platform(), "threads": args.threads},
-              "settings": settings, "summary": summary, "cost": cost_result, "table": table(summary, cost_result),
+              "commit": git_commit(), "started": started,
+              "machine": {"device": "cpu", "torch": torch.__version__, "cuda": torch.version.cuda,
+                          "cudnn": torch.backends.cudnn.version(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                          "cpu_count": os.cpu_count(), "platform": platform.platform(), "threads": args.threads,
+                          "load_average_start": load_start, "load_average_end": os.getloadavg()},
+              "settings": settings, "summary": summary, "false_alarms": false_alarms(summary), "cost": cost_result,
+              "table": table(summary, cost_result),
               "runs": runs}
     out = Path(args.out)
     write_results(out, result, root=ROOT)

@@ -159,7 +159,7 @@ class _ReLACallback:
     def from_prior(cls, prior, backbone: Union[str, Callable[[nn.Module], nn.Module]] = "backbone", *,
                    cache_dir="rela-targets", dataset=None, image_key=None, transform_attr=None,
                    weights: Optional[str] = None, batch_size: Optional[int] = None, progress: bool = True,
-                   **rela_kwargs):
+                   spatial=False, **rela_kwargs):
         """The callback whose targets ``prior`` makes, on the data set of the loader Lightning iterates: the set-up of
         :meth:`ReLA.from_prior <accelerate_ssl.rela.ReLA.from_prior>` in Lightning's idiom.
 
@@ -171,15 +171,24 @@ class _ReLACallback:
         ``backbone`` as ``module.rela``, planned for the Trainer's optimiser steps. ReLA exists from then on, after
         ``configure_optimizers``: its own optimiser trains the head (to train it with yours, pass a ready store:
         ``ReLACallback(open_or_precompute(...), dataset=clean_set)``). The other arguments are
-        :meth:`ReLA.from_prior`'s; ``**rela_kwargs`` go to :class:`ReLA`.
+        :meth:`ReLA.from_prior`'s (``spatial=k``: a spatial store, each location of the prior's map reduced to ``k``
+        components, for per-view targets and the dense term, ``dense=``, which needs it); ``**rela_kwargs`` go to
+        :class:`ReLA`.
         """
+        from accelerate_ssl.targets.write import check_spatial
+
         if dataset is not None and transform_attr is not None:
             raise ValueError("ReLACallback.from_prior: pass dataset= (the clean set itself) or transform_attr= (where "
                              "the loader's data set holds its augmentation), not both.")
+        check_spatial(spatial)  # refused now, not at fit time
+        if rela_kwargs.get("dense") is not None and not spatial:
+            raise ValueError("ReLACallback.from_prior(..., dense=) pulls the student's map toward the prior's map, "
+                             "which only a spatial store keeps: pass spatial=k too (e.g. spatial=16: each location "
+                             "reduced to 16 PCA components).")
         callback = cls(None, backbone, dataset=dataset, **rela_kwargs)
         callback._prior = {"prior": prior, "cache_dir": cache_dir, "image_key": image_key,
                            "transform_attr": transform_attr, "weights": weights, "batch_size": batch_size,
-                           "progress": progress}
+                           "progress": progress, "spatial": spatial}
         return callback
 
     # ------------------------------------------------------------------ set-up
@@ -236,7 +245,8 @@ class _ReLACallback:
         spec = self._prior
         clean = self._dataset if self._dataset is not None else clean_view(dataloader.dataset, spec["transform_attr"])
         store = open_or_precompute(spec["prior"], clean, spec["cache_dir"], weights=spec["weights"],
-                                   batch_size=spec["batch_size"], progress=spec["progress"], image_key=spec["image_key"])
+                                   batch_size=spec["batch_size"], progress=spec["progress"], image_key=spec["image_key"],
+                                   spatial=spec["spatial"])
         self.rela = ReLA(store, self._resolve_backbone(self._module), dataset=clean, **self._rela_kwargs)
         self._attach(trainer, self._module)
         if self._pending_state is not None:  # a checkpoint Lightning restored before the loader was known

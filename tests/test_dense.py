@@ -63,7 +63,10 @@ def test_a_views_target_map_is_its_box_pooled_onto_the_grid(store):
     torch.testing.assert_close(maps[..., 1], 0.75 * stored[..., 0] + 0.25 * stored[..., 1], rtol=0, atol=1e-5)
     mirrored = dense_target_maps(store, idx, 1, torch.cat([left[:, :4], torch.ones(3, 1), left[:, 5:]], 1))
     torch.testing.assert_close(mirrored, maps.flip(-1))  # a flipped view sees its box mirrored
-    assert dense_target_maps(store, idx, 2, None).shape == (6, 5, 2, 2)  # no geometry: the stored map for every view
+    # no geometry: every view of a sample gets that sample's stored map (views stacked as blocks of the samples)
+    torch.testing.assert_close(dense_target_maps(store, idx, 2, None), torch.cat([store.maps(idx)] * 2), rtol=0, atol=0)
+    torch.testing.assert_close(dense_target_maps(store, idx, 3, None, grid=(1, 2)),  # a coarser student: rows averaged
+                               torch.cat([store.maps(idx).mean(2, keepdim=True)] * 3), rtol=0, atol=1e-6)
 
 
 def test_geometry_pools_both_terms_and_two_views_train(store):
@@ -76,9 +79,9 @@ def test_geometry_pools_both_terms_and_two_views_train(store):
     for step in range(40):
         idx = torch.arange(8) + 8 * (step % 3)  # three batches, in turn
         boxes = []
-        for _ in range(2):
-            x1, y1 = torch.randint(0, 6, (2,), generator=g).tolist()
-            boxes.append(torch.tensor([[x1, y1, x1 + 10, y1 + 10, step % 2, 16, 16]], dtype=torch.float32).repeat(8, 1))
+        x1, y1 = torch.randint(0, 6, (2,), generator=g).tolist()
+        for x, y in ((x1, y1), (5 - x1, 5 - y1)):  # two views, never the same box (one box per view for the batch)
+            boxes.append(torch.tensor([[x, y, x + 10, y + 10, step % 2, 16, 16]], dtype=torch.float32).repeat(8, 1))
         x = images(idx)
         views = torch.cat([F.interpolate(x[:, :, int(b[0, 1]):int(b[0, 3]), int(b[0, 0]):int(b[0, 2])], size=16,
                                          mode="bilinear") for b in boxes])
@@ -116,9 +119,14 @@ def test_dense_checkpoints_round_trip_and_refusals_name_the_fix(store, tmp_path)
         rela.wrap(torch.tensor(0.0), targets=store[idx], features=student(images(idx)))
 
 
-def test_geometry_with_one_backbone_call_per_view_and_several_priors_is_the_index_path_for_whole_views(store):
+def test_geometry_with_one_backbone_call_per_view_and_several_priors_is_the_index_path_for_whole_views(store, tmp_path):
     """Views forwarded one call each (the usual loop) with whole-image geometry train exactly as index= does: the
     per-view rows keep the batch's sample count (for the priors' balance and the checks)."""
+    import accelerate_ssl.targets.precompute as pc
+    from accelerate_ssl.priors import create_prior
+
+    other = pc.precompute_targets(create_prior("random:convnet"), tiny_dataset(N), tmp_path / "k4", batch_size=8,
+                                  progress=False, spatial=4)  # a second prior's store (the same store twice is refused)
     idx = torch.tensor([3, 6, 10, 15])
     x = images(idx)
     whole = torch.stack([whole_image(16, 16) for _ in range(8)])
@@ -126,7 +134,7 @@ def test_geometry_with_one_backbone_call_per_view_and_several_priors_is_the_inde
     for geometry in (whole, None):
         torch.manual_seed(0)
         student = ConvNet(widths=(8, 16))
-        rela = ReLA({"a": store, "b": store}, student, dataset=tiny_dataset(N), feature_dim=16, n_components=4,
+        rela = ReLA({"a": store, "b": other}, student, dataset=tiny_dataset(N), feature_dim=16, n_components=4,
                     schedule="constant:1", witness=False, seed=3)
         student(x), student(x.flip(-1))  # two views, one call each
         losses.append(rela.wrap(torch.tensor(0.0), index=idx, geometry=geometry))

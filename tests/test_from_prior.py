@@ -61,30 +61,34 @@ def test_one_store_per_prior_and_data_reopened_and_checked(tmp_path):
 def test_a_spatial_store_for_view_and_dense_targets_gets_its_own_folder(tmp_path):
     """from_prior(spatial=k): a spatial store (the prior's maps, k components per location) in its own folder beside
     the pooled rows', reopened the second time; dense= without it is refused naming spatial=."""
+    from accelerate_ssl import create_prior
     from accelerate_ssl.backbones import ConvNet
+
+    prior = create_prior("random:convnet", size=24)  # the 8 px images resized: a 3x3 map (at 8 px it is one cell)
 
     train = _data(transform=lambda im: torch.from_numpy(np.kron(np.asarray(im, np.float32) / 255, np.ones((3, 3))))
                   .float().unsqueeze(0))  # 24 px views of the 8 px images
     loader = DataLoader(train, batch_size=8)
     student = ConvNet(widths=(8, 16))
     with pytest.raises(ValueError, match="dense=.*pass spatial=k too"):
-        ReLA.from_prior("random:convnet", student, loader, total_steps=4, cache_dir=tmp_path, dense=student.features)
-    rela = ReLA.from_prior("random:convnet", student, loader, total_steps=4, cache_dir=tmp_path, progress=False,
+        ReLA.from_prior(prior, student, loader, total_steps=4, cache_dir=tmp_path, dense=student.features)
+    rela = ReLA.from_prior(prior, student, loader, total_steps=4, cache_dir=tmp_path, progress=False,
                            spatial=3, dense=student.features, witness=False)
     folder = Path(rela.store.path)
     assert folder.name.endswith("-spatial3") and rela.store.spatial["channels"] == 3 and rela.store.dim == 3
+    assert list(rela.store.grid) == [3, 3]
     for x, _ in loader:
         assert torch.isfinite(rela.wrap(torch.tensor(0.0), features=student(x)))
     assert rela.priors["0"].dense.linear is not None  # the dense head was built and used
     mtime = (folder / "metadata.json").stat().st_mtime_ns
-    again = ReLA.from_prior("random:convnet", ConvNet(widths=(8, 16)), loader, total_steps=4, cache_dir=tmp_path,
+    again = ReLA.from_prior(prior, ConvNet(widths=(8, 16)), loader, total_steps=4, cache_dir=tmp_path,
                             progress=False, spatial=3)
     assert Path(again.store.path) == folder and (folder / "metadata.json").stat().st_mtime_ns == mtime
-    pooled = ReLA.from_prior("random:convnet", ConvNet(widths=(8, 16)), loader, total_steps=4, cache_dir=tmp_path,
+    pooled = ReLA.from_prior(prior, ConvNet(widths=(8, 16)), loader, total_steps=4, cache_dir=tmp_path,
                              progress=False)
     assert Path(pooled.store.path) != folder and pooled.store.spatial is None
     with pytest.raises(ValueError, match="spatial must be"):
-        ReLA.from_prior("random:convnet", student, loader, cache_dir=tmp_path, spatial=0)
+        ReLA.from_prior(prior, student, loader, cache_dir=tmp_path, spatial=0)
 
 
 class Augmenting(Dataset):

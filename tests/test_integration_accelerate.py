@@ -2,7 +2,7 @@
 (gloo, CPU) run of examples/accelerate_byol.py with identical lambda and averaged loss on both processes,
 resume from accelerator.save_state, the sharded precompute command, and the README's two Accelerate recipes run as
 written under 2 gloo processes and counted: a script written the way Accelerate's own examples/cv_example.py is (dict
-items, augmentation inside __getitem__, files in .file_names) and one written the way its
+items, augmentation inside __getitem__, files in .file_names, timm's resnet50d) and one written the way its
 examples/by_feature/checkpointing.py is, killed after a mid-epoch checkpoint and resumed with skip_first_batches."""
 
 from __future__ import annotations
@@ -298,8 +298,10 @@ def test_rela_track_of_a_prepared_loader_publishes_at_its_yield(accelerator):
         ReLA(torch.randn(40, 4), nn.Linear(3, 5), feature_dim=5, dataloader=prepared)
 
 
-def test_the_accelerate_recipe_is_three_added_and_two_changed_lines_of_accelerates_cv_example():
-    assert check_recipe(CV_RECIPE, "written the way Accelerate's own `examples/cv_example.py`", HOSTS / "accelerate.md") == (3, 2)
+def test_the_accelerate_recipe_is_four_added_and_three_changed_lines_of_accelerates_cv_example():
+    """On the example's own timm model (no .backbone): its pooled features hooked at the classifier's input, the witness
+    on the model that takes the images."""
+    assert check_recipe(CV_RECIPE, "In Accelerate's own `examples/cv_example.py`", HOSTS / "accelerate.md") == (4, 3)
 
 
 def test_the_accelerate_resume_recipe_is_four_added_and_two_changed_lines_of_accelerates_checkpointing_example():

@@ -388,3 +388,42 @@ def test_from_prior_makes_the_targets_of_the_loader_lightning_iterates_and_resum
     assert [lam for *_, lam in resumed.seen] == [lam for *_, lam in whole.seen[5:]]
     for a, b in zip(resumed.rela.parameters(), whole.rela.parameters()):
         assert torch.equal(a, b)
+
+
+def test_from_prior_makes_a_spatial_store_for_the_dense_term(tmp_path):
+    """ReLACallback.from_prior(spatial=k) makes the spatial store ReLA.from_prior(spatial=k) makes, and the dense term
+    trains on it. Before: spatial= went on to ReLA, which refused it with a raw TypeError once the pooled store had been
+    precomputed at fit time."""
+    import numpy as np
+
+    from accelerate_ssl.backbones import ConvNet
+    from accelerate_ssl.data import ArrayImageDataset
+
+    images = np.random.default_rng(0).integers(0, 256, (24, 16, 16), dtype=np.uint8)
+    to_tensor = lambda im: torch.from_numpy(np.asarray(im, dtype=np.float32) / 255).unsqueeze(0)  # noqa: E731
+    data = ArrayImageDataset(images, np.arange(24), transform=to_tensor)
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.backbone = ConvNet(widths=(8, 16))  # .features: a [B, 16, 4, 4] map of a 16 px image
+
+        def training_step(self, batch, batch_idx):
+            x, _ = batch
+            return self.rela.wrap(self.backbone(x).pow(2).mean())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.backbone.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    model = Module()
+    with pytest.raises(ValueError, match=r"spatial must be False, True .* or an int k >= 1"):
+        ReLACallback.from_prior("random:convnet", spatial="8")
+    with pytest.raises(ValueError, match=r"dense=\) .* pass spatial=k too"):
+        ReLACallback.from_prior("random:convnet", dense=model.backbone.features)
+    callback = ReLACallback.from_prior("random:convnet", cache_dir=tmp_path / "cache", progress=False, spatial=3,
+                                       dense=model.backbone.features, n_components=3, witness=False)
+    _trainer(max_epochs=1, callbacks=[callback]).fit(model, DataLoader(data, batch_size=8))
+    store = model.rela.store
+    assert store.spatial["channels"] == 3 and list(store.grid) == [2, 2] and model.rela.steps == 3
+    assert model.rela.priors["0"].dense.linear is not None  # the dense head was built and trained

@@ -159,7 +159,7 @@ def test_checkpoint_resumes_every_prior_and_refuses_another_set_of_stores():
     with pytest.raises(ValueError, match=r"trained for prior 'b' on another target store"):
         ReLA({"a": a, "b": a + 1}, student(), feature_dim=D_F, schedule=Constant(1.0)).load_state_dict(state)
     with pytest.raises(ValueError, match=r"trained for prior 'a' on another target store"):
-        ReLA({"a": b, "b": b}, student(), feature_dim=D_F, schedule=Constant(1.0)).load_state_dict(state)
+        ReLA({"a": a + 1, "b": b}, student(), feature_dim=D_F, schedule=Constant(1.0)).load_state_dict(state)
     with pytest.raises(ValueError, match=r"a ReLA over 2 priors \(\['a', 'b'\]\), but this ReLA holds one target store"):
         ReLA(a, student(), feature_dim=D_F, schedule=Constant(1.0)).load_state_dict(state)
     single, *_ = train(a, 2)
@@ -215,6 +215,25 @@ def test_rows_carried_by_the_batch_are_each_priors_own():
     net(torch.randn(B, D_IN))
     loss = rela.wrap(torch.zeros(()), targets={"a": a[idx], "b": b[idx]})
     assert torch.isfinite(loss)
+
+
+def test_carried_rows_go_to_the_prior_of_their_name_whatever_the_order():
+    """Values, not shapes: two priors of one width given their rows in the other order than ReLA holds them; each
+    prior's loss is the loss a ReLA of that prior alone computes on its own rows (a mix-up of names would train each
+    head toward the other prior's rows without any width to refuse it)."""
+    x, a, _ = data()
+    c = torch.cos(x @ torch.randn(D_IN, 12, generator=torch.Generator().manual_seed(5))) * 3
+    idx = torch.arange(B) * 7
+    rela = ReLA({"a": a, "c": c}, student(), feature_dim=D_F, schedule=Constant(1.0), balance="equal")
+    rela.backbone(x[idx])
+    rela.wrap(torch.zeros(()), targets={"c": c[idx], "a": a[idx]})
+    per = rela.stats["priors"]
+    for name, rows in (("a", a), ("c", c)):
+        alone = ReLA(rows, student(), feature_dim=D_F, schedule=Constant(1.0))
+        alone.backbone(x[idx])
+        own = alone.wrap(torch.zeros(()), targets=rows[idx])
+        assert per[name]["loss_rela"] == pytest.approx(float(own), rel=1e-5)
+    assert per["a"]["loss_rela"] != pytest.approx(per["c"]["loss_rela"], rel=1e-3)
 
 
 # ---------------------------------------------------------------------------------------------- real stores

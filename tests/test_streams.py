@@ -774,3 +774,24 @@ def test_the_datasets_recipe_without_an_id_column_runs_as_written(fmnist, tmp_pa
     assert sorted(n for numbers, _ in run["seen"] for n in numbers) == sorted(list(range(N_REAL)) * 2)
     assert run["rela"].steps == 2 * 4
     assert run["targets"].metadata["settings"]["data"].get("key_field") is None  # keyed by row number
+
+
+def test_a_datasets_column_of_array_images_gives_each_row_its_own_target(prior, tmp_path):
+    """Values pinned for images held as arrays (an Array3D column, read by the user with_format("numpy")): each row of
+    a shuffled copy gets the prior's output for its own image. A digest of array cells that stopped telling images
+    apart would give every row one row's target and pass every shape check."""
+    from accelerate_ssl.data.streams import hf_content
+
+    images = (np.stack([image_of(n) for n in range(20)])[..., None] / 255).astype(np.float32)
+    features = datasets.Features({"image": datasets.Array3D(shape=(SIZE, SIZE, 1), dtype="float32"),
+                                  "label": datasets.Value("int64")})
+    ds = datasets.Dataset.from_dict({"image": images, "label": list(range(20))}, features=features)
+    cell = ds.with_format("arrow")[3:4].column("image").to_pylist()[0]
+    assert hf_content(cell) == f"<f8{(SIZE, SIZE, 1)}".encode() + images[3].astype(np.float64).tobytes()
+    targets = precompute_sidecars(prior, open_stream(ds.with_format("numpy"), shard_rows=7), tmp_path / "side",
+                                  batch_size=4, progress=False)
+    for user_format in ("numpy", None):
+        shuffled = ds.shuffle(seed=0).with_format(user_format)
+        rows = targets.column(shuffled).with_format("torch")[:]
+        assert rows["label"].tolist() != list(range(20))  # the order really changed
+        assert torch.allclose(rows["target"][:, : targets.dim], own(prior, rows["image"].permute(0, 3, 1, 2)), atol=1e-5)

@@ -203,7 +203,7 @@ def test_wrap_geometry_pools_each_views_rows_at_the_batchs_index(store):
                              **({"geometry": whole} if how == "geometry" else {}))
     torch.testing.assert_close(out["geometry"], out["index"], rtol=1e-5, atol=1e-6)
     backbone, rela = _rela(store)
-    with pytest.raises(ValueError, match="one\\s+row of 7 per view"):
+    with pytest.raises(ValueError, match="3 is not a whole number of views of the 4 samples"):
         rela.wrap(torch.tensor(0.0), features=backbone(x[:4]), index=idx, geometry=g[:3])
     flat = ReLA(torch.randn(N, 6), backbone, feature_dim=12, total_steps=4, witness=False)
     with pytest.raises(ValueError, match="spatial=k"):

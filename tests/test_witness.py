@@ -129,7 +129,9 @@ def test_the_recorded_prior_is_rebuilt_and_other_weights_are_refused(fmnist):
         other = ReLA(store, nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten()), feature_dim=4, schedule="constant:1",
                      witness=Witness(prior=create_prior("shipped:digits-byol")))
     assert other.witness.status.startswith("off:")
-    hooked = ReLA(store, nn.Linear(4, 4), capture="input", feature_dim=4, schedule="constant:1")
+    with pytest.warns(WitnessWarning, match=r"witness is off: capture='input' hooks a module that sees features.*"
+                                            r"Witness\(input=model\)"):
+        hooked = ReLA(store, nn.Linear(4, 4), capture="input", feature_dim=4, schedule="constant:1")
     assert "Witness(input=" in hooked.witness.status  # a classifier's input is features, not images
     off = ReLA(store, nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten()), feature_dim=4, witness=False)
     assert off.witness is None
@@ -250,3 +252,60 @@ def test_a_spatial_stores_rows_are_witnessed_as_the_mean_of_the_priors_map(fmnis
     rela, seen = _run(train, store, 12, witness=Witness(prior=prior, every=4))
     assert rela.witness.status == "aligned" and rela.witness.alarm is None
     assert rela.witness.last["rows_rank"] < 0.1
+
+
+@pytest.fixture(scope="module")
+def fmnist_maps(fmnist, tmp_path_factory):
+    train, _ = fmnist
+    return precompute_targets(create_prior(PRIOR), train, tmp_path_factory.mktemp("maps") / "store", spatial=True,
+                              progress=False)
+
+
+def _per_view_run(train, store, steps, swap: bool, **witness_kwargs):
+    """BYOL's two views per step with their boxes (wrap(geometry=)); ``swap``: the geometry's view blocks in the other
+    order than the features (each view pulled toward the other view's box)."""
+    from accelerate_ssl.backbones import ConvNet
+    from accelerate_ssl.recipes import BYOL, BYOL_VIEWS, images_to_tensor, random_views
+
+    torch.manual_seed(0)
+    images = images_to_tensor(train.data)
+    backbone = ConvNet(widths=(8, 16, 32))
+    model = BYOL(backbone, backbone.feature_dim, hidden_dim=64, out_dim=32)
+    rela = ReLA(store, backbone, dataset=train, feature_dim=backbone.feature_dim, n_components=16,
+                schedule="constant:0.5", witness=Witness(**witness_kwargs))
+    opt = torch.optim.AdamW([*model.parameters(), *rela.parameters()], lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        index = torch.randperm(N, generator=g)[:32]
+        drawn = [random_views(images[index], BYOL_VIEWS, g, geometry=True) for _ in range(2)]
+        views, boxes = [v for v, _ in drawn], [b for _, b in drawn]
+        features = [backbone(v) for v in views]
+        loss = rela.wrap(lambda: model.step_loss(features, views, None), index=index,
+                         geometry=torch.cat(boxes[::-1] if swap else boxes))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return rela
+
+
+def test_per_view_rows_swapped_between_the_views_stop_training(fmnist, fmnist_maps):
+    """Before: the witness compared the first view's rows with both views' inputs and, the rows being the samples' own
+    image, said "aligned" whatever boxes they were pooled over."""
+    train, _ = fmnist
+    rela = _per_view_run(train, fmnist_maps, 6, swap=False, every=1)
+    assert rela.witness.status == "aligned" and rela.witness.last["own_box"] > 0.6
+    with pytest.raises(MisalignmentError, match=r"each view's input was closer to the other view's box than to its own"
+                                                 r".*geometry=torch\.cat\(\[g0, g1\]\)"):
+        _per_view_run(train, fmnist_maps, 6, swap=True, every=1)
+
+
+def test_a_one_view_loop_on_other_rows_says_so_within_the_burst(fmnist):
+    """Before: with the default settings it stayed "waiting" without a word (only the head check warned, at batch
+    12). Now it says, by the end of its first burst, that it cannot refute the rows and that they rank at chance."""
+    train, store = fmnist
+    shuffled = _rows(store)[torch.randperm(N, generator=torch.Generator().manual_seed(1))]
+    rela, seen = _run(train, shuffled, 5, views="one-view", witness=_witness())
+    said = [str(w.message) for w in seen if issubclass(w.category, WitnessWarning)]
+    assert len(said) == 1 and rela.witness.status == "one view" and rela.witness.alarm is None
+    assert re.search(r"cannot refute these rows: the backbone sees one view per sample per step.* rank 0\.[4-6]\d \+- "
+                     r"0\.\d\d .*that is chance: most likely the rows are not these samples' own", said[0])

@@ -26,6 +26,11 @@ augmented views (training), with or without labels:
 - :class:`RowIdentity`: one 64-bit digest per row (the file name, the array row, or the item's image),
   written beside the targets at precompute (``identity.npy``) and compared row by row by
   ``accelerate-ssl store verify PATH --data SPEC``, which names the rows that differ.
+- **File contents** (``"files"`` data sets): names say which file a row belongs to, not what the file holds, so a
+  folder regenerated under the same names (a resize, a re-export, two files' contents swapped) would keep its
+  fingerprint. Precompute records, per row, the size, modification time and blake2b-128 digest of the file's bytes
+  (:func:`record_contents`, ``contents.npy``); every open compares the size and time of every file and the bytes of
+  a sample (:func:`check_contents`: cheap on a million files), ``store verify --data`` every file's bytes.
 
 **Schemes.** ``SCHEME`` names this definition. Stores record theirs and are checked under it (``like=`` a recorded
 fingerprint): scheme 2 (``.transform`` the only transform attribute, no other file lists, the first sample-like
@@ -224,6 +229,30 @@ def _path_list(value, n: int) -> Optional[list]:
     return paths if all(isinstance(p, (str, os.PathLike)) for p in paths) else None
 
 
+def _file_list(dataset, scheme: int = SCHEME) -> Optional[tuple[list, bool, Optional[str]]]:
+    """``(paths as the data set lists them, whether they are joined with the root, the root)`` of a file-list data set
+    (:func:`file_names`), or None."""
+    if hasattr(dataset, "samples") and isinstance(dataset.samples, (list, tuple)):
+        paths, joined = [s[0] if isinstance(s, (list, tuple)) else s for s in dataset.samples], True
+    elif hasattr(dataset, "imgs") and isinstance(dataset.imgs, (list, tuple)):
+        paths, joined = [s[0] if isinstance(s, (list, tuple)) else s for s in dataset.imgs], True
+    elif callable(getattr(dataset, "get_filenames", None)):  # lightly's LightlyDataset: names under .input_dir
+        paths, joined = list(dataset.get_filenames()), False
+    elif isinstance(getattr(dataset, "images", None), list) and all(isinstance(p, str) for p in dataset.images):
+        paths, joined = list(dataset.images), False  # solo-learn's no_labels data set: names under .root
+    elif isinstance(getattr(getattr(dataset, "reader", None), "samples", None), (list, tuple)):
+        return _file_list(dataset.reader, scheme)  # timm's ImageDataset: its folder reader's (path, class) list, in order
+    else:
+        n = len(dataset) if scheme >= 3 and hasattr(dataset, "__len__") else 0
+        found = next((p for p in (_path_list(getattr(dataset, a, None), n) for a in FILE_LIST_ATTRS) if p), None)
+        if found is None:
+            return None
+        paths, joined = found, True
+    root = getattr(dataset, "root", None) or getattr(dataset, "input_dir", None)
+    root = os.path.abspath(os.fspath(root)) if isinstance(root, (str, os.PathLike)) and os.fspath(root) else None
+    return paths, joined, root
+
+
 def file_names(dataset, scheme: int = SCHEME) -> Optional[list[str]]:
     """Every file name of a file-list data set, relative to its folder (``.root``, lightly's ``.input_dir``), in
     order, whatever the spelling: ``/data/train/a/0.png``, ``./data/train/a/0.png`` (root ``./data/train``) and
@@ -237,24 +266,10 @@ def file_names(dataset, scheme: int = SCHEME) -> Optional[list[str]]:
     spelling is normalised (lexically: ``.``, ``..``, doubled and trailing separators, relative vs absolute); the names
     and their order are kept, so another list or another order still fingerprints differently. A path outside the root
     stays absolute; without a root, names are kept as spelled."""
-    if hasattr(dataset, "samples") and isinstance(dataset.samples, (list, tuple)):
-        paths, joined = [s[0] if isinstance(s, (list, tuple)) else s for s in dataset.samples], True
-    elif hasattr(dataset, "imgs") and isinstance(dataset.imgs, (list, tuple)):
-        paths, joined = [s[0] if isinstance(s, (list, tuple)) else s for s in dataset.imgs], True
-    elif callable(getattr(dataset, "get_filenames", None)):  # lightly's LightlyDataset: names under .input_dir
-        paths, joined = list(dataset.get_filenames()), False
-    elif isinstance(getattr(dataset, "images", None), list) and all(isinstance(p, str) for p in dataset.images):
-        paths, joined = list(dataset.images), False  # solo-learn's no_labels data set: names under .root
-    elif isinstance(getattr(getattr(dataset, "reader", None), "samples", None), (list, tuple)):
-        return file_names(dataset.reader, scheme)  # timm's ImageDataset: its folder reader's (path, class) list, in order
-    else:
-        n = len(dataset) if scheme >= 3 and hasattr(dataset, "__len__") else 0
-        found = next((p for p in (_path_list(getattr(dataset, a, None), n) for a in FILE_LIST_ATTRS) if p), None)
-        if found is None:
-            return None
-        paths, joined = found, True
-    root = getattr(dataset, "root", None) or getattr(dataset, "input_dir", None)
-    root = os.path.abspath(os.fspath(root)) if isinstance(root, (str, os.PathLike)) and os.fspath(root) else None
+    listed = _file_list(dataset, scheme)
+    if listed is None:
+        return None
+    paths, joined, root = listed
     inside = None if root is None else root.rstrip(os.sep) + os.sep
 
     def relative(path) -> str:
@@ -269,6 +284,135 @@ def file_names(dataset, scheme: int = SCHEME) -> Optional[list[str]]:
         return os.path.normpath(path).replace(os.sep, "/")
 
     return [relative(p) for p in paths]
+
+
+def file_paths(dataset) -> Optional[list[str]]:
+    """The file each row of ``dataset`` reads, as an absolute path (through any Subsets and one-to-one wrappers, in row
+    order), for a data set listing its files (:func:`file_names`); None otherwise."""
+    base, chain = unwrap_subsets(one_to_one_base(dataset))
+    listed = _file_list(base)
+    if listed is None:
+        return None
+    paths, joined, root = listed
+
+    def full(path) -> str:
+        path = os.fspath(path)
+        if os.path.isabs(path) or root is None:
+            return os.path.abspath(path)
+        if joined:  # joined with the root as spelled: relative to the working directory, unless it is under the root
+            here = os.path.abspath(path)
+            return here if os.path.exists(here) or not os.path.exists(os.path.join(root, path)) else \
+                os.path.join(root, path)
+        return os.path.join(root, path)
+
+    paths = [full(p) for p in paths]
+    rows = None
+    for indices in reversed(chain):  # innermost first: position -> base row
+        rows = indices if rows is None else rows[indices]
+    return paths if rows is None else [paths[int(i)] for i in rows]
+
+
+# ---------------------------------------------------------------------------------------------- file contents
+#: what a folder data set's store records of each row's file (``contents.npy``, ``int64 [N, 4]``): its size and
+#: modification time when it was read, and the blake2b-128 digest of its bytes (two int64)
+CONTENT_FIELDS = ("size", "mtime_ns", "digest_hi", "digest_lo")
+#: files whose bytes every open reads and compares, evenly spaced from a random start (a different sample each open)
+CONTENT_SAMPLE = 32
+#: at most this many files with a new modification time but their recorded size are read at open to tell a copy or a
+#: touch (same bytes) from an edit; beyond it, a random sample of them (and a warning naming the full check)
+CONTENT_BUDGET = 256
+
+
+def file_digest(data: bytes) -> tuple[int, int]:
+    """The digest a store records of a file's bytes: blake2b-128, as two signed int64."""
+    d = hashlib.blake2b(data, digest_size=16).digest()
+    return int.from_bytes(d[:8], "little", signed=True), int.from_bytes(d[8:], "little", signed=True)
+
+
+def file_record(path: str) -> np.ndarray:
+    """``[size, mtime_ns, digest_hi, digest_lo]`` of one file (:data:`CONTENT_FIELDS`), its bytes read once."""
+    with open(path, "rb") as f:
+        stat = os.fstat(f.fileno())
+        data = f.read()
+    return np.array([len(data), stat.st_mtime_ns, *file_digest(data)], dtype=np.int64)
+
+
+def record_contents(paths: list[str], progress: bool = False) -> np.ndarray:
+    """:func:`file_record` of every path, in order: ``int64 [N, 4]`` (what precompute writes to ``contents.npy``)."""
+    from tqdm.auto import tqdm
+
+    out = np.empty((len(paths), len(CONTENT_FIELDS)), dtype=np.int64)
+    for i, path in enumerate(tqdm(paths, desc="record file contents", unit="file", disable=not progress)):
+        out[i] = file_record(path)
+    return out
+
+
+class ContentCheck:
+    """What :func:`check_contents` found: rows whose file is ``missing``, ``changed`` (other bytes than recorded), the
+    rows whose file has a new modification time with its recorded size (``retouched``) and how many of those were read
+    (``retouched_read``: all of them when within the budget), and how many files were read in all (``read``)."""
+
+    def __init__(self):
+        self.missing: list[int] = []
+        self.changed: list[int] = []
+        self.retouched: list[int] = []
+        self.retouched_read = 0
+        self.read = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and not self.changed
+
+
+def check_contents(paths: list[str], recorded: np.ndarray, full: bool = False, progress: bool = False,
+                   rng: Optional[np.random.Generator] = None) -> ContentCheck:
+    """Compare ``paths`` (row order) with ``recorded`` (:func:`record_contents` at precompute).
+
+    ``full=False`` (at open, cheap on a million files): the size and modification time of every file (one ``stat``
+    each); a file whose size differs has changed; one whose time differs but not its size is read and compared (a
+    copy or ``touch`` keeps the bytes), up to :data:`CONTENT_BUDGET` of them, a random sample beyond; and
+    :data:`CONTENT_SAMPLE` files from a random start are read whatever their stat says. ``full=True``: every file's
+    bytes (``accelerate-ssl store verify --data``)."""
+    from tqdm.auto import tqdm
+
+    rng = np.random.default_rng() if rng is None else rng
+    out = ContentCheck()
+    n = len(paths)
+    to_read: list[int] = []
+    if full:
+        to_read = list(range(n))
+    else:
+        for i, path in enumerate(tqdm(paths, desc="check file stats", unit="file", disable=not progress)):
+            try:
+                st = os.stat(path)
+            except OSError:
+                out.missing.append(i)
+                continue
+            if st.st_size != recorded[i, 0]:
+                out.changed.append(i)
+            elif st.st_mtime_ns != recorded[i, 1]:
+                out.retouched.append(i)
+        retouched = out.retouched
+        if len(retouched) > CONTENT_BUDGET:
+            retouched = sorted(rng.choice(retouched, CONTENT_BUDGET, replace=False).tolist())
+        out.retouched_read = len(retouched)
+        k = min(n, CONTENT_SAMPLE)
+        start = int(rng.integers(0, max(1, n // k))) if k else 0
+        sample = sorted({min(n - 1, start + (j * n) // k) for j in range(k)}) if k else []
+        skip = set(out.missing) | set(out.changed)
+        to_read = sorted((set(retouched) | set(sample)) - skip)
+    for i in tqdm(to_read, desc="check file bytes", unit="file", disable=not (progress and full)):
+        try:
+            actual = file_record(paths[i])
+        except OSError:
+            out.missing.append(i)
+            continue
+        out.read += 1
+        if actual[0] != recorded[i, 0] or actual[2] != recorded[i, 2] or actual[3] != recorded[i, 3]:
+            out.changed.append(i)
+    out.missing.sort()
+    out.changed.sort()
+    return out
 
 
 def _array(base):

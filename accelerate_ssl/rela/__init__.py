@@ -4,7 +4,8 @@ The public surface of ReLA; what each part does lives in its own module:
 
 - :mod:`.rela`: the :class:`ReLA` object (lambda, the loss mix, what is skipped; ``ReLA.from_prior``, the set-up);
 - :mod:`.term`: one prior's targets, head and checks, and how several priors' losses combine;
-- :mod:`.capture`: which forward outputs are the student's features;
+- :mod:`.capture`: which forward outputs are the student's features; :mod:`.validate`: what enters ``wrap`` besides
+  the rows' identity (views, geometry, the student's map, several stores), checked before any row is read;
 - :mod:`.lookup`: target rows by sample index; :mod:`.head`: the transport head and the cosine loss;
 - :mod:`.handover`: what happens when lambda reaches 0 and your loss takes over;
 - :mod:`.dense`: the dense term; :mod:`.distributed`: what is averaged across processes;

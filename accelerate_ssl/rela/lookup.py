@@ -213,15 +213,6 @@ class RowPrefetcher:
             self._pool = None
 
 
-def _views_of(geometry, samples: int) -> int:
-    """How many views ``geometry`` (``[V n, 7]``, views stacked as blocks) holds of ``samples`` samples, or the error."""
-    g = torch.as_tensor(geometry)
-    if g.ndim != 2 or samples == 0 or len(g) % samples:
-        raise ValueError(f"ReLA.wrap(geometry=): {tuple(g.shape)} views' geometry for {samples} samples; pass one row "
-                         "of 7 per view, views stacked as blocks of the batch in the order of the features.")
-    return len(g) // samples
-
-
 class TargetLookup:
     """The (PCA-reduced) target rows of a batch, from a store opened by :func:`open_targets`.
 
@@ -328,7 +319,7 @@ class TargetLookup:
             return self.reduce_raw(maps.mean((2, 3)), device)
         from ..targets.views import pool_views
 
-        views = _views_of(geometry, len(maps))
+        views = len(geometry) // len(maps)  # views stacked as blocks of the batch (rela/validate.py checked it)
         pooled = pool_views(maps.float().repeat(views, 1, 1, 1), torch.as_tensor(geometry).to(maps.device),
                             self.store.spatial, self.store.preprocess)
         return self.reduce_raw(pooled, device)
@@ -340,7 +331,7 @@ class TargetLookup:
         from ..targets.views import view_targets
 
         index = torch.as_tensor(index).reshape(-1)
-        views = _views_of(geometry, len(index))
+        views = len(geometry) // len(index)  # views stacked as blocks of the batch (rela/validate.py checked it)
         return self.reduce_raw(view_targets(self.store, index.repeat(views), torch.as_tensor(geometry)), device)
 
     def holds_maps(self, rows: torch.Tensor) -> bool:

@@ -100,6 +100,7 @@ from .handover import Handover
 from .head import TransportHead
 from .lookup import as_index, check_trained_dataset
 from .term import BALANCES, PriorTerm, combine_losses, term_names
+from .validate import check_batch, check_dense_priors, check_priors, name_prior
 from .witness import Witness, create_witness
 
 __all__ = ["ReLA"]
@@ -255,6 +256,7 @@ class ReLA:
         #: each prior's targets, head and checks, by name (:class:`~accelerate_ssl.rela.term.PriorTerm`), in order
         self.priors: dict[str, PriorTerm] = {name: term(name, t) for name, t in term_names(targets)}
         self._several = len(self.priors) > 1  # (one prior, however given, is ReLA exactly as with a bare store)
+        check_priors({name: t.store for name, t in self.priors.items()})  # no store twice, one length (validate.py)
         if dense_only and dense is None:
             raise ValueError("ReLA(dense_only=True) pulls the student by the dense term alone, but no dense= module was "
                              "given: pass dense=<the module whose output is the student's feature map>.")
@@ -268,6 +270,8 @@ class ReLA:
                 raise ValueError("ReLA(dense=) pulls the student's map toward the prior's stored map, but "
                                  + (f"prior(s) {flat}" if self._several else "this store") + " hold one row per image: "
                                  "precompute with spatial=k (`accelerate-ssl precompute --spatial K`).")
+            check_dense_priors({name: t.store for name, t in self.priors.items()},
+                               lambda name: f" (prior {name!r})" if self._several else "")
             for t in self.priors.values():
                 t.dense = TransportHead(init=head_init, optimizer="auto" if head_optimizer == "user" else head_optimizer,
                                         lr=1e-3 if head_lr is None else head_lr,
@@ -642,25 +646,12 @@ class ReLA:
     # ------------------------------------------------------------------ the loss
     def _rela_term(self, features: Sequence[torch.Tensor], index: dict, rows: Optional[dict] = None,
                    path: Optional[str] = None, maps: Optional[torch.Tensor] = None,
-                   geometry: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   geometry: Optional[torch.Tensor] = None, *, n: int) -> torch.Tensor:
         """ReLA's loss over every prior (:func:`~accelerate_ssl.rela.term.combine_losses`); ``index`` / ``rows``: each
         prior's row indices / carried rows, by name; ``maps``: the student's captured maps (the dense term);
-        ``geometry``: the views' (each view's target pooled over its box). Records each prior's loss and weight for
-        :attr:`stats`."""
-        first = next(iter((rows or index).values()))
-        n = len(first) if rows is not None else len(torch.as_tensor(first).reshape(-1))
-        if n == 0:
-            raise ValueError("ReLA.wrap got an empty batch (no sample indices / target rows).")
-        if rows is not None and any(len(r) != n for r in rows.values()):
-            raise ValueError(f"ReLA.wrap(targets=): the priors' rows cover different numbers of samples "
-                             f"({ {k: len(r) for k, r in rows.items()} }); pass each prior's rows of this batch.")
-        for f in features:
-            if f.shape[0] % n:
-                raise ValueError(
-                    f"ReLA: a captured feature batch has {f.shape[0]} rows but the batch has {n} sample indices "
-                    "(rows must be a multiple: one block of n per view). Was the backbone called on something else in "
-                    "training mode with grad (run it under torch.no_grad()), or is index= wrong? Or pass features=."
-                )
+        ``geometry``: the views' (each view's target pooled over its box); ``n``: the batch's samples (the features
+        are views stacked as blocks of ``n``; :func:`~accelerate_ssl.rela.validate.check_batch`). Records each prior's
+        loss and weight for :attr:`stats`."""
         feats = torch.cat(list(features)) if len(features) > 1 else features[0]
         if not self._heads():
             self._build(feats.shape[1], feats.device)
@@ -675,10 +666,15 @@ class ReLA:
         losses = []
         for name, t in self.priors.items():
             sample_index, carried = None if index is None else index[name], None if rows is None else rows[name]
-            target = t.rows(feats.device, index=sample_index, carried=carried, geometry=geometry)
-            term_losses = t.losses(feats.detach() if self.dense_only else feats, target, n, path)
+            try:
+                target = t.rows(feats.device, index=sample_index, carried=carried, geometry=geometry)
+                term_losses = t.losses(feats.detach() if self.dense_only else feats, target, n, path)
+                dense_losses = None if maps is None else t.dense_losses(maps, sample_index, geometry, carried=carried)
+            except (ValueError, IndexError, KeyError, TypeError) as err:  # every error of one prior's rows names it
+                if not self._several:
+                    raise
+                raise name_prior(name, err) from err
             if maps is not None:  # the mean of the global and dense terms
-                dense_losses = t.dense_losses(maps, sample_index, geometry, carried=carried)
                 if self.dense_only:  # the value and the student's gradient: dense; the global head still learns
                     # (the features enter with weight 0: the layers after the dense module stay in the graph, as
                     # DDP needs every parameter used)
@@ -805,7 +801,10 @@ class ReLA:
                                  "row).")
         if index is not None and not isinstance(index, dict):
             index = {name: index for name in self.priors}  # one batch: the same positions in every prior's store
-        l_rela = self._rela_term(feats, index, rows=rows, path=path, maps=maps, geometry=geometry)
+        # views, geometry, the student's map: checked before any row is read (validate.py)
+        views, geometry = check_batch(self.priors, feats, index=index, rows=rows, geometry=geometry, maps=maps,
+                                      path=path)
+        l_rela = self._rela_term(feats, index, rows=rows, path=path, maps=maps, geometry=geometry, n=views.n)
 
         if lam >= 1.0:
             l_ssl = None if callable(loss) else loss

@@ -88,7 +88,7 @@ class PriorTerm:
         """Per view and sample, this prior's dense loss (:func:`~accelerate_ssl.rela.dense.dense_losses`) of the
         student's ``maps`` ``[V n, C, h, w]`` against the stored maps of the ``n`` samples at ``index``, or the maps
         the batch ``carried`` (spatial sidecars' rows, with their tag)."""
-        from .dense import dense_losses, dense_target_maps
+        from .dense import common_grid, dense_losses, dense_target_maps
 
         samples = None
         if carried is not None:
@@ -99,10 +99,8 @@ class PriorTerm:
                                  "pass the rows as the sidecars' join / column hand them, or index= / keys=.")
             samples = self.store.as_maps(rows)
         n = len(samples) if samples is not None else len(torch.as_tensor(index).reshape(-1))
-        if maps.shape[0] % n:
-            raise ValueError(f"ReLA(dense=): {maps.shape[0]} captured maps for a batch of {n} samples; the "
-                             "hooked module must run once per view, on the views wrap's features come from.")
-        targets = dense_target_maps(self.store, index, maps.shape[0] // n, geometry, maps=samples)
+        grid = common_grid(maps.shape[-2:], self.store.grid)  # (one map per view and sample: checked by validate)
+        targets = dense_target_maps(self.store, index, maps.shape[0] // n, geometry, maps=samples, grid=grid)
         return dense_losses(self.dense, maps, targets, self.targets.reduce_raw)
 
     # ------------------------------------------------------------------ a batch
@@ -119,11 +117,12 @@ class PriorTerm:
     def losses(self, feats: torch.Tensor, target: torch.Tensor, n: int, path: Optional[str]) -> torch.Tensor:
         """Per-row ReLA losses ``1 - cos(W phi(x) + b, y)`` (ReLA v2 Eq. 9) of ``feats`` (``[V n, D]``: views stacked
         as blocks of the ``n`` samples) against this prior's rows ``target`` (``[n, d]``, or ``[V n, d]``: one per
-        view, ``wrap(geometry=)``; the witness then compares the first view's), ``[V n]``. The witness
-        re-embeds some of the batch's inputs first (on its steps); the head is least-squares fitted on the first
-        batch (whose predictions the alignment check does not observe), the others are observed."""
+        view, ``wrap(geometry=)``, each view's box), ``[V n]``. The witness re-embeds some of the batch's inputs first
+        (on its steps) and ranks them against the rows they are pulled toward (each view's own, with per-view rows);
+        the head is least-squares fitted on the first batch (whose predictions the alignment check does not observe),
+        the others are observed."""
         if self.witness is not None:  # the prior re-embeds some of this batch's inputs (on its witnessed steps)
-            self.witness.observe(target[:n], n, lambda e: self.targets.reduce_raw(e, feats.device), path)
+            self.witness.observe(target, n, lambda e: self.targets.reduce_raw(e, feats.device), path)
         if target.shape[0] != feats.shape[0]:  # one row per sample: views are stacked blocks of n, sharing it
             target = target.repeat(feats.shape[0] // n, 1)
         if self.transport.needs_fit:  # fitted on this batch: its loss is not observed by the guard (fitted rows align)

@@ -22,16 +22,32 @@ and chance, the prior having been shown to tell the samples apart::
 
     mean(u) - 3 se(u) > (1/2 + mean(v)) / 2      and      mean(v) + 3 se(v) < 0.35
 
+With per-view rows (``wrap(geometry=)``: each view's target pooled from the prior's map over the view's crop box),
+what the student is pulled toward is a view's row, so that is what is ranked: each witnessed view's own row among
+every view's rows of the batch (the other views' boxes of the same image included), and, for each sample whose two
+views are witnessed, whether each view's input is closer to its own box's row than to the other view's::
+
+    b_i = 1[cos(e0_i, y0_i) + cos(e1_i, y1_i) > cos(e0_i, y1_i) + cos(e1_i, y0_i)]      (1/2 on a tie)
+
+(a double difference: whatever makes one view or one box closer to everything cancels). Boxes that belong to their
+views give ``E[b] >= 1/2`` (above it as far as the prior tells two crops of one image apart); boxes given to the other
+view (the geometry's view blocks in another order than the features) mirror that, ``E[b] <= 1/2``. The witness stops
+training when the recent witnessed samples' boxes are confidently on the wrong side: ``mean(b) + 3 se(b) < 1/2``.
+
 Where it cannot judge it says so once (:class:`WitnessWarning`) and keeps confirming what it can: a prior that does not
 tell augmented views of different images apart (a random network under strong augmentation: measured in
 ``benchmarks/README.md``), or a loop that shows the backbone one view per step (a supervised run; ReLA's one-view
-steps), where nothing calibrates ``u``. A confirmed alignment (``mean(u) + 3 se(u) < 1/2``) is recorded in
+steps), where nothing calibrates ``u``: as soon as it has witnessed enough rows without confirming them, it says so,
+with their rank (near 1/2 they are most likely other samples' rows, or the prior does not recognise the views; one
+view per step cannot tell which). A confirmed alignment (``mean(u) + 3 se(u) < 1/2``) is recorded in
 :attr:`Witness.status`.
 
 Cost: ``samples`` (x views) prior forwards on the witnessed steps only, plus one ``[k, B]`` product; the statistics
 reach the host through :class:`~accelerate_ssl.rela.deferred.DeferredReads`, so no step waits for the device. On a
 witnessed step the input hook keeps a reference to each training-mode call's input until the next ``wrap`` (no copy);
-it is removed when ReLA's term ends.
+it is removed when ReLA's term ends. The views are the calls on the batch's samples, in call order (the order of the
+features and of the geometry's view blocks); a call on all views at once (``backbone(torch.cat([x0, x1]))``) is split
+into its blocks.
 """
 
 from __future__ import annotations
@@ -102,6 +118,7 @@ class Witness:
         self.steps = 0  # optimiser steps seen
         self._burst_left = burst
         self._recent: deque = deque(maxlen=RECENT_EVENTS)  # per witnessed step: [n_u, sum u, sum u^2]
+        self._boxes: deque = deque(maxlen=RECENT_EVENTS)  # per witnessed step with per-view rows: [n_b, sum b, sum b^2]
         self._views = [0.0, 0.0, 0.0]  # over the run: [n_v, sum v, sum v^2] (a property of prior and augmentation)
         self._inputs: list = []  # (input, batch size) of the module's training-mode calls since the last wrap
         self._reads = DeferredReads()
@@ -118,6 +135,12 @@ class Witness:
         if module is None:
             self.status = ("off: capture='input' hooks a module that sees features, not images; pass "
                            "Witness(input=<the module that takes the images>)")
+            meta = getattr(store, "metadata", None)
+            if self.prior is not None or (isinstance(meta, dict) and (meta.get("prior") or meta.get("settings"))):
+                self._say("input", "ReLA's witness is off: capture='input' hooks a module that sees features, not the "
+                                   "images the prior would re-embed. To turn it on, pass ReLA(..., witness=Witness("
+                                   "input=<the module that takes the images>)), e.g. Witness(input=model) for a timm "
+                                   "model hooked at model.get_classifier(). The other checks go on.")
             return
         try:
             self.prior = self._load_prior(store)
@@ -200,13 +223,14 @@ class Witness:
     @torch.no_grad()
     def observe(self, rows: torch.Tensor, n: int, reduce_rows: Callable[[torch.Tensor], torch.Tensor],
                 path: Optional[str]) -> None:
-        """A micro-batch of ``n`` samples whose rows (as the loss uses them, ``[n, d]``) reached ``wrap`` by ``path``:
+        """A micro-batch of ``n`` samples whose rows (as the loss uses them: ``[n, d]``, one per sample, or ``[V n, d]``,
+        one per view, views stacked as blocks of ``n`` in the order of the features) reached ``wrap`` by ``path``:
         witness it if this step is armed, and judge what has been read back. Raises :class:`MisalignmentError`."""
         inputs, self._inputs = self._inputs, []
         self._judge_ready(path)
-        if not self.armed or n < 2:
+        if not self.armed or n < 2 or rows.shape[0] % n:
             return
-        views = [x for x in inputs if x.shape[0] == n][:2]  # the calls on this batch's samples (views), at most two
+        views = _view_blocks(inputs, n)[:2]  # the calls on this batch's samples (views), in call order, at most two
         if not views:
             return
         try:
@@ -228,18 +252,27 @@ class Witness:
         x = self.prior.preprocess.batch(self._to_unit_range(x.to(device)))
         e = self.prior.feature_map(x).mean((2, 3)) if self._spatial else self.prior(x)
         e = F.normalize(reduce_rows(e.float()).float(), dim=1, eps=1e-8)
-        y = F.normalize(rows.float(), dim=1, eps=1e-8)
-        sim = e @ y.T  # [V k, n]
-        own_index = torch.arange(k, device=device).repeat(len(views))
+        y = F.normalize(rows.float(), dim=1, eps=1e-8)  # [n, d], or [V n, d]: each view's own row (its box)
+        per_view = rows.shape[0] > n
+        sim = e @ y.T  # [W k, n] or [W k, V n]: each witnessed view against every row
+        own_index = torch.cat([torch.arange(k, device=device) + (j * n if per_view else 0) for j in range(len(views))])
         own = sim.gather(1, own_index[:, None])
-        u = (sim > own).sum(1).float() / (n - 1)
+        u = (sim > own).sum(1).float() / (sim.shape[1] - 1)
+        zero = torch.zeros((), device=device)
         stats = [torch.full((), float(len(u)), device=device), u.sum(), (u * u).sum()]
         if len(views) == 2 and k >= 3:
             cross = e[:k] @ e[k:].T
             v = (cross > cross.diagonal()[:, None]).sum(1).float() / (k - 1)
             stats += [torch.full((), float(k), device=device), v.sum(), (v * v).sum()]
         else:
-            stats += [torch.zeros((), device=device)] * 3
+            stats += [zero] * 3
+        if per_view and len(views) == 2:  # each view's input against its own box's row and the other view's
+            i = torch.arange(k, device=device)
+            s = (sim[i, i] + sim[k + i, n + i]) - (sim[i, n + i] + sim[k + i, i])
+            b = (s > 0).float() + 0.5 * (s == 0).float()
+            stats += [torch.full((), float(k), device=device), b.sum(), (b * b).sum()]
+        else:
+            stats += [zero] * 3
         self._reads.push(torch.stack(stats), self.steps)
 
     def _to_unit_range(self, x: torch.Tensor) -> torch.Tensor:
@@ -259,7 +292,9 @@ class Witness:
         for stats, step in self._reads.ready(wait):
             self._recent.append(stats[:3])
             if stats[3] > 0:
-                self._views = [a + b for a, b in zip(self._views, stats[3:])]
+                self._views = [a + b for a, b in zip(self._views, stats[3:6])]
+            if len(stats) > 6 and stats[6] > 0:
+                self._boxes.append(stats[6:9])
             self._verdict(step, path)
 
     def _verdict(self, step: int, path: Optional[str]) -> None:
@@ -269,41 +304,65 @@ class Witness:
         mean_u, se_u = _mean_se(n_u, sum(r[1] for r in self._recent), sum(r[2] for r in self._recent))
         n_v = self._views[0]
         mean_v, se_v = _mean_se(*self._views) if n_v >= 2 else (None, None)
+        n_b = sum(r[0] for r in self._boxes)
+        mean_b, se_b = _mean_se(n_b, sum(r[1] for r in self._boxes), sum(r[2] for r in self._boxes)) \
+            if n_b >= 2 else (None, None)
         self.last = {"step": step, "rows_rank": mean_u, "rows_rank_se": se_u, "rows_witnessed": int(n_u),
-                     "view_rank": mean_v, "view_rank_se": se_v, "views_witnessed": int(n_v)}
+                     "view_rank": mean_v, "view_rank_se": se_v, "views_witnessed": int(n_v),
+                     "own_box": mean_b, "own_box_se": se_b, "boxes_witnessed": int(n_b)}
         calibrated = n_v >= MIN_VIEWS and mean_v + Z * se_v < SEPARATES_BELOW
+        prior = getattr(self.prior, "spec", "the prior")
         if calibrated and mean_u - Z * se_u > (0.5 + mean_v) / 2:
-            self.status = "misaligned"
-            self.alarm = dict(self.last)
-            self._inputs = []
-            message = (
-                f"ReLA's witness{self._of()}: the prior that made the targets ({getattr(self.prior, 'spec', 'the prior')}) "
-                f"re-embedded "
-                f"{int(n_u)} of the recent training inputs, and their own rows ranked {mean_u:.2f} +- {se_u:.2f} on "
-                f"average among their batch's rows (0 = first, 0.5 = chance), while another view of the same image "
-                f"ranks {mean_v:.2f} among the witnessed views: the rows are not these samples' own. "
-                f"{likely_causes(path)} To go on regardless: ReLA(..., witness=Witness(on_misalignment='warn')), "
-                "or witness=False.")
-            if self.on_misalignment == "error":
-                raise MisalignmentError(message)
-            from .guard import MisalignmentWarning
-
-            warnings.warn(MisalignmentWarning(message), stacklevel=8)
+            self._alarm(
+                f"ReLA's witness{self._of()}: the prior that made the targets ({prior}) re-embedded {int(n_u)} of the "
+                f"recent training inputs, and their own rows ranked {mean_u:.2f} +- {se_u:.2f} on average among their "
+                f"batch's rows (0 = first, 0.5 = chance), while another view of the same image ranks {mean_v:.2f} among "
+                f"the witnessed views: the rows are not these samples' own. {likely_causes(path)} To go on regardless: "
+                "ReLA(..., witness=Witness(on_misalignment='warn')), or witness=False.")
+            return
+        if n_b >= MIN_ROWS and mean_b + Z * se_b < 0.5:
+            self._alarm(
+                f"ReLA's witness{self._of()}: the prior that made the targets ({prior}) re-embedded both views of "
+                f"{int(n_b)} recent training samples, and each view's input was closer to the other view's box than to "
+                f"its own ({mean_b:.2f} +- {se_b:.2f} of them closer to their own box; 0.5 = chance): the per-view rows "
+                "(wrap(geometry=)) are pooled over the other view's crop. The geometry's view blocks are in another "
+                "order than the features: pass geometry=torch.cat([g0, g1]) with g0 the geometry of the view the "
+                "backbone saw first (the first features block), g1 the second's. To go on regardless: "
+                "ReLA(..., witness=Witness(on_misalignment='warn')), or witness=False.")
             return
         if mean_u + Z * se_u < 0.5:
             self.status = "aligned"
         elif n_v >= 4 * MIN_VIEWS and not calibrated:
             self.status = "cannot separate"
-            self._say("separate", f"ReLA's witness cannot check these rows: the prior "
-                                  f"({getattr(self.prior, 'spec', 'the prior')}) does not tell your training views of "
-                                  f"different images apart (another view of the same image ranks {mean_v:.2f} among "
-                                  "the witnessed views, 0.5 = chance), so a wrong row and a right one look alike to it. "
-                                  "The other checks go on.")
-        elif n_v == 0 and n_u >= 2 * MIN_ROWS:
+            self._say("separate", f"ReLA's witness cannot check these rows: the prior ({prior}) does not tell your "
+                                  f"training views of different images apart (another view of the same image ranks "
+                                  f"{mean_v:.2f} among the witnessed views, 0.5 = chance), so a wrong row and a right "
+                                  "one look alike to it. The other checks go on.")
+        elif n_v == 0:
             self.status = "one view"
-            self._say("one view", "ReLA's witness has seen one view per sample per step so far, so it can confirm the "
-                                  "rows but not refute them (nothing calibrates how well the prior recognises a view); "
-                                  "it judges once the backbone sees two views of the batch in a step.")
+            at_chance = mean_u > SEPARATES_BELOW  # (a warning either way: its wording)
+            self._say("one view", (
+                f"ReLA's witness cannot refute these rows: the backbone sees one view per sample per step, so nothing "
+                f"calibrates how well the prior ({prior}) recognises a view, and it can confirm the rows but not refute "
+                f"them. The {int(n_u)} witnessed inputs' own rows rank {mean_u:.2f} +- {se_u:.2f} among their batch's "
+                "rows (0 = first, 0.5 = chance): "
+                + ("that is chance: most likely the rows are not these samples' own (another data set, another order "
+                   "of it, another batch's indices), or the prior does not recognise your training views; one view "
+                   f"per step cannot tell which. {likely_causes(path)}" if at_chance else
+                   "not confirmed yet.")
+                + " The witness judges once the backbone sees two views of a batch in one step (the other checks go "
+                "on)."))
+
+    def _alarm(self, message: str) -> None:
+        """Misaligned: stop training (:class:`MisalignmentError`) or warn, once."""
+        self.status = "misaligned"
+        self.alarm = dict(self.last)
+        self._inputs = []
+        if self.on_misalignment == "error":
+            raise MisalignmentError(message)
+        from .guard import MisalignmentWarning
+
+        warnings.warn(MisalignmentWarning(message), stacklevel=9)
 
     def _of(self) -> str:
         return "" if self.label is None else f" of prior {self.label!r}"
@@ -319,7 +378,7 @@ class Witness:
     def state_dict(self) -> dict[str, Any]:
         self._judge_ready(None, wait=True)
         return {"steps": self.steps, "recent": [list(r) for r in self._recent], "views": list(self._views),
-                "alarm": self.alarm, "status": self.status}
+                "boxes": [list(r) for r in self._boxes], "alarm": self.alarm, "status": self.status}
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
         """Restore the calibration and the recent verdicts, and witness the next ``burst`` steps (a resume is a new
@@ -328,12 +387,25 @@ class Witness:
         self.steps = int(state.get("steps", 0))
         self._recent = deque((list(r) for r in state.get("recent", [])), maxlen=RECENT_EVENTS)
         self._views = list(state.get("views", [0.0, 0.0, 0.0]))
+        self._boxes = deque((list(r) for r in state.get("boxes", [])), maxlen=RECENT_EVENTS)
         self.alarm = state.get("alarm")
         if self._on:
             self.status = state.get("status", "waiting") if self.alarm is None else "misaligned"
         self._burst_left = self.burst
         self._reads.clear()
         self._inputs = []
+
+
+def _view_blocks(inputs: list, n: int) -> list:
+    """The views of a batch of ``n`` samples among the backbone's recorded inputs, in call order: a call on ``n``
+    samples is one view, a call on ``m n`` (the views concatenated) is ``m`` views."""
+    views = []
+    for x in inputs:
+        if x.shape[0] == n:
+            views.append(x)
+        elif x.shape[0] % n == 0:
+            views.extend(x.split(n))
+    return views
 
 
 def _mean_se(n: float, total: float, squares: float) -> tuple[float, float]:

@@ -18,6 +18,7 @@ import torch
 METADATA = "metadata.json"
 TARGETS = "targets.npy"
 IDENTITY = "identity.npy"
+CONTENTS = "contents.npy"  # a folder data set's files: size, mtime, digest per row (data.fingerprint)
 MANIFEST = "manifest.json"
 CHUNKS = "chunks"
 PCA_DIR = "pca"

@@ -42,6 +42,11 @@ Several priors with ``spatial=`` are each a spatial job: each its own grid and i
 
 **Keys.** One key per row (the data set's file names, or ``keys=``) is recorded with the store
 (:mod:`accelerate_ssl.targets.keys`); duplicated keys are refused before anything is computed.
+
+**File contents.** For a data set that lists its files, each row's file is recorded by its size, modification time and
+the digest of its bytes (``contents.npy``, :func:`~accelerate_ssl.data.fingerprint.record_contents`), read by the main
+process at consolidation: the store then refuses the same names holding other bytes (checked at open, and byte for
+byte by ``accelerate-ssl store verify --data``).
 """
 
 from __future__ import annotations
@@ -65,8 +70,8 @@ from ..data.items import IMAGE_FIELDS
 from ..data.spec import DATA_SPEC_HELP, data_spec, fraction_arg, open_data
 from ..atomic import atomic_write_text
 from ..checksum import file_sha256
-from .format import (AT_WRITE_PCA, CHUNKS, DTYPES, FORMAT, FORMAT_VERSION, IDENTITY, MANIFEST, METADATA, PCA_DIR, TARGETS,
-                     encode_rows, read_json)
+from .format import (AT_WRITE_PCA, CHUNKS, CONTENTS, DTYPES, FORMAT, FORMAT_VERSION, IDENTITY, MANIFEST, METADATA, PCA_DIR,
+                     TARGETS, encode_rows, read_json)
 from .store import TargetStore
 from .write import (PRECISIONS, SPATIAL_FIT_IMAGES, check_first_item, check_spatial, default_batch_size, embed,
                     fit_map_pca, image_channels, image_tensor, input_batches, map_geometry, process_state,
@@ -245,6 +250,7 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
 
     # ---- consolidate (main process), metadata.json last
     if state.is_main_process:
+        contents = _file_contents(dataset, progress) if jobs else None
         for job in jobs:
             metadata = {
                 "format": FORMAT, "format_version": FORMAT_VERSION, **job.settings, "file": TARGETS,
@@ -259,7 +265,7 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
                     metadata["pca_file"] = f"{PCA_DIR}/{AT_WRITE_PCA}"
                     metadata["spatial"]["pca_sha256"] = file_sha256(job.path / PCA_DIR / AT_WRITE_PCA)
             _consolidate(job.path, ranges, job.width, metadata, dtype=dtype,
-                         components=None if job.geometry is not None else components, keys=row_keys)
+                         components=None if job.geometry is not None else components, keys=row_keys, contents=contents)
     state.wait_for_everyone()
     for job in jobs:
         stores[job.name] = TargetStore.open(job.path)
@@ -481,8 +487,18 @@ class _ChunkRows:
         return np.concatenate(parts) if parts else np.empty((0, self.shape[1]), np.float32)
 
 
+def _file_contents(dataset, progress: bool) -> Optional[np.ndarray]:
+    """A folder data set's files as :data:`CONTENTS` records them (size, mtime, digest of the bytes, row by row:
+    :func:`~accelerate_ssl.data.fingerprint.record_contents`), or None for data that lists no files. The bytes are read
+    here, once more after the pass that embedded them."""
+    from ..data.fingerprint import file_paths, record_contents
+
+    paths = file_paths(dataset)
+    return None if paths is None else record_contents(paths, progress=progress)
+
+
 def _consolidate(path: Path, ranges, dim: int, metadata: dict, dtype: str = "float32", components: Optional[int] = None,
-                 keys=None) -> None:
+                 keys=None, contents: Optional[np.ndarray] = None) -> None:
     n = ranges[-1][1] if ranges else 0
     missing = [k for k, (a, b) in enumerate(ranges) if not _chunk_is_complete(path, k, b - a, dim)]
     if missing:
@@ -514,6 +530,13 @@ def _consolidate(path: Path, ranges, dim: int, metadata: dict, dtype: str = "flo
         metadata["keys"] = keys.save(path)
     with atomic_path(path / IDENTITY, suffix=".npy") as tmp:
         np.save(tmp, np.concatenate([np.load(ids_path(path, k)) for k in range(len(ranges))]), allow_pickle=False)
+    if contents is not None:  # each row's file: size, mtime, digest of its bytes (checked at open and by verify)
+        from ..data.fingerprint import CONTENT_FIELDS
+
+        with atomic_path(path / CONTENTS, suffix=".npy") as tmp:
+            np.save(tmp, contents, allow_pickle=False)
+        metadata["contents"] = {"file": CONTENTS, "fields": list(CONTENT_FIELDS), "digest": "blake2b-128",
+                                "sha256": file_sha256(path / CONTENTS)}
     metadata["file_bytes"] = final.stat().st_size
     metadata["file_sha256"] = file_sha256(final)
     metadata["identity_file"] = IDENTITY

@@ -110,6 +110,18 @@ def sidecar_name(shard: str) -> str:
     return f"{shard}.safetensors"
 
 
+def _recompute_shard(file: Path, command: Optional[str]) -> str:
+    """The fix of one damaged sidecar: delete it and the folder's record, rerun the precompute (which then writes that
+    shard's sidecar again and keeps the others); ``store verify`` first names any other damaged one."""
+    import shlex
+
+    rm = f"rm {shlex.quote(str(file))} {shlex.quote(str(file.parent / SIDECARS))}"
+    again = f"`{command}`" if command else "the precompute that wrote the folder (the same --data, --prior and --out)"
+    return (f"Recompute that shard: `accelerate-ssl store verify {shlex.quote(str(file.parent))}` names any other "
+            f"damaged sidecar; then delete them and the folder's record (`{rm}`) and rerun {again}: it writes the "
+            "missing sidecars again and keeps the others.")
+
+
 def _read_sidecar(file: Path, sha256: Optional[str] = None, shard: Optional[str] = None,
                   command: Optional[str] = None) -> tuple[dict, dict]:
     """``(metadata, tensors)`` of one sidecar file, read whole once; with ``sha256`` (the one ``sidecars.json``
@@ -120,24 +132,22 @@ def _read_sidecar(file: Path, sha256: Optional[str] = None, shard: Optional[str]
     try:
         data = file.read_bytes()
     except OSError as err:
-        raise SidecarError(f"sidecar {str(file)!r} cannot be read ({err}); copy it back, or delete it and rerun the "
-                           "precompute to recompute that shard.") from err
+        raise SidecarError(f"sidecar {str(file)!r} cannot be read ({err}); copy it back, or: "
+                           + _recompute_shard(file, command)) from err
     if sha256 is not None:
         actual = hashlib.sha256(data).hexdigest()
         if actual != sha256:
             raise SidecarError(
                 f"the sidecar of shard {shard!r} changed on disk since it was written ({file.name}: its sha256 is "
                 f"{actual[:16]}..., {SIDECARS} recorded {sha256[:16]}...: bytes overwritten, or rows of another "
-                "shard copied in), so its rows cannot be trusted. Recompute the folder"
-                + (f": `{command}` into a new folder." if command else "."))
+                "shard copied in), so its rows cannot be trusted. " + _recompute_shard(file, command))
     try:
         size = int.from_bytes(data[:8], "little")  # the safetensors header: its length, then JSON
         header = json.loads(data[8 : 8 + size])
         meta = json.loads((header.get("__metadata__") or {}).get(FORMAT, "{}"))
         tensors = load(data)
     except Exception as err:  # safetensors raises its own error types
-        raise SidecarError(f"sidecar {str(file)!r} is unreadable ({err}); delete it and rerun the precompute to "
-                           "recompute that shard.") from err
+        raise SidecarError(f"sidecar {str(file)!r} is unreadable ({err}). " + _recompute_shard(file, command)) from err
     if meta.get("format") != FORMAT:
         raise SidecarError(f"{str(file)!r} is not an accelerate-ssl sidecar; recompute it.")
     return meta, tensors
@@ -464,7 +474,9 @@ class ShardedTargets(MapRows):
             self._offsets = np.cumsum([0] + [s["rows"] for s in self._shards])
             _OPENED[self.tag] = f"{str(self.path)!r} (prior {self.metadata.get('settings', {}).get('prior', {}).get('spec')})"
         else:  # (the raw pass of a --components run: read the files for the counts)
-            self._offsets = np.cumsum([0] + [int(_read_sidecar(self.path / s["file"])[0]["rows"]) for s in self._shards])
+            command = self.metadata.get("command")
+            self._offsets = np.cumsum([0] + [int(_read_sidecar(self.path / s["file"], command=command)[0]["rows"])
+                                             for s in self._shards])
 
     @classmethod
     def open(cls, path) -> "ShardedTargets":

@@ -6,6 +6,9 @@ A store is a folder::
     targets.npy          [N, dim], row i = dataset index i: float32 (default), float16, or bfloat16 stored as its
                          uint16 bit patterns (``precompute_targets(dtype=)``); rows are read back as float32
     identity.npy         int64 [N], row i's sample digest (file name, array row or image; data.fingerprint.RowIdentity)
+    contents.npy         int64 [N, 4], a folder data set's files: row i's file's size, modification time and the
+                         blake2b-128 digest of its bytes (data.fingerprint.record_contents); absent for other data
+                         and in stores written before it (they keep opening, identified by names)
     keys-sorted.npy,     optional: one key per row (file names of folder data sets, or ``precompute_targets(keys=)``),
     keys-rows.npy        sorted, and the row of each (:mod:`accelerate_ssl.targets.keys`; ``rela.wrap(keys=)``)
     pca/<key>.safetensors fitted batch-PCA states (``store.pca(...)``); ``pca/at-write.safetensors`` when the rows
@@ -28,12 +31,19 @@ memory-mapped array on every numpy version, so opening a store costs nothing and
 touch only those rows; ``safetensors.safe_open`` loads whole tensors into memory on several versions.
 The metadata records the file's byte size (truncation is detected on open) and its sha256
 (:meth:`TargetStore.verify`, ``accelerate-ssl store verify <path>``, checks it and every row).
+
+**What meeting a data set checks** (:meth:`TargetStore.check_dataset`): its fingerprint (every file name, every array
+row, or sampled images; :mod:`accelerate_ssl.data.fingerprint`), then, for a folder whose files the store recorded,
+their contents: the size and modification time of every file and the bytes of a sample (a file with a new time but
+its size is read: a copy keeps its bytes), so a folder regenerated under the same names is refused naming the files.
+:meth:`TargetStore.verify_rows` (``store verify --data``) compares every row's identity and every file's bytes.
 """
 
 from __future__ import annotations
 
 import json
 import mmap
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -42,7 +52,7 @@ import torch
 
 from ..atomic import atomic_path
 from ..checksum import file_sha256
-from .format import (AT_WRITE_PCA, CHUNKS, DTYPES, FORMAT, FORMAT_VERSION, IDENTITY, MANIFEST, METADATA, PCA_DIR,
+from .format import (AT_WRITE_PCA, CHUNKS, CONTENTS, DTYPES, FORMAT, FORMAT_VERSION, IDENTITY, MANIFEST, METADATA, PCA_DIR,
                      TARGETS, MapRows, TargetStoreCorruptError, TargetStoreIncompleteError, TargetStoreMismatchError,
                      decode_rows, encode_rows, read_json, refuse_float16_overflow)
 
@@ -64,6 +74,7 @@ class TargetStore(MapRows):
         self._keys = None
         self._written_pca = None
         self._random_rows: Optional[np.ndarray] = None  # a second mapping advised for random access
+        self._contents_checked: set = set()  # the file lists whose contents passed the open-time check
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -187,6 +198,11 @@ class TargetStore(MapRows):
                                               "the store was written (a copy error or an edited file); recompute it.")
         if self.spatial is not None:
             self._check_spatial()
+        record = self.metadata.get("contents")
+        if record and file_sha256(self.path / record["file"]) != record.get("sha256"):
+            raise TargetStoreCorruptError(f"{self.path / record['file']} (the files' recorded contents) differs from "
+                                          "the one written with the store (a copy error or an edited file); recompute "
+                                          "the store.")
         return {"rows": n, "dim": self.dim, "dtype": self.dtype, "sha256": actual,
                 "checksum": "ok" if recorded else "not recorded", "keys": len(self._keys) if self._keys else 0,
                 **({"grid": list(self.grid)} if self.spatial is not None else {})}
@@ -194,8 +210,10 @@ class TargetStore(MapRows):
     def verify_rows(self, dataset, progress: bool = False) -> dict:
         """Check, item by item, that row i belongs to ``dataset[i]``: every row's identity digest (its file name,
         array row or image; :class:`~accelerate_ssl.data.fingerprint.RowIdentity`) against the one recorded at
-        precompute. Raises :class:`TargetStoreMismatchError` naming the rows that differ and, when the item is
-        elsewhere in the store, where (a reordering); returns ``{"rows_checked", "kind"}``."""
+        precompute, and for a folder whose files' contents the store recorded, every file's bytes
+        (:meth:`check_contents`). Raises :class:`TargetStoreMismatchError` naming the rows that differ and, when the
+        item is elsewhere in the store, where (a reordering); returns ``{"rows_checked", "kind"}`` (and
+        ``"files_read"``)."""
         from ..data.fingerprint import RowIdentity
 
         if len(dataset) != len(self):
@@ -226,27 +244,105 @@ class TargetStore(MapRows):
                    "order the store was computed on, or recompute it for this order." if moved == len(found) else
                    "Another data set: recompute the store for it.")
             )
-        return {"rows_checked": int(len(self)), "kind": identity.kind}
+        read = self.check_contents(dataset, full=True, progress=progress)  # a folder: every file's bytes too
+        out = {"rows_checked": int(len(self)), "kind": identity.kind}
+        return out if read is None else {**out, "files_read": read}
 
     def check_dataset(self, dataset) -> None:
         """Raise :class:`TargetStoreMismatchError` unless ``dataset`` fingerprints like the stored one."""
         from ..data import dataset_fingerprint, describe_fingerprint_mismatch
 
         expected = self.metadata.get("dataset", {}).get("fingerprint", {})
+        actual = {"length": len(dataset)}
         if len(dataset) != expected.get("length"):  # cheap check first, no reads
-            problem = describe_fingerprint_mismatch(expected, {"length": len(dataset)})
+            problem = describe_fingerprint_mismatch(expected, actual)
         else:
-            problem = describe_fingerprint_mismatch(expected, dataset_fingerprint(dataset, like=expected))
+            actual = dataset_fingerprint(dataset, like=expected)
+            problem = describe_fingerprint_mismatch(expected, actual)
         if problem is None:
+            self.check_contents(dataset)
             return
         name = self.metadata.get("dataset", {}).get("name", "?")
         command = self.metadata.get("command")
+        recompute = ("recompute the targets for this dataset into a new folder"
+                     + (f" (this store was made by: `{command}`)." if command else "."))
+        if actual.get("kind") is not None and actual.get("kind") != expected.get("kind"):
+            raise TargetStoreMismatchError(
+                f"Target store {str(self.path)!r} cannot be compared with this dataset ({type(dataset).__name__}): "
+                f"{_kind_mismatch(expected.get('kind'), actual.get('kind'))} It was computed from {name!r} "
+                f"({expected.get('length')} samples) with prior {self.metadata.get('prior', {}).get('spec')!r}. Fix: "
+                "pass the data set the store was computed on (the one a wrapper holds, e.g. dataset=wrapper.dataset, "
+                f"or its clean view), give this class what identifies its items ({_KIND_ATTRS.get(expected.get('kind'), 'the same attributes')}), "
+                "or " + recompute)
         raise TargetStoreMismatchError(
             f"Target store {str(self.path)!r} does not match this dataset: {problem}. It was computed from "
             f"{name!r} ({expected.get('length')} samples) with prior {self.metadata.get('prior', {}).get('spec')!r}. "
-            "Fix: pass that same dataset (same split, order, subset), or recompute the targets for this dataset into a "
-            "new folder" + (f" (this store was made by: `{command}`)." if command else ".")
+            "Fix: pass that same dataset (same split, order, subset), or " + recompute
         )
+
+    def check_contents(self, dataset, full: bool = False, progress: bool = False) -> Optional[int]:
+        """The files of ``dataset`` (a folder data set whose fingerprint matched) against the contents the store
+        recorded at precompute (:func:`~accelerate_ssl.data.fingerprint.check_contents`): at open, every file's size
+        and modification time and a sample's bytes (once per file list); ``full=True``, every file's bytes. Raises
+        :class:`TargetStoreMismatchError` naming the files whose bytes changed or that are gone; returns the number of
+        files read, or None when the store records no contents (written before they were recorded) or the data set
+        lists no files."""
+        import hashlib
+        import warnings
+
+        from ..data.fingerprint import CONTENT_FIELDS, check_contents, file_paths
+
+        record = self.metadata.get("contents")
+        paths = file_paths(dataset) if record else None
+        if paths is None:
+            return None
+        key = hashlib.sha256("\n".join(paths).encode()).hexdigest()
+        if not full and key in self._contents_checked:
+            return 0
+        file = self.path / record["file"]
+        try:
+            recorded = np.load(file, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as err:
+            raise TargetStoreCorruptError(f"{file} (the recorded contents of the data set's files) is missing or "
+                                          f"unreadable ({err}); recompute the store.") from None
+        if recorded.shape != (len(self), len(CONTENT_FIELDS)) or len(paths) != len(self):
+            raise TargetStoreCorruptError(f"{file} holds {recorded.shape} records for {len(self)} rows and "
+                                          f"{len(paths)} files; recompute the store.")
+        found = check_contents(paths, recorded, full=full, progress=progress)
+        if not found.ok:
+            def shown(rows, why):
+                return ", ".join(f"{paths[i]} ({why(i)})" for i in rows[:5]) + (" ..." if len(rows) > 5 else "")
+
+            def changed(i):
+                try:
+                    size = os.path.getsize(paths[i])
+                except OSError:
+                    return "unreadable"
+                return f"{size} bytes, {int(recorded[i, 0])} recorded" if size != recorded[i, 0] else "other bytes"
+
+            parts = []
+            if found.changed:
+                parts.append(f"{len(found.changed)} file(s) hold other bytes than when the targets were computed: "
+                             + shown(found.changed, changed))
+            if found.missing:
+                parts.append(f"{len(found.missing)} file(s) are gone: " + shown(found.missing, lambda i: "missing"))
+            command = self.metadata.get("command")
+            raise TargetStoreMismatchError(
+                f"Target store {str(self.path)!r} was computed from other contents of this data set's files (same "
+                f"names, {'every file read' if full else 'the stat of every file and the bytes of a sample compared'}"
+                f"): {'; '.join(parts)}. The images were regenerated, resized, re-exported or swapped since the "
+                "precompute, so its rows are the targets of the old images. Recompute the store: delete "
+                f"{str(self.path)!r} and rerun " + (f"`{command}`" if command else "its precompute")
+                + " (ReLA.from_prior / open_or_precompute compute it again once the folder is gone).")
+        if not full and len(found.retouched) > found.retouched_read:
+            warnings.warn(
+                f"Target store {str(self.path)!r}: {len(found.retouched)} of this data set's files have another "
+                "modification time than when the targets were computed, with their recorded size (a copied folder, or "
+                f"touched files); {found.retouched_read} of them were read and hold their recorded bytes, the others "
+                f"were not read. `accelerate-ssl store verify {self.path} --data SPEC` (or store.verify_rows(dataset)) "
+                "compares every file's bytes.", UserWarning, stacklevel=4)
+        self._contents_checked.add(key)
+        return found.read
 
     def identity(self) -> dict:
         """What identifies these targets (recorded in a ReLA checkpoint, compared when it is loaded)."""
@@ -455,6 +551,23 @@ class TargetStore(MapRows):
         extra += "" if self.spatial is None else f", grid={self.grid}"
         return (f"TargetStore({str(self.path)!r}, rows={len(self)}, dim={self.dim}{extra}, "
                 f"prior={self.metadata.get('prior', {}).get('spec')!r})")
+
+
+#: what identifies the items of a data set, by fingerprint kind (for the message when two kinds meet)
+_KIND_ATTRS = {"files": "a file list, one path per item in order: `samples` or `file_names`",
+               "array": "the samples' array, row i = item i: `data`"}
+
+
+def _kind_mismatch(expected: Optional[str], actual: Optional[str]) -> str:
+    """What it means that the store identified its data set by ``expected`` and this one gives ``actual``."""
+    how = {"files": "every file name (the data set listed its files)",
+           "array": "every row of its samples' array (.data)",
+           "items": "sampled images (the data set listed no files and held no array)",
+           "views": "its stored views"}
+    return (f"the store identified its data set by {how.get(expected, repr(expected))}, and this dataset is identified "
+            f"by {how.get(actual, repr(actual))}, so nothing compares the two, even if they hold the same items in the "
+            "same order (a wrapper around the data set the store was computed on, or that data set without its "
+            "wrapper).")
 
 
 class _DecodedRows:

@@ -21,14 +21,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               description="Read a target store once: compare the targets file's sha256 with the one "
                                           "recorded when it was written, and check that every row is finite. With "
                                           "--data, also check item by item that row i belongs to item i of that data "
-                                          "set, naming the rows that do not. A sidecar folder (streamed data): every "
-                                          "sidecar's sha256, key list and rows; with --data wds:/hf:, every shard, "
-                                          "key and image digest of that stream against its sidecar.")
+                                          "set (for a folder: every file name and every file's bytes against the "
+                                          "contents recorded at precompute), naming the rows that do not. A sidecar "
+                                          "folder (streamed data): every sidecar's sha256, key list and rows; with "
+                                          "--data wds:/hf:, every shard, key and image digest of that stream against "
+                                          "its sidecar.")
     verify.add_argument("path", help="the store folder, or a sidecar folder of streamed data (written by "
                                      "`accelerate-ssl precompute --out`)")
     verify.add_argument("--data", default=None, type=data_spec,
                         help="also check, item by item, that row i belongs to item i of this data set (the --data "
-                             "given to precompute; every file name, array row or image is compared); for a sidecar "
+                             "given to precompute; every file name and file's bytes, array row or image is compared); "
+                             "for a sidecar "
                              "folder, the stream (wds:/hf:) it was computed on: every shard, key and image digest")
     verify.add_argument("--split", default="train", help="with --data (and hf:): as for precompute")
     verify.add_argument("--data-root", default=None, help="with --data: as for precompute")
@@ -59,8 +62,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"path": args.path, "ok": True, **summary}))
     else:
         note = "checksum matches" if summary["checksum"] == "ok" else "no checksum recorded (an older store): rows only"
-        rows = (f", every row belongs to its item of {args.data} (compared by {summary['kind']})"
-                if args.data is not None else "")
+        rows = ""
+        if args.data is not None:
+            how = summary["kind"]
+            if "files_read" in summary:
+                how = f"file name and bytes, {summary['files_read']} files read"
+            elif how == "files":
+                how = ("file names only: this store records no file contents (written by an older accelerate-ssl); "
+                       "recompute it to compare the files' bytes")
+            rows = f", every row belongs to its item of {args.data} (compared by {how})"
         maps = f" (maps on a {summary['grid'][0]}x{summary['grid'][1]} grid)" if "grid" in summary else ""
         print(f"{args.path}: ok, {summary['rows']} rows x {summary['dim']}{maps}, every row finite, {note}{rows}")
     return 0

@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["GEOMETRY_FIELDS", "RecordGeometry", "RecordViews", "grid_boxes", "pool_boxes", "pool_views",
+__all__ = ["GEOMETRY_FIELDS", "RecordGeometry", "RecordViews", "as_geometry", "grid_boxes", "pool_boxes", "pool_views",
            "record_geometry", "view_targets", "whole_image"]
 
 #: the values of a view's geometry, in order (a float32 tensor ``[7]``; ``[B, 7]`` once collated)
@@ -105,7 +105,9 @@ class RecordGeometry:
         return f"RecordGeometry(crop={self.crop!r}, flip={self.flip!r}, then={self.then!r})"
 
 
-def _as_geometry(geometry) -> torch.Tensor:
+def as_geometry(geometry) -> torch.Tensor:
+    """Views' geometry as a float32 ``[B, 7]`` tensor (one view ``[7]`` too), every box inside its image, or the
+    error naming the field order."""
     g = torch.as_tensor(geometry, dtype=torch.float32)
     g = g[None] if g.ndim == 1 else g
     if g.ndim != 2 or g.shape[1] != len(GEOMETRY_FIELDS):
@@ -129,7 +131,7 @@ def grid_boxes(geometry, spatial: dict, preprocess: dict) -> torch.Tensor:
     resized to ``resize``, rounded as :class:`~accelerate_ssl.priors.Preprocess` rounds it, then the centre ``crop``),
     then divide by the map's ``stride``. The parts of a box the map does not cover (outside the centre crop, or the
     input rows a CNN's last pooling drops) are clamped to the map's edge."""
-    g = _as_geometry(geometry)
+    g = as_geometry(geometry)
     height, width = g[:, 5], g[:, 6]
     resize, crop = preprocess.get("resize"), preprocess.get("crop")
     if resize is not None:
@@ -151,14 +153,14 @@ def grid_boxes(geometry, spatial: dict, preprocess: dict) -> torch.Tensor:
     return torch.stack([x1, y1, torch.maximum(x2, x1 + eps), torch.maximum(y2, y1 + eps)], 1)
 
 
-def pool_boxes(maps: torch.Tensor, boxes: torch.Tensor, flips=None, output_size: int = 1) -> torch.Tensor:
+def pool_boxes(maps: torch.Tensor, boxes: torch.Tensor, flips=None, output_size=1) -> torch.Tensor:
     """RoIAlign (``torchvision.ops.roi_align``, ``aligned=True``: cell ``c`` spans ``[c, c + 1)``; adaptive sampling,
     ``ceil(box size / output_size)`` bilinear samples per bin and side) of ``maps`` ``[B, C, h, w]`` over one box per
     map (``boxes`` ``[B, 4]``, cell coordinates, :func:`grid_boxes`).
 
     Returns ``[B, C]`` for ``output_size=1`` (a box equal to the whole map gives the map's mean), else
-    ``[B, C, s, s]`` whose columns are mirrored for the views with ``flips`` set (a flipped view sees the box's right
-    side on its left)."""
+    ``[B, C, s, s]`` (``output_size`` ``s``, or ``(rows, cols)``) whose columns are mirrored for the views with
+    ``flips`` set (a flipped view sees the box's right side on its left)."""
     from torchvision.ops import roi_align
 
     if maps.ndim != 4 or boxes.shape != (len(maps), 4):
@@ -166,22 +168,24 @@ def pool_boxes(maps: torch.Tensor, boxes: torch.Tensor, flips=None, output_size:
                          f"{tuple(boxes.shape)}.")
     rois = torch.cat([torch.arange(len(maps), dtype=maps.dtype, device=maps.device)[:, None],
                       boxes.to(device=maps.device, dtype=maps.dtype)], 1)
-    out = roi_align(maps, rois, output_size=int(output_size), spatial_scale=1.0, sampling_ratio=-1, aligned=True)
-    if flips is not None and output_size > 1:
+    flat = isinstance(output_size, int) and output_size == 1
+    size = (int(output_size), int(output_size)) if isinstance(output_size, int) else tuple(int(s) for s in output_size)
+    out = roi_align(maps, rois, output_size=size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+    if flips is not None and not flat:
         flips = torch.as_tensor(flips, device=out.device).bool().reshape(-1)
         out = torch.where(flips[:, None, None, None], out.flip(-1), out)
-    return out.flatten(1) if output_size == 1 else out
+    return out.flatten(1) if flat else out
 
 
-def view_targets(store, index, geometry, output_size: int = 1) -> torch.Tensor:
+def view_targets(store, index, geometry, output_size=1) -> torch.Tensor:
     """The targets of the views a batch holds, pooled from a spatial store (module docstring).
 
     Args:
         store: a spatial :class:`~accelerate_ssl.targets.store.TargetStore` (``precompute_targets(spatial=...)``).
         index: the store rows of the batch's images (their data set indices; ``store.key_rows(keys)`` for keys).
         geometry: ``[B, 7]`` views' geometry (:class:`RecordGeometry`, collated).
-        output_size: 1 (default): one row per view, ``[B, C]``, for ``rela.wrap(loss, targets=...)``; ``s > 1``: the
-            ``[B, C, s, s]`` grid of the box, mirrored for flipped views (for a dense head).
+        output_size: 1 (default): one row per view, ``[B, C]``, for ``rela.wrap(loss, targets=...)``; ``s > 1`` (or
+            ``(rows, cols)``): the ``[B, C, s, s]`` grid of the box, mirrored for flipped views (for a dense head).
 
     Returns float32 rows in the store's row space: what ``store[index]`` returns for whole-image views."""
     spatial = getattr(store, "spatial", None)
@@ -189,17 +193,17 @@ def view_targets(store, index, geometry, output_size: int = 1) -> torch.Tensor:
         raise ValueError("view_targets needs a spatial store (precompute_targets(..., spatial=k), `accelerate-ssl "
                          "precompute --spatial K`): a store of pooled rows has one target per image, whatever the view.")
     index = torch.as_tensor(index).reshape(-1)
-    if len(index) != len(_as_geometry(geometry)):
-        raise ValueError(f"view_targets: {len(index)} rows but {len(_as_geometry(geometry))} views' geometry; one view "
+    if len(index) != len(as_geometry(geometry)):
+        raise ValueError(f"view_targets: {len(index)} rows but {len(as_geometry(geometry))} views' geometry; one view "
                          "per row.")
     return pool_views(store.maps(index), geometry, spatial, store.preprocess, output_size)
 
 
-def pool_views(maps: torch.Tensor, geometry, spatial: dict, preprocess: dict, output_size: int = 1) -> torch.Tensor:
+def pool_views(maps: torch.Tensor, geometry, spatial: dict, preprocess: dict, output_size=1) -> torch.Tensor:
     """Each view's target pooled from its image's map (``maps`` ``[B, C, h, w]``, one per view, e.g. the maps a
     streamed batch carries): :func:`grid_boxes` with the map's ``spatial`` record and the prior's ``preprocess``, then
     :func:`pool_boxes` (mirrored for flipped views); the output as :func:`view_targets`."""
-    g = _as_geometry(geometry)
+    g = as_geometry(geometry)
     if len(maps) != len(g):
         raise ValueError(f"pool_views: {len(maps)} maps but {len(g)} views' geometry; one view per map.")
     return pool_boxes(maps, grid_boxes(g, spatial, preprocess), g[:, 4] > 0.5, output_size)

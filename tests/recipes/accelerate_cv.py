@@ -1,8 +1,9 @@
 # The README's Accelerate lines in a script written the way Hugging Face Accelerate's examples/cv_example.py is (a
 # PetsDataset of image files, dict items {"image", "label"}, the augmentation applied inside __getitem__ from
-# .image_transform, an 80/20 split by a seeded permutation, accelerator.prepare, a train and an eval loop), at test
-# size: PNG files written by tests/pets.py, a small ConvNet classifier instead of timm's pretrained resnet50d (whose
-# frozen base would leave ReLA nothing to train), 16 px crops, a few steps, on the CPU.
+# .image_transform, an 80/20 split by a seeded permutation, timm's resnet50d classifier with its base frozen,
+# accelerator.prepare, a train and an eval loop), at test size: PNG files written by tests/pets.py, resnet50d without
+# its pretrained weights (no network in tests), 16 px crops, a few steps, on the CPU. ReLA trains the base the example
+# freezes (its pooled features, the classifier's input: timm's models have no .backbone).
 #
 #     accelerate launch --multi_gpu --num_processes 2 ... accelerate_cv.py --data_dir DIR --cpu
 #
@@ -15,7 +16,7 @@ import re
 import numpy as np
 import PIL
 import torch
-from torch import nn
+from timm import create_model
 from torch.optim.lr_scheduler import OneCycleLR
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import Compose, RandomResizedCrop, Resize, ToTensor
@@ -23,8 +24,7 @@ from torchvision.transforms import Compose, RandomResizedCrop, Resize, ToTensor
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from accelerate_ssl import ReLA  # ReLA: added
-from accelerate_ssl.backbones import ConvNet
+from accelerate_ssl import ReLA, Witness  # ReLA: added
 from pets import image_number, name_number  # test
 from recipe_check import RecipeLog  # test
 
@@ -54,16 +54,6 @@ class PetsDataset(Dataset):
         if self.label_to_id is not None:
             label = self.label_to_id[label]
         return {"image": image, "label": label}
-
-
-class Classifier(nn.Module):
-    def __init__(self, num_classes):
-        super().__init__()
-        self.backbone = ConvNet(in_channels=3, widths=(8, 16))
-        self.classifier = nn.Linear(16, num_classes)
-
-    def forward(self, x):
-        return self.classifier(self.backbone(x))
 
 
 def training_function(config, args):
@@ -111,13 +101,22 @@ def training_function(config, args):
     eval_dataloader = DataLoader(eval_dataset, shuffle=False, batch_size=batch_size, num_workers=1)
 
     # Instantiate the model (we build the model here so that the seed also control new weights initialization)
-    model = Classifier(num_classes=len(label_to_id))
+    model = create_model("resnet50d", pretrained=False, num_classes=len(label_to_id))
 
+    # We could avoid this line since the accelerator is set with `device_placement=True` (default value).
+    # Note that if you are placing tensors on devices manually, this line absolutely needs to be before the optimizer
+    # creation otherwise training will not work on TPU (`accelerate` will kindly throw an error to make us aware of that).
     model = model.to(accelerator.device)
 
+    # Freezing the base model
+    for param in model.parameters():
+        param.requires_grad = True  # ReLA: changed, was: param.requires_grad = False
+    for param in model.get_classifier().parameters():
+        param.requires_grad = True
+
     # We normalize the batches of images to be a bit faster.
-    mean = torch.tensor([0.5, 0.5, 0.5])[None, :, None, None].to(accelerator.device)
-    std = torch.tensor([0.25, 0.25, 0.25])[None, :, None, None].to(accelerator.device)
+    mean = torch.tensor(model.default_cfg["mean"])[None, :, None, None].to(accelerator.device)
+    std = torch.tensor(model.default_cfg["std"])[None, :, None, None].to(accelerator.device)
 
     # Instantiate optimizer
     optimizer = torch.optim.Adam(params=model.parameters(), lr=lr / 25)
@@ -131,8 +130,9 @@ def training_function(config, args):
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
-    rela = ReLA.from_prior("shipped:digits-byol", accelerator.unwrap_model(model).backbone, train_dataloader,  # ReLA: added
-                           total_steps=num_epochs * len(train_dataloader))  # ReLA: added
+    rela = ReLA.from_prior("shipped:digits-byol", accelerator.unwrap_model(model).get_classifier(), train_dataloader,  # ReLA: added
+                           total_steps=num_epochs * len(train_dataloader), capture="input",  # ReLA: added
+                           witness=Witness(input=accelerator.unwrap_model(model)))  # ReLA: added
     log = RecipeLog()  # test
     log.watch(rela)  # test
     row_of = {name_number(f): i for i, f in enumerate(train_dataset.file_names)}  # test: file number -> its index
@@ -170,6 +170,7 @@ def training_function(config, args):
         eval_metric = accurate.item() / num_elems
         # Use accelerator.print to print only on the main process.
         accelerator.print(f"epoch {epoch}: {100 * eval_metric:.2f}")
+    assert rela.witness.last["rows_witnessed"] >= 24, rela.witness.status  # test: the witness re-embedded the images
     log.save(accelerator.process_index)  # test
     accelerator.end_training()
 

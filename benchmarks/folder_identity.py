@@ -1,0 +1,235 @@
+"""What identifying a folder data set by its files' contents costs: at precompute and at every open, on large folders.
+
+A store of a folder data set records each row's file by its size, modification time and the blake2b-128 digest of
+its bytes (``contents.npy``, ``accelerate_ssl/data/fingerprint.py``). This measures, on folders of ``--sizes`` small
+PNG files (Fashion-MNIST images, 28 px grayscale, ~0.8 KB each, in 10 class folders: an ImageFolder):
+
+- **precompute**: the whole ``precompute_targets`` of the store (the demo's prior, ``shipped:fashion-mnist-byol``,
+  batch 256, 1 thread), and within it the consolidation's read of every file's bytes and their digests
+  (``record_contents``, timed as precompute calls it), so what content identity adds is a fraction of the run measured
+  in the same run;
+- **open**: ``TargetStore.open(path, dataset=folder)`` with the contents check (the ``stat`` of every file and the
+  bytes of a sample) against the same open of the same store with its contents record removed (names only, as stores
+  written before it), side by side, ``--repeats`` times interleaved; and the open of a copied folder (new modification
+  times: every file stat-ed, 256 of them read, a warning);
+- **full check**: ``store verify --data``'s comparison of every file's bytes.
+
+The files were just written or read, so they are in the page cache: these are warm-cache numbers (a cold disk adds the
+reads of the sample and, for the full check, of every file).
+
+    nice -n 5 python benchmarks/folder_identity.py                 # 20k and 100k files (~10 min, 1 thread)
+    python benchmarks/folder_identity.py --sizes 2000 --repeats 2  # a quick look
+
+Writes ``benchmarks/results/folder_identity.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from accelerate_ssl.results import save_figure, write_results  # noqa: E402
+
+PRIOR = "shipped:fashion-mnist-byol"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[20000, 100000], help="files per folder")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved opens with and without the contents check")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--cache", default=str(ROOT / "benchmarks/cache/folder_identity"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/folder_identity.json"))
+    return p
+
+
+def write_folder(root: Path, n: int) -> Path:
+    """``n`` Fashion-MNIST images as PNG files, ``class<k>/<i>.png`` (written once, then reused)."""
+    from PIL import Image
+
+    from accelerate_ssl.data import FashionMNIST
+
+    done = root / "done.txt"
+    if done.is_file() and int(done.read_text()) == n:
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    data = FashionMNIST("train", limit=None)
+    images, labels = np.asarray(data.data), np.asarray(data.targets)
+    for k in range(10):
+        (root / f"class{k}").mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        j = i % len(images)
+        Image.fromarray(images[j]).save(root / f"class{labels[j]}" / f"{i:06d}.png")
+    done.write_text(str(n))
+    return root
+
+
+def timed(fn):
+    t, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - t, time.process_time() - c
+
+
+def measure(n: int, args) -> dict:
+    import accelerate_ssl.data.fingerprint as fp
+    import accelerate_ssl.targets.precompute as pc
+    from accelerate_ssl import create_prior
+    from accelerate_ssl.data.datasets import image_folder
+    from accelerate_ssl.targets.store import TargetStore
+
+    cache = Path(args.cache)
+    folder = write_folder(cache / f"folder-{n}", n)
+    dataset = image_folder(folder)
+    store_path = cache / f"store-{n}"
+    shutil.rmtree(store_path, ignore_errors=True)
+    recorded = {}
+    original = pc._file_contents
+
+    def spy(ds, progress):  # the contents part of the precompute, timed where precompute calls it
+        out, wall, cpu = timed(lambda: original(ds, progress))
+        recorded.update(wall=wall, cpu=cpu)
+        return out
+
+    pc._file_contents = spy
+    try:
+        _, pre_wall, pre_cpu = timed(lambda: pc.precompute_targets(create_prior(PRIOR), dataset, store_path,
+                                                                   batch_size=256, progress=False))
+    finally:
+        pc._file_contents = original
+
+    # the same store without its contents record: how stores written before it open (names only)
+    names_only = cache / f"store-{n}-names-only"
+    shutil.rmtree(names_only, ignore_errors=True)
+    shutil.copytree(store_path, names_only)
+    meta = json.loads((names_only / "metadata.json").read_text())
+    del meta["contents"]
+    (names_only / "metadata.json").write_text(json.dumps(meta))
+    (names_only / "contents.npy").unlink()
+
+    opens = {"contents": [], "names only": []}
+    for _ in range(args.repeats):  # interleaved: the machine's noise falls on both alike
+        for kind, path in (("contents", store_path), ("names only", names_only)):
+            fresh = image_folder(folder)  # a new data set object (its file list made again, as a new run does)
+            _, wall, cpu = timed(lambda: TargetStore.open(path, dataset=fresh))
+            opens[kind].append({"wall": wall, "cpu": cpu})
+
+    # a copied folder: the same bytes, every modification time new (every file stat-ed, 256 read, a warning)
+    copy = cache / f"folder-{n}-copy"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(folder, copy, copy_function=shutil.copyfile)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        moved = image_folder(copy)
+        store = TargetStore.open(store_path)
+        _, copy_wall, copy_cpu = timed(lambda: store.check_dataset(moved))
+    shutil.rmtree(copy, ignore_errors=True)
+
+    paths = fp.file_paths(dataset)
+    contents = np.load(store_path / "contents.npy")
+    full, full_wall, full_cpu = timed(lambda: fp.check_contents(paths, contents, full=True))
+    stats, stat_wall, _ = timed(lambda: fp.check_contents(paths, contents, full=False))
+    fingerprint, fp_wall, _ = timed(lambda: fp.dataset_fingerprint(image_folder(folder)))
+    bytes_total = int(contents[:, 0].sum())
+    med = {k: statistics.median(r["wall"] for r in v) for k, v in opens.items()}
+    return {
+        "files": n, "bytes": bytes_total, "mean_file_bytes": bytes_total / n,
+        "precompute": {"wall": pre_wall, "cpu": pre_cpu, "record_contents_wall": recorded["wall"],
+                       "record_contents_cpu": recorded["cpu"],
+                       "record_contents_share": recorded["wall"] / pre_wall,
+                       "record_contents_us_per_file": 1e6 * recorded["wall"] / n},
+        "open": {"runs": opens, "median_wall_contents": med["contents"], "median_wall_names_only": med["names only"],
+                 "added_wall": med["contents"] - med["names only"],
+                 "added_us_per_file": 1e6 * (med["contents"] - med["names only"]) / n,
+                 "check_alone_wall": stat_wall, "files_read_at_open": stats.read},
+        "copied_folder_open": {"wall": copy_wall, "cpu": copy_cpu, "files_read": min(n, fp.CONTENT_BUDGET),
+                               "warned": any("another modification time" in str(w.message) for w in said)},
+        "full_check": {"wall": full_wall, "cpu": full_cpu, "us_per_file": 1e6 * full_wall / n, "files_read": full.read,
+                       "ok": full.ok},
+        "fingerprint_of_names_wall": fp_wall, "fingerprint_kind": fingerprint["kind"],
+    }
+
+
+def git_commit() -> dict:
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    return {"sha": git("rev-parse", "HEAD"),
+            "modified": git("status", "--porcelain", "--", "accelerate_ssl", "benchmarks/folder_identity.py").splitlines()}
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| files | precompute | reading + digests | share | per file | open, names only | open, + contents | "
+             "added per file | copied folder's open | every file's bytes (verify) | per file |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        p, o, f = r["precompute"], r["open"], r["full_check"]
+        lines.append(f"| {r['files']} | {p['wall']:.1f} s | {p['record_contents_wall']:.2f} s | "
+                     f"{100 * p['record_contents_share']:.1f} % | {p['record_contents_us_per_file']:.0f} us | "
+                     f"{o['median_wall_names_only']:.2f} s | {o['median_wall_contents']:.2f} s | "
+                     f"{o['added_us_per_file']:.1f} us | {r['copied_folder_open']['wall']:.2f} s | "
+                     f"{f['wall']:.2f} s | {f['us_per_file']:.0f} us |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    n = [r["files"] for r in results]
+    ax.plot(n, [r["open"]["median_wall_names_only"] for r in results], "o-", label="open, names only")
+    ax.plot(n, [r["open"]["median_wall_contents"] for r in results], "o-", label="open, + contents (stat all, read 32)")
+    ax.plot(n, [r["precompute"]["record_contents_wall"] for r in results], "s--", label="precompute: read + digest all")
+    ax.plot(n, [r["full_check"]["wall"] for r in results], "^:", label="verify --data: every file's bytes")
+    ax.set_xlabel("files in the folder")
+    ax.set_ylabel("seconds (warm page cache, 1 thread)")
+    ax.set_title("What content identity of a folder costs", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load_start, started = os.getloadavg(), time.strftime("%Y-%m-%dT%H:%M:%S")
+    results = []
+    for n in args.sizes:
+        print(f"{n} files ...", flush=True)
+        results.append(measure(n, args))
+    result = {"command": shlex.join(["python", "benchmarks/folder_identity.py", *sys.argv[1:]]),
+              "commit": git_commit(), "started": started,
+              "machine": {"device": "cpu", "torch": torch.__version__, "cuda": torch.version.cuda,
+                          "cudnn": torch.backends.cudnn.version(),
+                          "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
+                          "platform": platform.platform(), "threads": args.threads, "load_average_start": load_start,
+                          "load_average_end": os.getloadavg()},
+              "settings": {"sizes": args.sizes, "repeats": args.repeats, "prior": PRIOR, "batch_size": 256},
+              "results": results, "table": table(results)}
+    out = Path(args.out)
+    write_results(out, result, root=ROOT)
+    plot(results, out.with_suffix(".png"))
+    print(result["table"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
