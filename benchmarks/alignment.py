@@ -2,7 +2,7 @@
 
 Every run is BYOL + ReLA on 28-px grayscale images with the demo's student (ConvNet 16/32/64), the demo's prior
 (``shipped:digits-byol``, trained on other data), 16 target components, the least-squares head, AdamW 1e-3, batch 128,
-``--steps`` optimiser steps; the recipe is ``two-view`` (the library's default ``decay`` schedule: BYOL's two views on
+``--steps`` optimiser steps; the recipe is ``two-view`` (the ``decay`` schedule: BYOL's two views on
 every step, lambda in (0, 1)) unless the case says ``one-view`` (the demo's: ``switch``, one weak view while
 lambda = 1). Both checks run with their defaults, the witness set to warn instead of stopping, so every run goes to its
 end and both detection steps are recorded.
