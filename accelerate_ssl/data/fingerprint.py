@@ -410,6 +410,13 @@ class RowIdentity:
                                                   disable=not progress)), dtype=np.int64, count=len(self))
 
 
+def content_digest(data) -> int:
+    """The signed 64-bit digest (blake2b, 8 bytes, big-endian) of the bytes an image was read from: a folder's file, a
+    streamed sample's image field. The precompute digests each file's bytes as it reads them (once: the same bytes
+    are decoded), and a sidecar records it per row."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big", signed=True)
+
+
 def describe_fingerprint_mismatch(expected: dict, actual: dict) -> str | None:
     """A sentence naming what differs between two fingerprints, or ``None`` when they agree."""
     if "sha256" in actual and expected.get("scheme") != actual.get("scheme"):

@@ -63,25 +63,175 @@ def image_channels(dataset, image_key=None) -> int:
     return int(image_tensor(dataset[0], image_key, f"item 0 of {dataset_name(dataset)}").shape[0])
 
 
-class _Images(torch.utils.data.Dataset):
-    """Yields the image of each item (``image_key``, :func:`image_tensor`) as a tensor ``[C, H, W]`` (uint8 stays
-    uint8: cheap to ship) and the row's identity digest (:class:`~accelerate_ssl.data.fingerprint.RowIdentity` under
-    the fingerprint ``like``, written to ``identity.npy``)."""
+# ---------------------------------------------------------------------------------------------- reading and decoding
+#: JPEG frames torchvision.io decodes as PIL does (libjpeg-turbo both): Huffman-coded baseline, extended, progressive
+_JPEG_FRAMES = (0xC0, 0xC1, 0xC2)
 
-    def __init__(self, dataset, image_key=None, like: Optional[dict] = None):
+
+def jpeg_frame(data) -> Optional[tuple[int, bool]]:
+    """``(components, adobe)`` of a JPEG's frame when ``data`` is a Huffman-coded 8-bit JPEG with 1 or 3 components
+    (``adobe``: it carries an Adobe APP14 marker, whose colour transform only libjpeg is trusted with); None for any
+    other file (PNG, CMYK, 12-bit, arithmetic-coded, truncated headers), which PIL decodes."""
+    if len(data) < 4 or data[0] != 0xFF or data[1] != 0xD8:
+        return None
+    i, adobe = 2, False
+    while i + 9 < len(data):
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # markers without a length
+            i += 2
+            continue
+        if marker == 0xEE and bytes(data[i + 4 : i + 9]) == b"Adobe":
+            adobe = True
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a start of frame
+            precision, components = data[i + 4], data[i + 9]
+            ok = marker in _JPEG_FRAMES and precision == 8 and components in (1, 3)
+            return (int(components), adobe) if ok else None
+        if marker == 0xDA:  # a scan before any frame: not a JPEG we read
+            return None
+        i += 2 + ((data[i + 2] << 8) | data[i + 3])
+    return None
+
+
+def read_file(path) -> bytearray:
+    """A file's bytes, read once into a writable buffer (decoded in place of a copy)."""
+    with open(path, "rb") as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        got = f.readinto(data)
+    return data if got == len(data) else data[:got]
+
+
+def decode_file(data: bytearray, keep_jpeg: bool = False, where: str = "a file") -> torch.Tensor:
+    """A file's bytes as the image ``PIL.Image.open(file).convert("RGB")`` gives (what torchvision's ImageFolder and
+    :class:`~accelerate_ssl.data.datasets.ImageFiles` read), uint8 ``[3, H, W]``: JPEGs of :func:`jpeg_frame` through
+    ``torchvision.io.decode_jpeg`` (the same libjpeg-turbo decode, bit for bit, at about 1.6x PIL's speed), anything
+    else through PIL. ``keep_jpeg=True``: such a JPEG (without an Adobe marker) is returned undecoded, its bytes as a
+    1-D uint8 tensor, for :func:`preprocess_images` to decode on the GPU in one batched call."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    frame = jpeg_frame(data)
+    if frame is not None:
+        encoded = torch.frombuffer(data, dtype=torch.uint8)
+        if keep_jpeg and not frame[1]:
+            return encoded
+        try:
+            return decode_jpeg(encoded, mode=ImageReadMode.RGB)
+        except RuntimeError:
+            pass  # PIL decodes it, or names what is wrong with it
+    import io
+
+    from PIL import Image
+
+    from ..data.items import UnreadableItemError
+    from ..priors import Preprocess
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            image = im.convert("RGB")
+    except Exception as err:  # noqa: BLE001 - PIL raises many kinds for a broken file
+        raise UnreadableItemError(f"Cannot decode {where}: {type(err).__name__}: {err}. Replace or remove the file "
+                                  "(the data set lists it, so training would fail on it too).") from None
+    return Preprocess.to_tensor(image)
+
+
+def decode_on(images: list, device: torch.device) -> list:
+    """A batch's images (uint8 ``[C, H, W]``, or JPEG bytes :func:`decode_file` kept) as uint8 images on ``device``:
+    the kept JPEGs decoded there in one ``torchvision.io.decode_jpeg`` call (nvJPEG on a GPU), the others copied."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    device = torch.device(device)
+    out = list(images)
+    kept = [j for j, im in enumerate(images) if im.ndim == 1]
+    if kept:
+        try:
+            decoded = decode_jpeg([images[j] for j in kept], mode=ImageReadMode.RGB, device=device)
+        except RuntimeError:  # a file nvJPEG refuses: the CPU decoder (or PIL, naming it) for this batch
+            decoded = [decode_file(bytearray(images[j].numpy().tobytes()), where=f"image {j} of a batch") for j in kept]
+        for j, image in zip(kept, decoded):
+            out[j] = image
+    return [im.to(device, non_blocking=True) for im in out]
+
+
+def image_files(dataset, image_key=None) -> Optional[tuple[list, Optional[np.ndarray]]]:
+    """``(samples, rows)`` when item i of ``dataset`` is the file ``samples[rows[i]][0]`` opened with PIL and converted
+    to RGB, transform-free (torchvision's ``ImageFolder`` / ``DatasetFolder`` with its default loader,
+    :class:`~accelerate_ssl.data.datasets.ImageFiles`, either under ``Subset`` s; ``rows`` None: position = row), and
+    the first item read that way is the item ``dataset`` gives: the precompute then reads each file's bytes itself,
+    once (digested, and decoded by :func:`decode_file`). None for any other data set: its items are read as
+    ``dataset[i]``."""
+    from torch.utils.data import Subset
+
+    from ..data.datasets import ImageFiles
+    from ..data.items import dataset_name
+
+    if image_key not in (None, 0) or len(dataset) == 0:
+        return None
+    chain, base = [], dataset
+    while isinstance(base, Subset):
+        chain.append(np.asarray(base.indices, dtype=np.int64))
+        base = base.dataset
+    if getattr(base, "transform", None) is not None:
+        return None
+    if isinstance(base, ImageFiles):
+        ours = type(base).__getitem__ is ImageFiles.__getitem__
+    else:
+        try:
+            import torchvision
+            from torchvision.datasets import DatasetFolder
+            from torchvision.datasets.folder import default_loader, pil_loader
+        except ImportError:
+            return None
+        ours = (isinstance(base, DatasetFolder) and type(base).__getitem__ is DatasetFolder.__getitem__
+                and getattr(base, "loader", None) in (default_loader, pil_loader)
+                and torchvision.get_image_backend() == "PIL")
+    if not ours or not isinstance(getattr(base, "samples", None), list):
+        return None
+    rows = None
+    for indices in reversed(chain):  # innermost first: position -> row of the listed files
+        rows = indices if rows is None else rows[indices]
+    first = base.samples[0 if rows is None else int(rows[0])][0]
+    mine = decode_file(read_file(first), where=repr(first))
+    theirs = image_tensor(dataset[0], image_key, f"item 0 of {dataset_name(dataset)}")
+    return (base.samples, rows) if mine.shape == theirs.shape and torch.equal(mine, theirs) else None
+
+
+class _Images(torch.utils.data.Dataset):
+    """Item i as ``(image, row digest, content digest)``: the image uint8 ``[C, H, W]`` (any other dtype as the item
+    holds it; ``keep_jpeg``: a JPEG file's bytes, decoded on the GPU by :func:`preprocess_images`); the row digest
+    (:class:`~accelerate_ssl.data.fingerprint.RowIdentity` under the fingerprint ``like``, written to
+    ``identity.npy``); the content digest (:func:`~accelerate_ssl.data.fingerprint.content_digest`) of the bytes the
+    image was read from. A folder's file (:func:`image_files`) is read once: its bytes digested and decoded, its row
+    digest the file name's. Any other item is read as ``dataset[i]``, its content digest then the row digest (the
+    array row or the image itself). No float work here: the prior's preprocessing runs batched, on its device."""
+
+    def __init__(self, dataset, image_key=None, like: Optional[dict] = None, keep_jpeg: bool = False):
         from ..data.fingerprint import RowIdentity
         from ..data.items import dataset_name
 
         self.dataset, self.image_key, self.name = dataset, image_key, dataset_name(dataset)
         self.identity = RowIdentity(dataset, like=like)
+        self.files = image_files(dataset, image_key)
+        self.keep_jpeg = keep_jpeg
 
     def __len__(self):
         return len(self.dataset)
 
     def __getitem__(self, i):
-        item = self.dataset[i]
-        return image_tensor(item, self.image_key, f"item {i} of {self.name}"), self.identity(i, item)
+        from ..data.fingerprint import content_digest
 
+        if self.files is not None:
+            samples, rows = self.files
+            path = samples[i if rows is None else int(rows[i])][0]
+            data = read_file(path)
+            return (decode_file(data, self.keep_jpeg, f"item {i} of {self.name} ({path})"), self.identity(i),
+                    content_digest(data))
+        item = self.dataset[i]
+        digest = self.identity(i, item)
+        return image_tensor(item, self.image_key, f"item {i} of {self.name}"), digest, digest
 
 
 def check_first_item(dataset, image_key=None):
@@ -111,31 +261,51 @@ def check_first_item(dataset, image_key=None):
 
 
 class _Collate:
-    """Stacks images and applies the prior's preprocessing as one batched tensor op (in the loader
-    workers when ``num_workers > 0``); images of different sizes are preprocessed one by one. Given a list of
-    preprocessings (several priors reading one pass), the batch holds a list of tensors, one per preprocessing."""
+    """A batch of :class:`_Images` items as ``(images, row digests, content digests)``: images of one shape and dtype
+    stacked into one uint8 block (one pinned copy to the device), else the list of them (JPEG bytes, mixed sizes)."""
 
-    def __init__(self, preprocess):
-        self.preprocess = preprocess
-
-    def __call__(self, items: list[tuple[torch.Tensor, int]]) -> tuple[Any, torch.Tensor]:
-        images = [im for im, _ in items]
-        digests = torch.tensor([digest for _, digest in items], dtype=torch.int64)
-        if isinstance(self.preprocess, (list, tuple)):
-            return [preprocess_images(images, pre) for pre in self.preprocess], digests
-        return preprocess_images(images, self.preprocess), digests
+    def __call__(self, items: list[tuple[torch.Tensor, int, int]]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        images = [im for im, _, _ in items]
+        rows = torch.tensor([r for _, r, _ in items], dtype=torch.int64)
+        content = torch.tensor([c for _, _, c in items], dtype=torch.int64)
+        first = images[0]
+        if first.ndim == 3 and all(im.shape == first.shape and im.dtype == first.dtype for im in images):
+            return torch.stack(images), rows, content
+        return images, rows, content
 
 
-def preprocess_images(images: list[torch.Tensor], preprocess, where: str = "") -> torch.Tensor:
-    """One batch of the prior's inputs from images of any sizes (``preprocess.batch`` each, stacked); images the
+def preprocess_images(images, preprocess, where: str = "", device=None, dtype: Optional[torch.dtype] = None):
+    """One batch of the prior's inputs on ``device`` (default: the images'), from a batch as the loader yields it
+    (a stacked ``[B, C, H, W]`` tensor, or a list of images of any sizes and kept JPEGs): the images cross to the
+    device as they are (uint8), JPEGs are decoded there (:func:`decode_on`), and ``preprocess.batch`` runs there,
+    once per group of images of one size, returning ``dtype``. ``preprocess`` may be a list (several priors reading
+    one pass): the images cross and are decoded once, and a list of inputs is returned, one per entry. Images the
     preprocessing leaves at different sizes are refused naming the fix (``where`` says which, for a message)."""
-    if all(im.shape == images[0].shape and im.dtype == images[0].dtype for im in images):
-        return preprocess.batch(torch.stack(images))
-    out = [preprocess.batch(im.unsqueeze(0))[0] for im in images]
-    if any(o.shape != out[0].shape for o in out):
+    pres = list(preprocess) if isinstance(preprocess, (list, tuple)) else [preprocess]
+    if isinstance(images, torch.Tensor):
+        x = images.to(images.device if device is None else device, non_blocking=True)
+        outs = [pre.batch(x, dtype) for pre in pres]
+    else:
+        images = decode_on(images, images[0].device if device is None else device)
+        groups: dict[tuple, list[int]] = {}
+        for j, im in enumerate(images):
+            groups.setdefault((tuple(im.shape), im.dtype), []).append(j)
+        outs = [_grouped(images, groups, pre, dtype, where) for pre in pres]
+    return outs if isinstance(preprocess, (list, tuple)) else outs[0]
+
+
+def _grouped(images: list, groups: dict, pre, dtype, where: str) -> torch.Tensor:
+    """``pre.batch`` of each group of same-shape images, put back in the batch's order."""
+    if len(groups) == 1:
+        return pre.batch(torch.stack(images), dtype)
+    parts = [(idx, pre.batch(torch.stack([images[j] for j in idx]), dtype)) for idx in groups.values()]
+    if len({tuple(p.shape[1:]) for _, p in parts}) > 1:
         raise ValueError(f"Images of different sizes{where} give different input sizes for this prior: create it with "
                          "size=<pixels> (e.g. create_prior(spec, size=224)) so they are resized and cropped.")
-    return torch.stack(out)
+    out = parts[0][1].new_empty((len(images), *parts[0][1].shape[1:]))
+    for idx, p in parts:
+        out.index_copy_(0, torch.tensor(idx).to(out.device, non_blocking=True), p)
+    return out
 
 
 class _ChunkBatches(torch.utils.data.Sampler):
@@ -145,10 +315,15 @@ class _ChunkBatches(torch.utils.data.Sampler):
     def __init__(self, chunks: list[tuple[int, int]], batch_size: int):
         self.chunks, self.batch_size = list(chunks), batch_size
 
-    def __iter__(self):
-        for a, b in self.chunks:
+    def spans(self):
+        """``(chunk position, first row, end row)`` of each batch, in the order the batches come."""
+        for c, (a, b) in enumerate(self.chunks):
             for s in range(a, b, self.batch_size):
-                yield list(range(s, min(s + self.batch_size, b)))
+                yield c, s, min(s + self.batch_size, b)
+
+    def __iter__(self):
+        for _, s, e in self.spans():
+            yield list(range(s, e))
 
     def __len__(self):
         return sum(-(-(b - a) // self.batch_size) for a, b in self.chunks)
@@ -213,30 +388,114 @@ def process_state():
 
 
 
-def input_batches(dataset, preprocess, batch_size: int, num_workers: int = 0, pin_memory: bool = False,
+#: loader workers at most, whatever the machine (each holds its batches in shared memory)
+MAX_WORKERS = 16
+
+
+def loader_workers(device, batches: int) -> int:
+    """Loader worker processes sized from the machine: the CPUs this process may use (its share when several
+    processes of a launch share the machine, ``LOCAL_WORLD_SIZE``). A GPU's forward leaves the CPUs to reading and
+    decoding: every CPU but the one driving the GPU, up to :data:`MAX_WORKERS`. On a CPU the forward needs them: one
+    worker per 4 CPUs (at least one when there are two), which reads and decodes the next batches while the forward
+    runs. None for fewer than 4 batches, whose start-up would cost more than it saves."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    if batches < 4 or cpus < 2:
+        return 0
+    want = cpus - 1 if torch.device(device).type == "cuda" else max(1, cpus // 4)
+    return int(min(want, MAX_WORKERS, batches))
+
+
+def _shared_memory_bytes() -> Optional[int]:
+    """Free bytes of ``/dev/shm``, where workers hand their batches over (None: not there to measure)."""
+    import shutil
+
+    try:
+        return shutil.disk_usage("/dev/shm").free
+    except OSError:
+        return None
+
+
+def loader_prefetch(workers: int, batch_bytes: int) -> tuple[int, int]:
+    """``(workers, prefetch_factor)`` that fit in half the free shared memory: up to 4 batches ahead per worker (2,
+    torch's default, when the machine does not say), fewer workers when not even one batch each fits."""
+    free = _shared_memory_bytes()
+    if not workers:
+        return 0, 0
+    if free is None:
+        return workers, 2
+    fit = int(free // 2 // max(1, batch_bytes))
+    workers = max(1, min(workers, fit)) if fit else 0
+    return (workers, max(1, min(4, fit // workers))) if workers else (0, 0)
+
+
+def input_batches(dataset, batch_size: int, num_workers: Optional[int] = None, device="cpu",
                   ranges: Optional[list[tuple[int, int]]] = None, image_key=None,
                   fingerprint: Optional[dict] = None) -> torch.utils.data.DataLoader:
-    """The loader precompute reads: ``(images preprocessed for the prior, each row's identity digest)`` batches over
-    the rows ``[a, b)`` of each of ``ranges`` (default: every row), a batch never crossing a range; the images are
-    stacked and preprocessed in the loader workers. ``preprocess`` may be a list (several priors in one pass): each
-    batch's images are read once and preprocessed once per entry, ``([tensor per entry], digests)``. ``image_key``: where each item's image is; ``fingerprint``: the
-    data set's, whose definition the identity digests follow. (``benchmarks/gpu.py`` times it alone.)"""
+    """The loader precompute reads: ``(images, row digests, content digests)`` batches (:class:`_Images`,
+    :class:`_Collate`) over the rows ``[a, b)`` of each of ``ranges`` (default: every row), a batch never crossing a
+    range. The workers read, digest and decode; the images stay uint8, pinned for a GPU ``device``, where JPEG files
+    are left for it to decode. ``num_workers``: None sizes them from the machine (:func:`loader_workers`,
+    :func:`loader_prefetch`). ``image_key``: where each item's image is; ``fingerprint``: the data set's, whose
+    definition the row digests follow. :func:`prior_batches` turns the batches into the prior's inputs."""
+    device = torch.device(device)
+    sampler = _ChunkBatches(ranges or [(0, len(dataset))], batch_size)
+    images = _Images(dataset, image_key, fingerprint, keep_jpeg=device.type == "cuda")
+    workers = loader_workers(device, len(sampler)) if num_workers is None else num_workers
+    prefetch = 2
+    if workers and num_workers is None:
+        probe = images[next(sampler.spans())[1]][0]
+        workers, prefetch = loader_prefetch(workers, probe.numel() * probe.element_size() * batch_size)
     return torch.utils.data.DataLoader(
-        _Images(dataset, image_key, fingerprint), batch_sampler=_ChunkBatches(ranges or [(0, len(dataset))], batch_size),
-        num_workers=num_workers, collate_fn=_Collate(preprocess), pin_memory=pin_memory, persistent_workers=False,
+        images, batch_sampler=sampler, num_workers=workers, collate_fn=_Collate(), pin_memory=device.type == "cuda",
+        prefetch_factor=prefetch if workers else None, persistent_workers=False,
     )
 
 
+def prior_batches(loader, preprocess, device, dtype: Optional[torch.dtype] = None):
+    """The loader's batches as ``(inputs, row digests, content digests)``, the inputs the prior's on ``device``
+    (:func:`preprocess_images`, one per entry when ``preprocess`` is a list), one batch ahead: batch k+1 is copied,
+    decoded and preprocessed while the consumer runs batch k's forward (on a GPU on a side stream, which the forward's
+    stream then waits for; on a CPU the same calls, in turn)."""
+    device = torch.device(device)
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    ahead = None
+    for images, rows, content in loader:
+        if side is None:
+            staged = (preprocess_images(images, preprocess, device=device, dtype=dtype), rows, content, None)
+        else:
+            with torch.cuda.stream(side):
+                xs = preprocess_images(images, preprocess, device=device, dtype=dtype)
+                done = torch.cuda.Event()
+                done.record(side)
+            staged = (xs, rows, content, done)
+        if ahead is not None:
+            yield _on_current_stream(*ahead, device)
+        ahead = staged
+    if ahead is not None:
+        yield _on_current_stream(*ahead, device)
 
-def sample_batches(dataset, preprocess, rows, batch_size: int, image_key=None):
-    """The images of ``dataset``'s items ``rows`` (any order, not contiguous), preprocessed, ``batch_size`` at a time
-    (the sample a spatial store's PCA is fitted on)."""
+
+def _on_current_stream(xs, rows, content, done, device):
+    """A staged batch, handed to the current stream: it waits for the side stream's work, and the allocator keeps the
+    inputs' memory until the current stream is done with them."""
+    if done is not None:
+        current = torch.cuda.current_stream(device)
+        current.wait_event(done)
+        for x in xs if isinstance(xs, list) else [xs]:
+            x.record_stream(current)
+    return xs, rows, content
+
+
+def sample_batches(dataset, preprocess, rows, batch_size: int, image_key=None, device=None):
+    """The images of ``dataset``'s items ``rows`` (any order, not contiguous), preprocessed on ``device`` (default
+    CPU), ``batch_size`` at a time (the sample a spatial store's PCA is fitted on)."""
     from ..data.items import dataset_name
 
-    collate, name = _Collate(preprocess), dataset_name(dataset)
+    collate, name = _Collate(), dataset_name(dataset)
     for a in range(0, len(rows), batch_size):
         images = [image_tensor(dataset[int(i)], image_key, f"item {int(i)} of {name}") for i in rows[a : a + batch_size]]
-        yield collate([(im, 0) for im in images])[0]
+        yield preprocess_images(collate([(im, 0, 0) for im in images])[0], preprocess, device=device)
 
 
 def check_spatial(spatial) -> None:
@@ -318,12 +577,43 @@ def _short(value, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def embed(prior, x: torch.Tensor, precision: str, device: torch.device,
-          where: Callable[[list[int]], str] = lambda rows: f"rows {rows}", spatial: bool = False) -> torch.Tensor:
-    """``prior(x)`` for one batch of preprocessed images, in inference mode (under ``precision``'s autocast), as float32
-    rows ``[B, prior.output_dim]`` on ``device``; ``spatial=True``: the prior's feature map instead
-    (:meth:`~accelerate_ssl.priors.Prior.feature_map`), channels last, ``[B, h, w, C]``. A wrong output shape or
-    NaN/Inf rows are refused, ``where(positions)`` naming those rows for the message (dataset indices, keys)."""
+class PendingRows:
+    """A batch's rows on their way to the host (:func:`forward_rows`): the forward and a non-blocking copy into pinned
+    memory are queued; :meth:`result` waits for them, refuses NaN/Inf rows and returns the float32 rows on the CPU."""
+
+    def __init__(self, prior, out: torch.Tensor, finite: torch.Tensor, precision: str):
+        self.spec, self.precision = prior.spec, precision
+        self.event = None
+        if out.device.type == "cuda":
+            self.rows = torch.empty(out.shape, dtype=out.dtype, pin_memory=True).copy_(out, non_blocking=True)
+            self.finite = torch.empty(finite.shape, dtype=finite.dtype, pin_memory=True).copy_(finite, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.rows, self.finite = out.cpu(), finite.cpu()
+
+    def result(self, where: Callable[[list[int]], str] = lambda rows: f"rows {rows}") -> torch.Tensor:
+        """The rows ``[B, ...]`` on the CPU; NaN/Inf rows refused, ``where(positions)`` naming them."""
+        if self.event is not None:
+            self.event.synchronize()
+        bad = (~self.finite).nonzero().flatten()
+        if len(bad):
+            cause = ("fp16 overflow is the usual cause: rerun with --precision bf16 or fp32" if self.precision == "fp16"
+                     else "check the prior's weights and these samples")
+            raise ValueError(f"Prior {self.spec} gave NaN/Inf features for {len(bad)} row(s), e.g. "
+                             f"{where([int(i) for i in bad[:10]])} ({self.precision}); {cause}. Nothing was written "
+                             "for them.")
+        return self.rows
+
+
+def forward_rows(prior, x: torch.Tensor, precision: str, device: torch.device, spatial: bool = False,
+                 reduce=None) -> PendingRows:
+    """Queue ``prior(x)`` for one batch of preprocessed images, in inference mode (under ``precision``'s autocast):
+    float32 rows ``[B, prior.output_dim]``; ``spatial=True``: the prior's feature map instead
+    (:meth:`~accelerate_ssl.priors.Prior.feature_map`), channels last, ``[B, h, w, C]``, each location reduced by the
+    PCA ``reduce`` when given (on the device). A wrong output shape is refused now; each row's finiteness is computed
+    on the device and read with the rows (:class:`PendingRows`), so the host can queue the next batch's forward before
+    it waits for this one's."""
     amp = PRECISIONS[precision]
     x = x.to(device, non_blocking=True)
     forward = prior.feature_map if spatial else prior
@@ -333,21 +623,26 @@ def embed(prior, x: torch.Tensor, precision: str, device: torch.device,
         else:
             with torch.autocast(device_type=torch.device(device).type, dtype=amp):
                 out = forward(x)
-    out = out.float()
-    if spatial:
-        if out.ndim != 4 or out.shape[0] != x.shape[0]:
-            raise ValueError(f"Prior {prior.spec} returned a feature map of shape {tuple(out.shape)}, expected "
-                             f"({x.shape[0]}, C, h, w).")
-        out = out.permute(0, 2, 3, 1).contiguous()
-    else:
-        dim = int(prior.output_dim)
-        if out.shape != (x.shape[0], dim):
-            raise ValueError(f"Prior {prior.spec} returned shape {tuple(out.shape)}, expected ({x.shape[0]}, {dim}); "
-                             "its output_dim is wrong.")
-    bad = (~torch.isfinite(out).flatten(1).all(dim=1)).nonzero().flatten()
-    if len(bad):
-        cause = ("fp16 overflow is the usual cause: rerun with --precision bf16 or fp32" if precision == "fp16" else
-                 "check the prior's weights and these samples")
-        raise ValueError(f"Prior {prior.spec} gave NaN/Inf features for {len(bad)} row(s), e.g. "
-                         f"{where([int(i) for i in bad[:10]])} ({precision}); {cause}. Nothing was written for them.")
-    return out
+        out = out.float()
+        if spatial:
+            if out.ndim != 4 or out.shape[0] != x.shape[0]:
+                raise ValueError(f"Prior {prior.spec} returned a feature map of shape {tuple(out.shape)}, expected "
+                                 f"({x.shape[0]}, C, h, w).")
+            out = out.permute(0, 2, 3, 1).contiguous()
+        else:
+            dim = int(prior.output_dim)
+            if out.shape != (x.shape[0], dim):
+                raise ValueError(f"Prior {prior.spec} returned shape {tuple(out.shape)}, expected ({x.shape[0]}, {dim}); "
+                                 "its output_dim is wrong.")
+        finite = torch.isfinite(out).flatten(1).all(dim=1)
+        if reduce is not None:  # every location of the map [B, h, w, C] -> k components
+            out = reduce.transform(out.reshape(-1, out.shape[-1])).reshape(*out.shape[:-1], -1)
+        return PendingRows(prior, out, finite, precision)
+
+
+def embed(prior, x: torch.Tensor, precision: str, device: torch.device,
+          where: Callable[[list[int]], str] = lambda rows: f"rows {rows}", spatial: bool = False) -> torch.Tensor:
+    """``prior(x)`` for one batch of preprocessed images, waited for (:func:`forward_rows`): float32 rows
+    ``[B, prior.output_dim]`` on the CPU (``spatial=True``: the maps ``[B, h, w, C]``). A wrong output shape or
+    NaN/Inf rows are refused, ``where(positions)`` naming those rows for the message (dataset indices, keys)."""
+    return forward_rows(prior, x, precision, device, spatial).result(where)
