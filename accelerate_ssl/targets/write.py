@@ -156,17 +156,50 @@ def decode_on(images: list, device: torch.device) -> list:
     return [im.to(device, non_blocking=True) for im in out]
 
 
-def image_files(dataset, image_key=None) -> Optional[tuple[list, Optional[np.ndarray]]]:
-    """``(samples, rows)`` when item i of ``dataset`` is the file ``samples[rows[i]][0]`` opened with PIL and converted
-    to RGB, transform-free (torchvision's ``ImageFolder`` / ``DatasetFolder`` with its default loader,
-    :class:`~accelerate_ssl.data.datasets.ImageFiles`, either under ``Subset`` s; ``rows`` None: position = row), and
-    the first item read that way is the item ``dataset`` gives: the precompute then reads each file's bytes itself,
-    once (digested, and decoded by :func:`decode_file`). None for any other data set: its items are read as
-    ``dataset[i]``."""
-    from torch.utils.data import Subset
+class _Direct:
+    """Where item i's image is read without ``dataset[i]`` (:func:`direct_source`): ``kind`` ``"files"`` (``store``
+    the data set's ``(path, label)`` list) or ``"array"`` (``store`` its array of images); ``rows`` maps positions to
+    them through Subsets (None: position = row)."""
 
-    from ..data.datasets import ImageFiles
-    from ..data.items import dataset_name
+    def __init__(self, kind: str, store, rows: Optional[np.ndarray]):
+        self.kind, self.store, self.rows = kind, store, rows
+
+    def row(self, i: int) -> int:
+        return int(i if self.rows is None else self.rows[i])
+
+    def path(self, i: int) -> str:
+        return self.store[self.row(i)][0]
+
+    def block(self, positions: list[int]) -> torch.Tensor:
+        """The images of ``positions`` as one tensor ``[B, C, H, W]`` in the layout :meth:`Preprocess.to_tensor
+        <accelerate_ssl.priors.Preprocess.to_tensor>` gives each (uint8 stays uint8), a copy of those rows only."""
+        rows = [self.row(i) for i in positions]
+        data = self.store
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            x = data[rows[0] : rows[0] + len(rows)]
+        else:
+            x = data[np.asarray(rows)] if isinstance(data, np.ndarray) else data[torch.as_tensor(rows)]
+        x = torch.from_numpy(np.array(x)) if isinstance(x, np.ndarray) else x.clone()
+        if x.ndim == 3:
+            x = x.unsqueeze(1)
+        elif x.ndim == 4 and x.shape[-1] in (1, 3) and x.shape[1] not in (1, 3):  # HWC rows -> CHW
+            x = x.permute(0, 3, 1, 2)
+        return x.contiguous()
+
+
+def direct_source(dataset, image_key=None) -> Optional[_Direct]:
+    """How the precompute reads item i's image itself, where the data set's own ``__getitem__`` is known to give
+    exactly that (transform-free, under any ``Subset`` s): the file ``samples[i][0]`` opened with PIL and converted to
+    RGB (torchvision's ``ImageFolder`` / ``DatasetFolder`` with its default loader,
+    :class:`~accelerate_ssl.data.datasets.ImageFiles`), each file's bytes then read once, digested and decoded
+    (:func:`decode_file`); or row i of an in-memory array (the ``.data`` of
+    :class:`~accelerate_ssl.data.datasets.ArrayImageDataset` and of torchvision's MNIST and CIFAR families, a
+    ``TensorDataset``'s first tensor), a batch then read as one block. The first item read that way must equal the
+    item ``dataset`` gives, else (and for any other data set) None: items are read as ``dataset[i]``."""
+    from torch.utils.data import Subset, TensorDataset
+
+    from ..data.datasets import ArrayImageDataset, ImageFiles
+    from ..data.items import dataset_name, is_image
 
     if image_key not in (None, 0) or len(dataset) == 0:
         return None
@@ -176,27 +209,40 @@ def image_files(dataset, image_key=None) -> Optional[tuple[list, Optional[np.nda
         base = base.dataset
     if getattr(base, "transform", None) is not None:
         return None
-    if isinstance(base, ImageFiles):
-        ours = type(base).__getitem__ is ImageFiles.__getitem__
-    else:
-        try:
-            import torchvision
-            from torchvision.datasets import DatasetFolder
-            from torchvision.datasets.folder import default_loader, pil_loader
-        except ImportError:
-            return None
-        ours = (isinstance(base, DatasetFolder) and type(base).__getitem__ is DatasetFolder.__getitem__
-                and getattr(base, "loader", None) in (default_loader, pil_loader)
-                and torchvision.get_image_backend() == "PIL")
-    if not ours or not isinstance(getattr(base, "samples", None), list):
-        return None
     rows = None
-    for indices in reversed(chain):  # innermost first: position -> row of the listed files
+    for indices in reversed(chain):  # innermost first: position -> row of the base data set
         rows = indices if rows is None else rows[indices]
-    first = base.samples[0 if rows is None else int(rows[0])][0]
-    mine = decode_file(read_file(first), where=repr(first))
+
+    def own(kind) -> bool:  # the class's __getitem__ is the known one (a subclass may override it)
+        return isinstance(base, kind) and type(base).__getitem__ is kind.__getitem__
+
+    import torchvision
+    from torchvision.datasets import CIFAR10, MNIST, DatasetFolder
+    from torchvision.datasets.folder import default_loader, pil_loader
+
+    direct = None
+    if own(ImageFiles) or (own(DatasetFolder) and getattr(base, "loader", None) in (default_loader, pil_loader)
+                           and torchvision.get_image_backend() == "PIL"):
+        if isinstance(getattr(base, "samples", None), list):
+            direct = _Direct("files", base.samples, rows)
+    elif own(ArrayImageDataset) or own(MNIST) or own(CIFAR10):
+        if isinstance(getattr(base, "data", None), (torch.Tensor, np.ndarray)) and len(base.data) == len(base):
+            direct = _Direct("array", base.data, rows)
+    elif own(TensorDataset) and base.tensors and is_image(base.tensors[0][0]):
+        direct = _Direct("array", base.tensors[0], rows)
+    if direct is None:
+        return None
+    if direct.kind == "files":
+        mine = decode_file(read_file(direct.path(0)), where=repr(direct.path(0)))
+    else:
+        mine = direct.block([0])[0]
     theirs = image_tensor(dataset[0], image_key, f"item 0 of {dataset_name(dataset)}")
-    return (base.samples, rows) if mine.shape == theirs.shape and torch.equal(mine, theirs) else None
+    same = mine.shape == theirs.shape and mine.dtype == theirs.dtype and torch.equal(mine, theirs)
+    return direct if same else None
+
+
+class _Block(tuple):
+    """A batch an array source read as one block: ``(images [B, C, H, W], row digests, content digests)``."""
 
 
 class _Images(torch.utils.data.Dataset):
@@ -204,9 +250,10 @@ class _Images(torch.utils.data.Dataset):
     holds it; ``keep_jpeg``: a JPEG file's bytes, decoded on the GPU by :func:`preprocess_images`); the row digest
     (:class:`~accelerate_ssl.data.fingerprint.RowIdentity` under the fingerprint ``like``, written to
     ``identity.npy``); the content digest (:func:`~accelerate_ssl.data.fingerprint.content_digest`) of the bytes the
-    image was read from. A folder's file (:func:`image_files`) is read once: its bytes digested and decoded, its row
-    digest the file name's. Any other item is read as ``dataset[i]``, its content digest then the row digest (the
-    array row or the image itself). No float work here: the prior's preprocessing runs batched, on its device."""
+    image was read from. Read as :func:`direct_source` says: a folder's file once (its bytes digested and decoded, its
+    row digest the file name's); an in-memory array's batch as one block (:meth:`__getitems__`; the content digest is
+    the row digest, of the row's bytes). Any other item is read as ``dataset[i]``, its content digest the row digest.
+    No float work here: the prior's preprocessing runs batched, on its device."""
 
     def __init__(self, dataset, image_key=None, like: Optional[dict] = None, keep_jpeg: bool = False):
         from ..data.fingerprint import RowIdentity
@@ -214,8 +261,13 @@ class _Images(torch.utils.data.Dataset):
 
         self.dataset, self.image_key, self.name = dataset, image_key, dataset_name(dataset)
         self.identity = RowIdentity(dataset, like=like)
-        self.files = image_files(dataset, image_key)
+        self.direct = direct_source(dataset, image_key)
         self.keep_jpeg = keep_jpeg
+
+    @property
+    def reads(self) -> str:
+        """``"files"``, ``"array"`` or ``"items"`` (``dataset[i]``)."""
+        return "items" if self.direct is None else self.direct.kind
 
     def __len__(self):
         return len(self.dataset)
@@ -223,15 +275,24 @@ class _Images(torch.utils.data.Dataset):
     def __getitem__(self, i):
         from ..data.fingerprint import content_digest
 
-        if self.files is not None:
-            samples, rows = self.files
-            path = samples[i if rows is None else int(rows[i])][0]
+        if self.reads == "files":
+            path = self.direct.path(i)
             data = read_file(path)
             return (decode_file(data, self.keep_jpeg, f"item {i} of {self.name} ({path})"), self.identity(i),
                     content_digest(data))
+        if self.reads == "array":
+            digest = self.identity(i)
+            return self.direct.block([i])[0], digest, digest
         item = self.dataset[i]
         digest = self.identity(i, item)
         return image_tensor(item, self.image_key, f"item {i} of {self.name}"), digest, digest
+
+    def __getitems__(self, positions: list[int]):
+        """A batch (the DataLoader's batched read): an array's rows as one :class:`_Block`, else item by item."""
+        if self.reads != "array":
+            return [self[i] for i in positions]
+        rows = torch.tensor([self.identity(i) for i in positions], dtype=torch.int64)
+        return _Block((self.direct.block(positions), rows, rows))
 
 
 def check_first_item(dataset, image_key=None):
@@ -264,7 +325,9 @@ class _Collate:
     """A batch of :class:`_Images` items as ``(images, row digests, content digests)``: images of one shape and dtype
     stacked into one uint8 block (one pinned copy to the device), else the list of them (JPEG bytes, mixed sizes)."""
 
-    def __call__(self, items: list[tuple[torch.Tensor, int, int]]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    def __call__(self, items) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        if isinstance(items, _Block):
+            return tuple(items)
         images = [im for im, _, _ in items]
         rows = torch.tensor([r for _, r, _ in items], dtype=torch.int64)
         content = torch.tensor([c for _, _, c in items], dtype=torch.int64)
@@ -392,15 +455,16 @@ def process_state():
 MAX_WORKERS = 16
 
 
-def loader_workers(device, batches: int) -> int:
+def loader_workers(device, batches: int, reads: str = "items") -> int:
     """Loader worker processes sized from the machine: the CPUs this process may use (its share when several
-    processes of a launch share the machine, ``LOCAL_WORLD_SIZE``). A GPU's forward leaves the CPUs to reading and
-    decoding: every CPU but the one driving the GPU, up to :data:`MAX_WORKERS`. On a CPU the forward needs them: one
-    worker per 4 CPUs (at least one when there are two), which reads and decodes the next batches while the forward
-    runs. None for fewer than 4 batches, whose start-up would cost more than it saves."""
+    processes of a launch share the machine, ``LOCAL_WORLD_SIZE``). A GPU's forward leaves the CPUs to reading,
+    digesting and decoding: every CPU but the one driving the GPU, up to :data:`MAX_WORKERS`. On a CPU the forward
+    needs them: one worker per 4 CPUs (at least one when there are two), which reads and decodes the next batches while
+    the forward runs; none for an in-memory array (``reads="array"``: a batch is one memory copy and a small digest per
+    row, less than a worker's start-up and hand-over cost). None for fewer than 4 batches."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     cpus //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    if batches < 4 or cpus < 2:
+    if batches < 4 or cpus < 2 or (reads == "array" and torch.device(device).type != "cuda"):
         return 0
     want = cpus - 1 if torch.device(device).type == "cuda" else max(1, cpus // 4)
     return int(min(want, MAX_WORKERS, batches))
@@ -441,7 +505,7 @@ def input_batches(dataset, batch_size: int, num_workers: Optional[int] = None, d
     device = torch.device(device)
     sampler = _ChunkBatches(ranges or [(0, len(dataset))], batch_size)
     images = _Images(dataset, image_key, fingerprint, keep_jpeg=device.type == "cuda")
-    workers = loader_workers(device, len(sampler)) if num_workers is None else num_workers
+    workers = loader_workers(device, len(sampler), images.reads) if num_workers is None else num_workers
     prefetch = 2
     if workers and num_workers is None:
         probe = images[next(sampler.spans())[1]][0]
@@ -452,28 +516,67 @@ def input_batches(dataset, batch_size: int, num_workers: Optional[int] = None, d
     )
 
 
+#: batches the staging thread of :func:`prior_batches` keeps ready ahead of the forward
+STAGED_BATCHES = 2
+
+
 def prior_batches(loader, preprocess, device, dtype: Optional[torch.dtype] = None):
     """The loader's batches as ``(inputs, row digests, content digests)``, the inputs the prior's on ``device``
-    (:func:`preprocess_images`, one per entry when ``preprocess`` is a list), one batch ahead: batch k+1 is copied,
-    decoded and preprocessed while the consumer runs batch k's forward (on a GPU on a side stream, which the forward's
-    stream then waits for; on a CPU the same calls, in turn)."""
+    (:func:`preprocess_images`, one per entry when ``preprocess`` is a list), staged by a background thread up to
+    :data:`STAGED_BATCHES` batches ahead of the consumer: while the forward of batch k runs, the thread takes batch
+    k+1 from the loader, copies it to the device, decodes and preprocesses it there (on a GPU on a side stream, which
+    the consumer's stream then waits for; on a CPU on another core: torch's kernels run outside the GIL). An error in
+    the thread is raised in the consumer; the thread stops when the consumer does."""
+    import queue
+    import threading
+
     device = torch.device(device)
-    side = torch.cuda.Stream(device) if device.type == "cuda" else None
-    ahead = None
-    for images, rows, content in loader:
-        if side is None:
-            staged = (preprocess_images(images, preprocess, device=device, dtype=dtype), rows, content, None)
-        else:
-            with torch.cuda.stream(side):
-                xs = preprocess_images(images, preprocess, device=device, dtype=dtype)
-                done = torch.cuda.Event()
-                done.record(side)
-            staged = (xs, rows, content, done)
-        if ahead is not None:
-            yield _on_current_stream(*ahead, device)
-        ahead = staged
-    if ahead is not None:
-        yield _on_current_stream(*ahead, device)
+    batches = iter(loader)  # made here: the loader's workers are started from the calling thread
+    staged: queue.Queue = queue.Queue(maxsize=STAGED_BATCHES)
+    stop = threading.Event()
+    end = object()
+
+    def hand_over(item) -> bool:
+        while not stop.is_set():
+            try:
+                staged.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def stage() -> None:
+        side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        try:
+            for images, rows, content in batches:
+                if side is None:
+                    item = (preprocess_images(images, preprocess, device=device, dtype=dtype), rows, content, None)
+                else:
+                    with torch.cuda.stream(side):
+                        xs = preprocess_images(images, preprocess, device=device, dtype=dtype)
+                        done = torch.cuda.Event()
+                        done.record(side)
+                    item = (xs, rows, content, done)
+                if not hand_over(item):
+                    return
+        except BaseException as err:  # noqa: BLE001 - raised again in the consumer's thread
+            hand_over(err)
+            return
+        hand_over(end)
+
+    thread = threading.Thread(target=stage, name="precompute-stage", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = staged.get()
+            if item is end:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield _on_current_stream(*item, device)
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _on_current_stream(xs, rows, content, done, device):
