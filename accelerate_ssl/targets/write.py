@@ -199,7 +199,7 @@ def direct_source(dataset, image_key=None) -> Optional[_Direct]:
     from torch.utils.data import Subset, TensorDataset
 
     from ..data.datasets import ArrayImageDataset, ImageFiles
-    from ..data.items import dataset_name, is_image
+    from ..data.items import dataset_name, is_image, unchanged
 
     if image_key not in (None, 0) or len(dataset) == 0:
         return None
@@ -207,7 +207,7 @@ def direct_source(dataset, image_key=None) -> Optional[_Direct]:
     while isinstance(base, Subset):
         chain.append(np.asarray(base.indices, dtype=np.int64))
         base = base.dataset
-    if getattr(base, "transform", None) is not None:
+    if getattr(base, "transform", None) not in (None, unchanged):  # (clean_view's identity, when None cannot do)
         return None
     rows = None
     for indices in reversed(chain):  # innermost first: position -> row of the base data set
