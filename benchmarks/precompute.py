@@ -155,9 +155,9 @@ def device_inputs(prior, dataset, batch: int, device: torch.device, precision: s
     return out
 
 
-def bare_forward(prior, inputs: list, n: int, device: torch.device, precision: str) -> float:
-    """Images/s of the prior's forward alone over ``n`` images' inputs already on the device (``inputs`` cycled),
-    under the precision's autocast and inference mode; one warm-up batch first."""
+def bare_forward(prior, inputs: list, n: int, device: torch.device, precision: str) -> tuple[float, float]:
+    """``(images/s wall, images/s of CPU time)`` of the prior's forward alone over ``n`` images' inputs already on
+    the device (``inputs`` cycled), under the precision's autocast and inference mode; one warm-up batch first."""
     from accelerate_ssl.targets.write import PRECISIONS
 
     amp = PRECISIONS[precision]
@@ -165,13 +165,13 @@ def bare_forward(prior, inputs: list, n: int, device: torch.device, precision: s
     with torch.inference_mode(), torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
         net(inputs[0])
         _sync(device)
-        done, start, i = 0, time.perf_counter(), 0
+        done, start, cpu, i = 0, time.perf_counter(), cpu_seconds(), 0
         while done < n:
             x = inputs[i % len(inputs)][: n - done]
             net(x)
             done, i = done + len(x), i + 1
         _sync(device)
-    return n / (time.perf_counter() - start)
+    return n / (time.perf_counter() - start), n / (cpu_seconds() - cpu)
 
 
 def input_pipeline(prior, dataset, batch: int, device: torch.device, precision: str) -> tuple[float, dict]:
@@ -191,40 +191,50 @@ def input_pipeline(prior, dataset, batch: int, device: torch.device, precision: 
                          "reads": loader.dataset.reads}
 
 
+def cpu_seconds() -> float:
+    """CPU seconds of this process (every thread) and of its finished children (the loader's workers, once joined)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def full_precompute(prior, dataset, batch: int, device: torch.device, precision: str, work: Path) -> tuple[float, float]:
-    """``(images/s wall, images/s of this process's CPU time)`` of ``precompute_targets`` with its defaults."""
+    """``(images/s wall, images/s of CPU time)`` of ``precompute_targets`` with its defaults (the CPU time of this
+    process and of its loader workers)."""
     from accelerate_ssl import precompute_targets
 
     out = Path(work) / "store"
     shutil.rmtree(out, ignore_errors=True)
     _sync(device)
-    start, cpu = time.perf_counter(), time.process_time()
+    start, cpu = time.perf_counter(), cpu_seconds()
     store = precompute_targets(prior, dataset, out, batch_size=batch, precision=precision, progress=False)
     _sync(device)
-    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+    seconds, cpu_seconds_ = time.perf_counter() - start, cpu_seconds() - cpu
     assert len(store) == len(dataset)
     shutil.rmtree(out, ignore_errors=True)
-    return len(dataset) / seconds, len(dataset) / cpu_seconds
+    return len(dataset) / seconds, len(dataset) / cpu_seconds_
 
 
-def per_image_costs(prior, dataset, batch: int, sample: int = 256) -> dict:
+def per_image_costs(prior, dataset, batch: int, device: torch.device, sample: int = 256) -> dict:
     """Microseconds per image of each part of the input pipeline, measured one at a time in this process on the
     first ``sample`` items: ``read`` (a file's bytes, an array block's copy, or ``dataset[i]`` and its image),
-    ``content_digest`` (a file's bytes), ``decode`` (on the CPU), ``row_digest`` (the identity digest written to
-    ``identity.npy``), ``fingerprint`` (the data set's, once per precompute, per image) and ``preprocess`` (the
-    prior's resize / crop / normalisation, batched, on the CPU)."""
+    ``content_digest`` (a file's bytes), ``decode`` (on the CPU, as the workers do), ``decode_on_device`` (a GPU's
+    batched nvJPEG decode of the JPEGs, as the staging thread does there), ``row_digest`` (the identity digest written
+    to ``identity.npy``), ``fingerprint`` (the data set's, once per precompute, per image) and ``preprocess`` (the
+    prior's resize / crop / normalisation, batched, on ``device``)."""
     from accelerate_ssl.data import dataset_fingerprint
     from accelerate_ssl.data.fingerprint import RowIdentity, content_digest
-    from accelerate_ssl.targets.write import (decode_file, direct_source, image_tensor, preprocess_images, read_file,
-                                              resolve_preprocess)
+    from accelerate_ssl.targets.write import (decode_file, decode_on, direct_source, image_tensor, preprocess_images,
+                                              read_file, resolve_preprocess)
 
     n = min(sample, len(dataset))
     direct, identity = direct_source(dataset), RowIdentity(dataset)
     cost: dict = {}
 
     def timed(name, fn):
+        _sync(device)
         start = time.perf_counter()
         out = fn()
+        _sync(device)
         cost[name] = (time.perf_counter() - start) / n * 1e6
         return out
 
@@ -232,6 +242,10 @@ def per_image_costs(prior, dataset, batch: int, sample: int = 256) -> dict:
         raw = timed("read", lambda: [read_file(direct.path(i)) for i in range(n)])
         timed("content_digest", lambda: [content_digest(r) for r in raw])
         images = timed("decode", lambda: [decode_file(r) for r in raw])
+        if device.type == "cuda":
+            kept = [decode_file(r, keep_jpeg=True) for r in raw]
+            decode_on(kept[:batch], device)  # nvJPEG's start-up, not timed
+            timed("decode_on_device", lambda: [decode_on(kept[a : a + batch], device) for a in range(0, n, batch)])
     elif direct is not None:
         images = list(timed("read", lambda: torch.cat([direct.block(list(range(a, min(a + batch, n))))
                                                        for a in range(0, n, batch)])))
@@ -242,7 +256,9 @@ def per_image_costs(prior, dataset, batch: int, sample: int = 256) -> dict:
     dataset_fingerprint(dataset)
     cost["fingerprint"] = (time.perf_counter() - start) / len(dataset) * 1e6
     pre = resolve_preprocess(prior, dataset)
-    timed("preprocess", lambda: [preprocess_images(images[a : a + batch], pre) for a in range(0, n, batch)])
+    preprocess_images(images[:batch], pre, device=device)  # the kernels' first call, not timed
+    timed("preprocess", lambda: [preprocess_images(images[a : a + batch], pre, device=device)
+                                 for a in range(0, n, batch)])
     cost["source"] = "items" if direct is None else direct.kind
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in cost.items()}
 
@@ -253,11 +269,12 @@ def measure(prior, dataset, batch: int, device: torch.device, precision: str, wo
     round, best of ``rounds``; with the ratio c / a, the pipeline's share of the per-image cost and its parts.
     ``bare_batches``: how many distinct batches the bare forward cycles through (default: every image's)."""
     inputs = device_inputs(prior, dataset, batch, device, precision, bare_batches)
-    best = {"bare": 0.0, "pipeline": 0.0, "precompute": 0.0, "precompute_cpu": 0.0}
+    best = {"bare": 0.0, "bare_cpu": 0.0, "pipeline": 0.0, "precompute": 0.0, "precompute_cpu": 0.0}
     loads, loader = [], {}
     for _ in range(rounds):
-        loads.append(os.getloadavg()[0])
-        best["bare"] = max(best["bare"], bare_forward(prior, inputs, len(dataset), device, precision))
+        loads.append(round(os.getloadavg()[0], 2))
+        wall, cpu = bare_forward(prior, inputs, len(dataset), device, precision)
+        best["bare"], best["bare_cpu"] = max(best["bare"], wall), max(best["bare_cpu"], cpu)
         rate, loader = input_pipeline(prior, dataset, batch, device, precision)
         best["pipeline"] = max(best["pipeline"], rate)
         wall, cpu = full_precompute(prior, dataset, batch, device, precision, work)
@@ -268,11 +285,13 @@ def measure(prior, dataset, batch: int, device: torch.device, precision: str, wo
     row = {"images": len(dataset), "batch": batch, "precision": precision, "loader": loader,
            "bare_forward_img_s": round(best["bare"], 1), "input_pipeline_img_s": round(best["pipeline"], 1),
            "precompute_img_s": round(best["precompute"], 1), "ratio": round(ratio, 3),
+           "bare_forward_img_per_cpu_s": round(best["bare_cpu"], 1),
            "precompute_img_per_cpu_s": round(best["precompute_cpu"], 1),
+           "ratio_cpu_time": round(best["precompute_cpu"] / best["bare_cpu"], 3),
            "pipeline_share": round(t_pipeline / (t_pipeline + t_forward), 3),
            "us_per_image": {"forward": round(t_forward, 1), "pipeline": round(t_pipeline, 1),
                             "precompute": round(t_precompute, 1)},
-           "parts_us_per_image": per_image_costs(prior, dataset, batch), "load_avg_1min": loads}
+           "parts_us_per_image": per_image_costs(prior, dataset, batch, device), "load_avg_1min": loads}
     goal = GOAL.get(device.type, 0.9)
     row["goal"] = goal
     if ratio < goal:
@@ -282,14 +301,16 @@ def measure(prior, dataset, batch: int, device: torch.device, precision: str, wo
 
 def limit(row: dict) -> str:
     """What holds a ratio below the goal, from the row's own numbers."""
-    us = row["us_per_image"]
+    us, parts = row["us_per_image"], row["parts_us_per_image"]
+    named = ", ".join(f"{k} {v:.0f}" for k, v in parts.items() if isinstance(v, float) and v >= 1)
     if row["input_pipeline_img_s"] < row["bare_forward_img_s"]:
         return (f"the input pipeline: {row['input_pipeline_img_s']:.0f} img/s against the forward's "
-                f"{row['bare_forward_img_s']:.0f} img/s (parts per image, us: {row['parts_us_per_image']})")
-    extra = us["precompute"] - us["forward"]
-    return (f"{extra:.0f} us per image beyond the forward's {us['forward']:.0f} us while the pipeline alone takes "
-            f"{us['pipeline']:.0f} us: the pipeline's work shares the CPU with the forward (workers: "
-            f"{row['loader']['num_workers']}), plus the fixed costs (fingerprint, chunk and store writes)")
+                f"{row['bare_forward_img_s']:.0f} img/s (per image, us: {named})")
+    forward_cpu, precompute_cpu = 1e6 / row["bare_forward_img_per_cpu_s"], 1e6 / row["precompute_img_per_cpu_s"]
+    return (f"CPU work: {precompute_cpu:.0f} us of CPU per image against the forward's {forward_cpu:.0f} us (the "
+            f"pipeline's parts, us per image: {named}), which overlaps the forward only on a core the forward leaves "
+            f"free (loader workers: {row['loader']['num_workers']}, plus the staging thread; 1-min load average "
+            f"{row['load_avg_1min']}); wall: {us['precompute']:.0f} us per image against {us['forward']:.0f}")
 
 
 # ---------------------------------------------------------------------------------------------- the run

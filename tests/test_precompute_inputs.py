@@ -27,7 +27,7 @@ from accelerate_ssl.data.datasets import ImageFiles
 from accelerate_ssl.data.fingerprint import RowIdentity, content_digest
 from accelerate_ssl.targets import write
 from accelerate_ssl.targets.sidecar import bytes_digest
-from accelerate_ssl.targets.write import (decode_file, decode_on, direct_source, input_batches, jpeg_frame,
+from accelerate_ssl.targets.write import (Packed, decode_file, decode_on, direct_source, input_batches, jpeg_frame,
                                           loader_prefetch, loader_workers, preprocess_images, prior_batches, read_file)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "precompute_v1"
@@ -291,6 +291,9 @@ def test_mixed_sizes_are_preprocessed_by_size_in_the_batch_order():
     out = preprocess_images(images, pre)
     for j, image in enumerate(images):
         assert torch.equal(out[j], pre.batch(image[None])[0])
+    packed = Packed.of(images)  # one buffer, as a loader worker hands a batch of several shapes over
+    assert packed.data.shape == (sum(im.numel() for im in images),)
+    assert torch.equal(preprocess_images(packed, pre), out)
     both = preprocess_images(images, [pre, pre.with_stats([0.3], [0.2], "custom")], dtype=torch.bfloat16)
     assert both[0].dtype == torch.bfloat16 and torch.equal(both[0], out.to(torch.bfloat16))
     with pytest.raises(ValueError, match="create_prior.*size="):
@@ -335,14 +338,19 @@ def test_batches_come_in_order_with_the_inputs_of_each_prior(tmp_path):
 def test_workers_and_prefetch_are_sized_from_the_machine(monkeypatch):
     monkeypatch.setattr(write.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert loader_workers("cuda", 100, "files") == 15 and loader_workers("cpu", 100, "files") == 4
-    assert loader_workers("cpu", 100, "array") == 0 and loader_workers("cuda", 100, "array") == 15
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    # a GPU: every CPU but the staging thread's and the one driving the GPU; a CPU: what torch's 8 threads leave
+    assert loader_workers("cuda", 100, "files") == 14 and loader_workers("cpu", 100, "files") == 4
+    assert loader_workers("cpu", 100, "array") == 0 and loader_workers("cuda", 100, "array") == 14
     assert loader_workers("cuda", 3, "files") == 0  # a few batches: no start-up
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 8 processes share the machine: 2 CPUs each
-    assert loader_workers("cuda", 100, "files") == 1
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    assert loader_workers("cpu", 100, "files") == 0  # the forward holds every CPU
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 4 processes share the machine: 4 CPUs each
+    assert loader_workers("cuda", 100, "files") == 2
     monkeypatch.setattr(write.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert loader_workers("cpu", 100, "files") == 1
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert loader_workers("cpu", 100, "files") == 0  # 2 CPUs: the forward's and the staging thread's
     monkeypatch.setattr(write, "_shared_memory_bytes", lambda: 64 << 20)  # a container's 64 MiB /dev/shm
     assert loader_prefetch(15, 8 << 20) == (4, 1)  # 4 workers of one 8 MiB batch fit in half of it
     assert loader_prefetch(15, 64 << 20) == (0, 0)  # not one batch: read in the main process

@@ -17,9 +17,10 @@ settings are compared with an earlier run's.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -321,9 +322,36 @@ def check_first_item(dataset, image_key=None):
 
 
 
+class Packed(NamedTuple):
+    """A batch's uint8 images of several shapes (decoded ``[C, H, W]``, or a JPEG's bytes ``[n]``) in one flat
+    buffer: one shared-memory hand-over from a loader worker and one pinned copy to the device, instead of one of each
+    per image (which cost more than the decode on a 2-core machine)."""
+
+    data: torch.Tensor
+    shapes: list
+
+    @classmethod
+    def of(cls, images: list) -> "Packed":
+        return cls(torch.cat([im.reshape(-1) for im in images]), [tuple(im.shape) for im in images])
+
+    def images(self, device=None) -> list:
+        """The images as views of the buffer; decoded ones on ``device`` (the buffer copied there once), JPEG bytes
+        where the buffer is (the decoder reads them from the host)."""
+        here = self.data
+        if device is not None and torch.device(device) != here.device and any(len(s) == 3 for s in self.shapes):
+            here = here.to(device, non_blocking=True)
+        out, start = [], 0
+        for shape in self.shapes:
+            n = math.prod(shape)
+            out.append((here if len(shape) == 3 else self.data)[start : start + n].view(*shape))
+            start += n
+        return out
+
+
 class _Collate:
     """A batch of :class:`_Images` items as ``(images, row digests, content digests)``: images of one shape and dtype
-    stacked into one uint8 block (one pinned copy to the device), else the list of them (JPEG bytes, mixed sizes)."""
+    stacked into one block, uint8 images of several shapes (and JPEG bytes) :class:`Packed` into one buffer, else
+    (float images of several shapes) the list of them."""
 
     def __call__(self, items) -> tuple[Any, torch.Tensor, torch.Tensor]:
         if isinstance(items, _Block):
@@ -334,21 +362,27 @@ class _Collate:
         first = images[0]
         if first.ndim == 3 and all(im.shape == first.shape and im.dtype == first.dtype for im in images):
             return torch.stack(images), rows, content
+        if all(im.dtype == torch.uint8 for im in images):
+            return Packed.of(images), rows, content
         return images, rows, content
 
 
 def preprocess_images(images, preprocess, where: str = "", device=None, dtype: Optional[torch.dtype] = None):
     """One batch of the prior's inputs on ``device`` (default: the images'), from a batch as the loader yields it
-    (a stacked ``[B, C, H, W]`` tensor, or a list of images of any sizes and kept JPEGs): the images cross to the
-    device as they are (uint8), JPEGs are decoded there (:func:`decode_on`), and ``preprocess.batch`` runs there,
-    once per group of images of one size, returning ``dtype``. ``preprocess`` may be a list (several priors reading
-    one pass): the images cross and are decoded once, and a list of inputs is returned, one per entry. Images the
-    preprocessing leaves at different sizes are refused naming the fix (``where`` says which, for a message)."""
+    (a stacked ``[B, C, H, W]`` tensor, a :class:`Packed` batch, or a list of images of any sizes and kept JPEGs): the
+    images cross to the device as they are (uint8), JPEGs are decoded there (:func:`decode_on`), and
+    ``preprocess.batch`` runs there, once per group of images of one size, returning ``dtype``. ``preprocess`` may be
+    a list (several priors reading one pass): the images cross and are decoded once, and a list of inputs is returned,
+    one per entry. Images the preprocessing leaves at different sizes are refused naming the fix (``where`` says
+    which, for a message)."""
     pres = list(preprocess) if isinstance(preprocess, (list, tuple)) else [preprocess]
     if isinstance(images, torch.Tensor):
         x = images.to(images.device if device is None else device, non_blocking=True)
         outs = [pre.batch(x, dtype) for pre in pres]
     else:
+        if isinstance(images, Packed):
+            device = images.data.device if device is None else device
+            images = images.images(device)
         images = decode_on(images, images[0].device if device is None else device)
         groups: dict[tuple, list[int]] = {}
         for j, im in enumerate(images):
@@ -457,17 +491,19 @@ MAX_WORKERS = 16
 
 def loader_workers(device, batches: int, reads: str = "items") -> int:
     """Loader worker processes sized from the machine: the CPUs this process may use (its share when several
-    processes of a launch share the machine, ``LOCAL_WORLD_SIZE``). A GPU's forward leaves the CPUs to reading,
-    digesting and decoding: every CPU but the one driving the GPU, up to :data:`MAX_WORKERS`. On a CPU the forward
-    needs them: one worker per 4 CPUs (at least one when there are two), which reads and decodes the next batches while
-    the forward runs; none for an in-memory array (``reads="array"``: a batch is one memory copy and a small digest per
-    row, less than a worker's start-up and hand-over cost). None for fewer than 4 batches."""
+    processes of a launch share the machine, ``LOCAL_WORLD_SIZE``), less the one of :func:`prior_batches`' staging
+    thread, which reads the batches itself when there are no workers, and less the forward's: on a GPU the one thread
+    driving it (so 14 workers on 16 CPUs, up to :data:`MAX_WORKERS`); on a CPU torch's threads, one worker per 4 CPUs
+    at most. None for an in-memory array on a CPU (``reads="array"``: a batch is one memory copy and a small digest
+    per row, which the staging thread does at less cost than a worker's hand-over), and none for fewer than 4
+    batches, whose start-up would cost more than it saves."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     cpus //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    if batches < 4 or cpus < 2 or (reads == "array" and torch.device(device).type != "cuda"):
+    cuda = torch.device(device).type == "cuda"
+    if batches < 4 or (reads == "array" and not cuda):
         return 0
-    want = cpus - 1 if torch.device(device).type == "cuda" else max(1, cpus // 4)
-    return int(min(want, MAX_WORKERS, batches))
+    spare = cpus - 1 - (1 if cuda else torch.get_num_threads())
+    return int(max(0, min(spare, MAX_WORKERS if cuda else cpus // 4, batches)))
 
 
 def _shared_memory_bytes() -> Optional[int]:
