@@ -1,7 +1,8 @@
 """Precompute vs the prior's bare forward, with its input pipeline alone, side by side in one run.
 
 For each data set (an in-memory array, a folder of JPEGs) and each prior (a small and a large one), three
-measurements alternate round by round (best of ``--rounds``, as a shared machine is noisy):
+measurements, ``--rounds`` times (default 3; medians reported); each round times (a) just before and just after (c),
+so that both see the same load of a shared machine:
 
 (a) **bare forward**: the prior's forward over the same images already preprocessed, on the device, batched as the
     precompute batches them (under its precision's autocast; nothing read, decoded, identified or written);
@@ -11,12 +12,12 @@ measurements alternate round by round (best of ``--rounds``, as a shared machine
 (c) **precompute**: ``precompute_targets`` with its defaults (loader workers sized from the machine): fingerprint,
     manifest, the pass, every chunk written, the store consolidated and checksummed.
 
-Reported per case: images/s of each, the ratio c / a (goal >= 0.9 on a CPU), the pipeline's share of the per-image
-cost (``(1/b) / (1/a + 1/b)``: its share if nothing overlapped), the loader workers used, and the pipeline's parts
+Reported per case: images/s of each, the ratio c / a (goal >= 0.9 on a CPU; also in CPU seconds of this process and
+its loader workers, which other processes' load barely moves), the pipeline's share of the per-image cost (``(1/b) / (1/a + 1/b)``: its share if nothing overlapped), the loader workers used, and the pipeline's parts
 per image measured one at a time in this process (read, content digest, decode, row identity digest, the data set's
 fingerprint, the preprocessing), with what limits a ratio below the goal.
 
-    .venv/bin/python benchmarks/precompute.py                 # the default run, ~12 min on 2 cores
+    .venv/bin/python benchmarks/precompute.py                 # the default run, ~25 min on 2 cores
     .venv/bin/python benchmarks/precompute.py --images 512 --rounds 1 --priors small   # a quick look
 
 Data: ``array`` is Fashion-MNIST train (the first ``--images`` 28-px images, ``FashionMNIST``: the in-memory array
@@ -263,38 +264,42 @@ def per_image_costs(prior, dataset, batch: int, device: torch.device, sample: in
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in cost.items()}
 
 
-def measure(prior, dataset, batch: int, device: torch.device, precision: str, work: Path, rounds: int = 2,
+def measure(prior, dataset, batch: int, device: torch.device, precision: str, work: Path, rounds: int = 3,
             bare_batches: int | None = None) -> dict:
-    """(a) bare forward, (b) input pipeline and (c) precompute of ``prior`` on ``dataset``, alternated round by
-    round, best of ``rounds``; with the ratio c / a, the pipeline's share of the per-image cost and its parts.
-    ``bare_batches``: how many distinct batches the bare forward cycles through (default: every image's)."""
+    """(a) bare forward, (b) input pipeline and (c) precompute of ``prior`` on ``dataset``, ``rounds`` times; each
+    round times (a) just before and just after (c), so that both see the same load of a shared machine, and its ratio
+    is (c) over the mean of those two (a). Reported: the medians over the rounds (wall clock, and CPU time of this
+    process and its loader workers, which the load of other processes barely moves), the pipeline's share of the
+    per-image cost and its parts. ``bare_batches``: how many distinct batches the bare forward cycles through
+    (default: every image's)."""
     inputs = device_inputs(prior, dataset, batch, device, precision, bare_batches)
-    best = {"bare": 0.0, "bare_cpu": 0.0, "pipeline": 0.0, "precompute": 0.0, "precompute_cpu": 0.0}
-    loads, loader = [], {}
+    runs, loader = [], {}
     for _ in range(rounds):
-        loads.append(round(os.getloadavg()[0], 2))
-        wall, cpu = bare_forward(prior, inputs, len(dataset), device, precision)
-        best["bare"], best["bare_cpu"] = max(best["bare"], wall), max(best["bare_cpu"], cpu)
-        rate, loader = input_pipeline(prior, dataset, batch, device, precision)
-        best["pipeline"] = max(best["pipeline"], rate)
-        wall, cpu = full_precompute(prior, dataset, batch, device, precision, work)
-        best["precompute"], best["precompute_cpu"] = max(best["precompute"], wall), max(best["precompute_cpu"], cpu)
+        run = {"load_avg_1min": round(os.getloadavg()[0], 2)}
+        before = bare_forward(prior, inputs, len(dataset), device, precision)
+        run["precompute"], run["precompute_cpu"] = full_precompute(prior, dataset, batch, device, precision, work)
+        after = bare_forward(prior, inputs, len(dataset), device, precision)
+        run["bare"], run["bare_cpu"] = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
+        run["pipeline"], loader = input_pipeline(prior, dataset, batch, device, precision)
+        run["ratio"], run["ratio_cpu_time"] = run["precompute"] / run["bare"], run["precompute_cpu"] / run["bare_cpu"]
+        runs.append({k: round(v, 3) for k, v in run.items()})
     del inputs
-    ratio = best["precompute"] / best["bare"]
-    t_forward, t_pipeline, t_precompute = (1e6 / best[k] for k in ("bare", "pipeline", "precompute"))
+    med = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+    t_forward, t_pipeline, t_precompute = (1e6 / med[k] for k in ("bare", "pipeline", "precompute"))
     row = {"images": len(dataset), "batch": batch, "precision": precision, "loader": loader,
-           "bare_forward_img_s": round(best["bare"], 1), "input_pipeline_img_s": round(best["pipeline"], 1),
-           "precompute_img_s": round(best["precompute"], 1), "ratio": round(ratio, 3),
-           "bare_forward_img_per_cpu_s": round(best["bare_cpu"], 1),
-           "precompute_img_per_cpu_s": round(best["precompute_cpu"], 1),
-           "ratio_cpu_time": round(best["precompute_cpu"] / best["bare_cpu"], 3),
+           "bare_forward_img_s": round(med["bare"], 1), "input_pipeline_img_s": round(med["pipeline"], 1),
+           "precompute_img_s": round(med["precompute"], 1), "ratio": round(med["ratio"], 3),
+           "bare_forward_img_per_cpu_s": round(med["bare_cpu"], 1),
+           "precompute_img_per_cpu_s": round(med["precompute_cpu"], 1),
+           "ratio_cpu_time": round(med["ratio_cpu_time"], 3),
            "pipeline_share": round(t_pipeline / (t_pipeline + t_forward), 3),
            "us_per_image": {"forward": round(t_forward, 1), "pipeline": round(t_pipeline, 1),
                             "precompute": round(t_precompute, 1)},
-           "parts_us_per_image": per_image_costs(prior, dataset, batch, device), "load_avg_1min": loads}
+           "parts_us_per_image": per_image_costs(prior, dataset, batch, device), "rounds": runs,
+           "load_avg_1min": [r["load_avg_1min"] for r in runs]}
     goal = GOAL.get(device.type, 0.9)
     row["goal"] = goal
-    if ratio < goal:
+    if row["ratio"] < goal:
         row["limit"] = limit(row)
     return row
 
@@ -326,7 +331,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=2048, help="images per data set (default 2048)")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating repetitions; the best is kept")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per case; medians are reported")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--priors", nargs="+", choices=["small", "large"], default=["small", "large"])
     parser.add_argument("--data", nargs="+", choices=["array", "folder"], default=["array", "folder"])

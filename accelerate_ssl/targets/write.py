@@ -1,15 +1,26 @@
 """The writer's parts that stores (:mod:`.precompute`) and sidecars (:mod:`.sidecar`) share: which process does what,
-how an item's image is read and preprocessed, the prior's forward over a batch with its checks, and how a run's
-settings are compared with an earlier run's.
+how an item's image is read, decoded and preprocessed, the prior's forward over a batch with its checks, and how a
+run's settings are compared with an earlier run's.
 
 - :func:`process_state`: the processes of an initialised ``torch.distributed`` group, or accelerate's ``PartialState``
   under ``accelerate launch`` (the work is sharded), else one
   process; :data:`PRECISIONS` and :func:`default_batch_size`.
 - :func:`image_tensor` / :func:`check_first_item`: the image of a data set item (dict field, tuple position) as a
-  tensor, refused with the fix when the prior cannot take it; :func:`input_batches`: the DataLoader a store's
-  precompute reads, each batch's images preprocessed in the workers with each row's identity digest.
-- :func:`embed`: one batch of preprocessed images through the prior, under the precision's autocast, checked for
-  shape and NaN/Inf (the one forward both writers run).
+  tensor, refused with the fix when the prior cannot take it.
+- **The input pipeline** a store's precompute reads (each stage where it is cheapest):
+
+  1. :func:`input_batches`, the loader (:class:`_Images`, workers sized from the machine by :func:`loader_workers` /
+     :func:`loader_prefetch`): each item read once with its row identity digest and the digest of the bytes it was
+     read from (:func:`direct_source`: a folder's files read and digested by the pipeline itself, JPEGs decoded by
+     ``torchvision.io`` (:func:`decode_file`, PIL the fallback) or, for a GPU, left encoded; an in-memory array's batch
+     read as one block; anything else as ``dataset[i]``), no float work; batches stay uint8 (:class:`Packed` when
+     their images differ in size), pinned for a GPU;
+  2. :func:`prior_batches`, the staging thread: each batch copied to the prior's device, its JPEGs decoded there
+     (:func:`decode_on`, nvJPEG on a GPU) and the prior's own preprocessing run there, batched, in the precision's
+     dtype (:func:`preprocess_images`, ``Preprocess.batch``), up to :data:`STAGED_BATCHES` ahead of the forward;
+  3. :func:`forward_rows`, the forward: queued with its NaN/Inf flags and a non-blocking copy of the rows to pinned
+     memory (:class:`PendingRows`), so the next batch's forward is queued before this one is waited for;
+     :func:`embed` is the same, waited for (the sidecars' pass, the map PCA's fit).
 - :func:`map_geometry`: what a spatial store or sidecar folder records of the prior's feature maps;
   :func:`check_grid` that a map lies on it; :func:`fit_map_pca` the PCA every location of those maps is reduced with.
 - :func:`settings_diff`: what differs between a folder's recorded settings and a new run's.
