@@ -271,8 +271,11 @@ def measure(prior, dataset, batch: int, device: torch.device, precision: str, wo
     is (c) over the mean of those two (a). Reported: the medians over the rounds (wall clock, and CPU time of this
     process and its loader workers, which the load of other processes barely moves), the pipeline's share of the
     per-image cost and its parts. ``bare_batches``: how many distinct batches the bare forward cycles through
-    (default: every image's)."""
+    (default: every image's). One untimed precompute of the first batches first, as the bare forward has one untimed
+    batch."""
     inputs = device_inputs(prior, dataset, batch, device, precision, bare_batches)
+    warm_up = torch.utils.data.Subset(dataset, range(min(len(dataset), 4 * batch)))  # as the bare forward's batch:
+    full_precompute(prior, warm_up, batch, device, precision, work)  # first-call costs of the process, not timed
     runs, loader = [], {}
     for _ in range(rounds):
         run = {"load_avg_1min": round(os.getloadavg()[0], 2)}

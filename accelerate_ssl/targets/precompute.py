@@ -140,8 +140,9 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
             batch size.
         num_workers: the loader's worker processes, which read, digest and decode the items (the prior's
             preprocessing runs batched on its device); ``None`` (default): sized from the machine
-            (:func:`~accelerate_ssl.targets.write.loader_workers`: on a GPU every CPU but one, up to 16; on a CPU one
-            per 4 CPUs); 0 reads in the main process.
+            (:func:`~accelerate_ssl.targets.write.loader_workers`: on a GPU every CPU but two, up to 16; on a CPU
+            only CPUs torch's threads leave free, one per 4 at most, none for in-memory arrays); 0: the staging thread
+            reads them.
         precision: ``"fp32"``, ``"fp16"`` or ``"bf16"`` (autocast of the prior's forward).
         dtype: how rows are stored: ``"float32"`` (default), ``"float16"`` or ``"bfloat16"`` (half the bytes; read
             back as float32).
@@ -433,11 +434,11 @@ def _spatial_pca(prior, dataset, pre, path: Path, state, geometry: dict, batch_s
 def _compute_chunks(jobs, dataset, ranges, batch_size, num_workers, precision, device, show, tqdm, image_key=None,
                     fingerprint=None):
     """Every job's missing chunks in one pass over the data: each batch of items is read, decoded and identified
-    once in the loader's workers (:func:`~accelerate_ssl.targets.write.input_batches`), crosses to the device as
-    uint8 and is preprocessed there once per prior (:func:`~accelerate_ssl.targets.write.prior_batches`, one batch
-    ahead), and is embedded by each prior whose chunk it is: its pooled rows, or for a spatial job its feature map
-    (channels last, each location reduced by the job's PCA if any). Batch k+1's forward is queued before batch k's
-    rows are waited for, so the device never idles on the host between batches."""
+    once by the loader (:func:`~accelerate_ssl.targets.write.input_batches`), crosses to the device as uint8 and is
+    preprocessed there once per prior, batches ahead of the forward (:func:`~accelerate_ssl.targets.write.prior_batches`),
+    and is embedded by each prior whose chunk it is: its pooled rows, or for a spatial job its feature map (channels
+    last, each location reduced by the job's PCA if any). Batch k+1's forward is queued before batch k's rows are
+    waited for, so the device does not idle on the host between batches."""
     todo = sorted(set().union(*(job.todo for job in jobs)))
     for job in jobs:
         job.prior = job.prior.to(device).eval()
@@ -618,8 +619,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "on the first images of evenly spaced shards" % SPATIAL_FIT_IMAGES)
     parser.add_argument("--num-workers", type=int, default=None,
                         help="loader worker processes that read, digest and decode the images (default: sized from "
-                             "the machine: on a GPU every CPU but one, up to 16; on a CPU one per 4 CPUs); 0 reads in "
-                             "the main process")
+                             "the machine: on a GPU every CPU but two, up to 16; on a CPU only CPUs torch's threads "
+                             "leave free, one per 4 at most, none for in-memory arrays); 0: a background thread of the "
+                             "process reads them")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="rows per resumable chunk file")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--image-field", default=None, help=IMAGE_FIELD_HELP)
