@@ -153,12 +153,12 @@ def decode_file(data: bytearray, keep_jpeg: bool = False, where: str = "a file")
 def decode_on(images: list, device: torch.device) -> list:
     """A batch's images (uint8 ``[C, H, W]``, or JPEG bytes :func:`decode_file` kept) as uint8 images on ``device``:
     the kept JPEGs decoded there in one ``torchvision.io.decode_jpeg`` call (nvJPEG on a GPU), the others copied."""
-    from torchvision.io import ImageReadMode, decode_jpeg
-
     device = torch.device(device)
     out = list(images)
     kept = [j for j, im in enumerate(images) if im.ndim == 1]
     if kept:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
         try:
             decoded = decode_jpeg([images[j] for j in kept], mode=ImageReadMode.RGB, device=device)
         except RuntimeError:  # a file nvJPEG refuses: the CPU decoder (or PIL, naming it) for this batch
@@ -228,18 +228,20 @@ def direct_source(dataset, image_key=None) -> Optional[_Direct]:
     def own(kind) -> bool:  # the class's __getitem__ is the known one (a subclass may override it)
         return isinstance(base, kind) and type(base).__getitem__ is kind.__getitem__
 
-    import torchvision
-    from torchvision.datasets import CIFAR10, MNIST, DatasetFolder
-    from torchvision.datasets.folder import default_loader, pil_loader
+    folder, array = own(ImageFiles), own(ArrayImageDataset)
+    if type(base).__module__.split(".")[0] == "torchvision":  # (imported already, then: nothing more to import)
+        import torchvision
+        from torchvision.datasets import CIFAR10, MNIST, DatasetFolder
+        from torchvision.datasets.folder import default_loader, pil_loader
 
+        folder = (own(DatasetFolder) and getattr(base, "loader", None) in (default_loader, pil_loader)
+                  and torchvision.get_image_backend() == "PIL")
+        array = own(MNIST) or own(CIFAR10)
     direct = None
-    if own(ImageFiles) or (own(DatasetFolder) and getattr(base, "loader", None) in (default_loader, pil_loader)
-                           and torchvision.get_image_backend() == "PIL"):
-        if isinstance(getattr(base, "samples", None), list):
-            direct = _Direct("files", base.samples, rows)
-    elif own(ArrayImageDataset) or own(MNIST) or own(CIFAR10):
-        if isinstance(getattr(base, "data", None), (torch.Tensor, np.ndarray)) and len(base.data) == len(base):
-            direct = _Direct("array", base.data, rows)
+    if folder and isinstance(getattr(base, "samples", None), list):
+        direct = _Direct("files", base.samples, rows)
+    elif array and isinstance(getattr(base, "data", None), (torch.Tensor, np.ndarray)) and len(base.data) == len(base):
+        direct = _Direct("array", base.data, rows)
     elif own(TensorDataset) and base.tensors and is_image(base.tensors[0][0]):
         direct = _Direct("array", base.tensors[0], rows)
     if direct is None:
