@@ -172,7 +172,7 @@ def bare_forward(prior, inputs: list, n: int, device: torch.device, precision: s
             net(x)
             done, i = done + len(x), i + 1
         _sync(device)
-    return n / (time.perf_counter() - start), n / (cpu_seconds() - cpu)
+    return n / (time.perf_counter() - start), n / max(cpu_seconds() - cpu, 1e-6)
 
 
 def input_pipeline(prior, dataset, batch: int, device: torch.device, precision: str) -> tuple[float, dict]:
@@ -194,8 +194,8 @@ def input_pipeline(prior, dataset, batch: int, device: torch.device, precision: 
 
 def cpu_seconds() -> float:
     """CPU seconds of this process (every thread) and of its finished children (the loader's workers, once joined)."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    children = os.times()
+    return time.process_time() + children.children_user + children.children_system
 
 
 def full_precompute(prior, dataset, batch: int, device: torch.device, precision: str, work: Path) -> tuple[float, float]:
@@ -209,7 +209,7 @@ def full_precompute(prior, dataset, batch: int, device: torch.device, precision:
     start, cpu = time.perf_counter(), cpu_seconds()
     store = precompute_targets(prior, dataset, out, batch_size=batch, precision=precision, progress=False)
     _sync(device)
-    seconds, cpu_seconds_ = time.perf_counter() - start, cpu_seconds() - cpu
+    seconds, cpu_seconds_ = time.perf_counter() - start, max(cpu_seconds() - cpu, 1e-6)
     assert len(store) == len(dataset)
     shutil.rmtree(out, ignore_errors=True)
     return len(dataset) / seconds, len(dataset) / cpu_seconds_
