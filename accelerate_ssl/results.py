@@ -82,9 +82,23 @@ def cpu_model() -> str:
     return platform.processor()
 
 
+def gpu_driver() -> Optional[str]:
+    """The NVIDIA driver's version (``/proc/driver/nvidia/version``, else ``nvidia-smi``), or None when unreadable."""
+    try:
+        return Path("/proc/driver/nvidia/version").read_text().split("Kernel Module")[1].split()[0]
+    except (OSError, IndexError):
+        pass
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+        return out.splitlines()[0] if out else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def machine(device: Optional[str] = None) -> dict:
     """The machine a result was measured on: ``device`` (what the run computed on: ``"cpu"`` or the GPU's name; by
-    default the first CUDA device when one is present, else ``"cpu"``), torch, the CUDA and cuDNN versions torch
+    default the first CUDA device when one is present, else ``"cpu"``), the GPU driver when readable, torch, the CUDA and cuDNN versions torch
     uses, the CPU's model, kernels (``torch.backends.cpu.get_cpu_capability()``) and cores, the load average when
     written, the platform and Python."""
     import torch
@@ -93,7 +107,8 @@ def machine(device: Optional[str] = None) -> dict:
     if device is None or device.startswith("cuda"):
         device = torch.cuda.get_device_name(torch.device(device or "cuda")) if cuda else (device or "cpu")
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    return {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": cudnn,
+    return {"device": device, "driver": gpu_driver() if cuda else None, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "cudnn": cudnn,
             "cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "load_average": list(os.getloadavg()),
             "platform": platform.platform(), "python": platform.python_version()}

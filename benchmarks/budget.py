@@ -90,6 +90,8 @@ def parse_args(argv=None):
     p.add_argument("--cache", default=str(ROOT / "benchmarks/cache/budget"), help="target stores, the in-domain prior")
     p.add_argument("--out", help="results JSON (default: benchmarks/results/budget_<student>.json)")
     p.add_argument("--worker", default="0/1", metavar="I/N", help="run units I, I+N, ... only")
+    p.add_argument("--gather", action="store_true",
+                   help="run nothing: write the results of the runs finished so far (marked incomplete if some are not)")
     p.add_argument("--tables", metavar="JSON", help="print the tables from a results JSON and exit")
     a = p.parse_args(argv)
     for k, v in STUDENTS[a.student].items():
@@ -390,14 +392,16 @@ def main(argv=None) -> None:
 
     data = h2h.data(a)
     todo = units(a)
-    mine = todo[a.worker[0]::a.worker[1]]
+    mine = [] if a.gather else todo[a.worker[0]::a.worker[1]]
     for unit in sorted(mine, key=lambda u: u[0] == "rela" and u[1] == "indomain"):  # the in-domain prior last
         run_unit(a, data, unit)
     runs = {u: json.loads(unit_file(a, u).read_text()) for u in todo if unit_file(a, u).is_file()}
     if len(runs) < len(todo):
         print(f"budget.py: {len(runs)} of {len(todo)} runs done; rerun to finish (other workers may still run).")
-        return
+        if a.worker != (0, 1) or not any(u[0] == "plain" and u[2] == a.full for u in runs):
+            return  # a worker, or nothing to compare with yet: no results file
     result = {"command": "python benchmarks/" + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+              "complete": len(runs) == len(todo), "runs_done": len(runs), "runs_planned": len(todo),
               "settings": settings(a), "analysis": analyse(a, runs),
               "runs": {unit_file(a, u).stem: r for u, r in runs.items()}}
     write_results(a.out, result, device=a.device if a.device != "cpu" else None,

@@ -491,11 +491,23 @@ def scale(r: Result) -> dict[str, str]:
 
 @renders("precompute.json")
 def precompute(r: Result) -> dict[str, str]:
-    rows = [[str(x["n"]), f"{x['bare_forward_img_s']:.0f}", f"{x['precompute_img_s']:.0f}", f"{x['ratio']:.2f}",
-             f"{x['ratio_cpu_time']:.2f}", f"{x['peak_rss_mb']:.0f}"] for x in r["results"]]
-    return {"precompute.table": table(["images", "bare prior forward img/s", "precompute img/s", "ratio (wall)",
-                                       "ratio (CPU time)", "peak RSS MB"], rows, "rrrrrr")
-            + f"\n\nPrior `{r['prior']}`, {r['input']}, batch {r['batch_size']}. Goal: {r['goal']}.\n\n" + r.source()}
+    rows = [[r["priors"][x["prior"]], r["data"][x["data"]], f"{x['bare_forward_img_s']:.1f}",
+             f"{x['input_pipeline_img_s']:.0f}", f"{x['precompute_img_s']:.1f}", f"**{x['ratio']:.2f}**",
+             f"{x['ratio_cpu_time']:.2f}", f"{100 * x['pipeline_share']:.1f} %"] for x in r["results"]]
+    parts = [f"{r['priors'][x['prior']]} on the {x['data']}: read {x['parts_us_per_image'].get('read', 0):.0f} µs, "
+             f"decode {x['parts_us_per_image'].get('decode', 0):.0f} µs, resize / crop / normalise "
+             f"{x['parts_us_per_image']['preprocess']:.0f} µs per image, against {x['us_per_image']['forward']:.0f} µs "
+             f"for its forward" for x in r["results"] if x["data"] == "folder"]
+    loads = [v for x in r["results"] for v in x["load_avg_1min"]]
+    first = r["results"][0]
+    return {"precompute.table": table(["prior", "data", "bare forward img/s", "input pipeline alone img/s",
+                                       "precompute img/s", "precompute / bare forward", "the same in CPU time",
+                                       "the pipeline's share"], rows, "llrrrrrr")
+            + f"\n\n{first['images']:,} images, batch {first['batch']}, {first['precision']}, {r['provenance']['machine']['torch_threads']} torch "
+            f"thread; each figure the median of {r['rounds']} rounds, each round timing the bare forward just before and "
+            f"just after the precompute (1-minute load average {min(loads):.1f} to {max(loads):.1f} on the machine's "
+            f"{r['provenance']['machine']['cpu_count']} cores). Per image on the JPEG folders: " + "; ".join(parts)
+            + ".\n\n" + r.source()}
 
 
 @renders("precompute_batch.json")

@@ -329,12 +329,21 @@ def file_digest(data: bytes) -> tuple[int, int]:
     return int.from_bytes(d[:8], "little", signed=True), int.from_bytes(d[8:], "little", signed=True)
 
 
-def file_record(path: str) -> np.ndarray:
-    """``[size, mtime_ns, digest_hi, digest_lo]`` of one file (:data:`CONTENT_FIELDS`), its bytes read once."""
+def read_file(path) -> tuple[bytearray, np.ndarray]:
+    """A file's bytes, read once into a writable buffer (decoded in place of a copy), and its record
+    ``[size, mtime_ns, digest_hi, digest_lo]`` (:data:`CONTENT_FIELDS`) computed from those very bytes: the precompute
+    decodes and records a file from one read."""
     with open(path, "rb") as f:
         stat = os.fstat(f.fileno())
-        data = f.read()
-    return np.array([len(data), stat.st_mtime_ns, *file_digest(data)], dtype=np.int64)
+        data = bytearray(stat.st_size)
+        got = f.readinto(data)
+    data = data if got == len(data) else data[:got]
+    return data, np.array([len(data), stat.st_mtime_ns, *file_digest(data)], dtype=np.int64)
+
+
+def file_record(path: str) -> np.ndarray:
+    """``[size, mtime_ns, digest_hi, digest_lo]`` of one file (:data:`CONTENT_FIELDS`), its bytes read once."""
+    return read_file(path)[1]
 
 
 def record_contents(paths: list[str], progress: bool = False) -> np.ndarray:
@@ -552,6 +561,13 @@ class RowIdentity:
 
         return np.fromiter((self(i) for i in tqdm(range(len(self)), desc=f"identify {self.kind}", unit="row",
                                                   disable=not progress)), dtype=np.int64, count=len(self))
+
+
+def content_digest(data) -> int:
+    """The signed 64-bit digest (blake2b, 8 bytes, big-endian) of the bytes an image was read from: a folder's file, a
+    streamed sample's image field. The precompute digests each file's bytes as it reads them (once: the same bytes
+    are decoded), and a sidecar records it per row."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big", signed=True)
 
 
 def describe_fingerprint_mismatch(expected: dict, actual: dict) -> str | None:

@@ -126,8 +126,13 @@ class Preprocess:
             raise ValueError(f"Expected an image [C, H, W] with 1 or 3 channels, got shape {tuple(image.shape)}.")
         return image
 
-    def batch(self, x: torch.Tensor) -> torch.Tensor:
-        """Preprocess a batch ``[B, C, H, W]`` (uint8 0..255 or float 0..1) -> float32 ``[B, channels, h, w]``.
+    def batch(self, x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Preprocess a batch ``[B, C, H, W]`` (uint8 0..255 or float 0..1) on the device it is on -> ``[B, channels,
+        h, w]``. The arithmetic is float32 on every device (the weights' own resize, crop and normalisation, so a batch
+        preprocessed on a GPU gives the rows of one preprocessed on the CPU to float rounding); the result is returned
+        as ``dtype`` (default float32; the precompute passes its precision's, the dtype autocast would cast the
+        prior's input to anyway). The precompute hands this uint8 images already on the prior's device: a quarter of
+        float32's bytes cross, and the float work runs there, batched.
         Float images outside [0, 1] (0..255 floats, or images already normalised) are refused: the prior would
         embed them as they are and every target would be wrong."""
         if x.dtype == torch.uint8:
@@ -144,15 +149,13 @@ class Preprocess:
                 )
         c = x.shape[1]
         if c != self.channels:
-            if c == 1 and self.channels == 3:
-                x = x.expand(-1, 3, -1, -1)
-            elif c == 3 and self.channels == 1:
+            if c == 3 and self.channels == 1:
                 warnings.warn(
                     "This prior takes 1-channel (grayscale) images: your RGB images are converted to luminance "
                     "(ITU-R 601, as PIL's convert('L')) before it embeds them, so its targets ignore colour. Use a "
                     "3-channel prior for colour data (accelerate-ssl priors list).", UserWarning, stacklevel=2)
                 x = (x * torch.tensor(_LUMA, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)).sum(1, keepdim=True)
-            else:
+            elif not (c == 1 and self.channels == 3):  # 1 -> 3 is repeated after the resize: the same values, 1/3 the work
                 raise ValueError(f"Cannot adapt {c}-channel images to a {self.channels}-channel prior.")
         if self.resize is not None:
             h, w = x.shape[-2:]
@@ -168,9 +171,20 @@ class Preprocess:
                 raise ValueError(f"Image {h}x{w} is smaller than the crop {self.crop}; set resize >= crop.")
             top, left = (h - self.crop) // 2, (w - self.crop) // 2
             x = x[..., top : top + self.crop, left : left + self.crop]
-        mean = torch.tensor(self.mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
-        std = torch.tensor(self.std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
-        return ((x - mean) / std).contiguous()
+        if x.shape[1] != self.channels:
+            x = x.expand(-1, self.channels, -1, -1)
+        mean, std = self._statistics(x.device)
+        out = ((x - mean) / std).contiguous()
+        return out if dtype is None else out.to(dtype)
+
+    def _statistics(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``mean`` and ``std`` as float32 ``[1, C, 1, 1]`` on ``device``, made once per device (a tensor made from a
+        list on a GPU is a copy the host waits for: once, not per batch)."""
+        cache = self.__dict__.setdefault("_on_device", {})
+        if device not in cache:
+            cache[device] = tuple(torch.tensor(v, dtype=torch.float32).view(1, -1, 1, 1).to(device)
+                                  for v in (self.mean, self.std))
+        return cache[device]
 
     def __call__(self, image: Any) -> torch.Tensor:
         """One image (PIL, uint8/float tensor or ndarray) -> float tensor ``[channels, h, w]``."""

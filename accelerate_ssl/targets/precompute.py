@@ -44,9 +44,10 @@ Several priors with ``spatial=`` are each a spatial job: each its own grid and i
 (:mod:`accelerate_ssl.targets.keys`); duplicated keys are refused before anything is computed.
 
 **File contents.** For a data set that lists its files, each row's file is recorded by its size, modification time and
-the digest of its bytes (``contents.npy``, :func:`~accelerate_ssl.data.fingerprint.record_contents`), read by the main
-process at consolidation: the store then refuses the same names holding other bytes (checked at open, and byte for
-byte by ``accelerate-ssl store verify --data``).
+the digest of its bytes (``contents.npy``): for a folder the loader reads each file once, decodes those bytes and
+records them (:func:`~accelerate_ssl.data.fingerprint.read_file`, a chunk's records written beside its rows); a data
+set read through ``dataset[i]`` has its files read at consolidation. The store then refuses the same names holding
+other bytes (checked at open, and byte for byte by ``accelerate-ssl store verify --data``).
 """
 
 from __future__ import annotations
@@ -73,9 +74,9 @@ from ..checksum import file_sha256
 from .format import (AT_WRITE_PCA, CHUNKS, CONTENTS, DTYPES, FORMAT, FORMAT_VERSION, IDENTITY, MANIFEST, METADATA, PCA_DIR,
                      TARGETS, encode_rows, read_json)
 from .store import TargetStore
-from .write import (PRECISIONS, SPATIAL_FIT_IMAGES, check_first_item, check_spatial, default_batch_size, embed,
-                    fit_map_pca, image_channels, image_tensor, input_batches, map_geometry, process_state,
-                    resolve_preprocess, sample_batches, settings_diff)
+from .write import (PRECISIONS, SPATIAL_FIT_IMAGES, check_first_item, check_spatial, default_batch_size, fit_map_pca,
+                    forward_rows, image_channels, image_tensor, input_batches, map_geometry, prior_batches,
+                    process_state, resolve_preprocess, sample_batches, settings_diff)
 
 DEFAULT_CHUNK_SIZE = 8192
 
@@ -98,6 +99,12 @@ def _complete_array(file: Path, shape: tuple, dtype) -> bool:
     return arr.shape == shape and arr.dtype == dtype
 
 
+def contents_path(path: Path, k: int) -> Path:
+    """The file records of chunk ``k``'s rows (a folder's: size, mtime, digest of the bytes the loader read and
+    decoded), written before the chunk's rows; a chunk of an earlier version's run has none."""
+    return Path(path) / CHUNKS / f"contents-{k:05d}.npy"
+
+
 def _chunk_is_complete(path: Path, k: int, rows: int, dim: int) -> bool:
     """Chunk ``k``'s identity digests and its ``[rows, dim]`` float32 rows are both on disk, whole."""
     return (_complete_array(ids_path(path, k), (rows,), np.int64)
@@ -116,7 +123,8 @@ def _python_command(prior, dataset, path, image_key=None) -> str:
             f"{str(path)!r}{named})")
 
 
-def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, num_workers: int = 0, precision: str = "fp32",
+def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, num_workers: Optional[int] = None,
+                       precision: str = "fp32",
                        chunk_size: int = DEFAULT_CHUNK_SIZE, progress: bool = True,
                        command: Optional[str] = None, dtype: str = "float32", components: Optional[int] = None,
                        keys=None, image_key=None, spatial=False):
@@ -142,7 +150,11 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
         batch_size: images per forward of the prior; ``None`` (default): 256 on a GPU, 32 on CPU
             (:data:`~accelerate_ssl.targets.write.DEFAULT_BATCH_SIZE`). It changes the rows by float rounding at most, so a run resumes with any
             batch size.
-        num_workers: the DataLoader's.
+        num_workers: the loader's worker processes, which read, digest and decode the items (the prior's
+            preprocessing runs batched on its device); ``None`` (default): sized from the machine
+            (:func:`~accelerate_ssl.targets.write.loader_workers`: on a GPU every CPU but two, up to 16; on a CPU
+            only CPUs torch's threads leave free, one per 4 at most, none for in-memory arrays); 0: the staging thread
+            reads them.
         precision: ``"fp32"``, ``"fp16"`` or ``"bf16"`` (autocast of the prior's forward).
         dtype: how rows are stored: ``"float32"`` (default), ``"float16"`` or ``"bfloat16"`` (half the bytes; read
             back as float32).
@@ -178,7 +190,7 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} (how the rows are stored), got {dtype!r}.")
     for name, value, low in (("batch_size", batch_size, 1), ("chunk_size", chunk_size, 1), ("num_workers", num_workers, 0)):
-        if (value is not None or name != "batch_size") and (not isinstance(value, int) or value < low):
+        if (value is not None or name == "chunk_size") and (not isinstance(value, int) or value < low):
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
     from ..data.streams import StreamSource, is_stream_spec
 
@@ -250,7 +262,6 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
 
     # ---- consolidate (main process), metadata.json last
     if state.is_main_process:
-        contents = _file_contents(dataset, progress) if jobs else None
         for job in jobs:
             metadata = {
                 "format": FORMAT, "format_version": FORMAT_VERSION, **job.settings, "file": TARGETS,
@@ -265,7 +276,8 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
                     metadata["pca_file"] = f"{PCA_DIR}/{AT_WRITE_PCA}"
                     metadata["spatial"]["pca_sha256"] = file_sha256(job.path / PCA_DIR / AT_WRITE_PCA)
             _consolidate(job.path, ranges, job.width, metadata, dtype=dtype,
-                         components=None if job.geometry is not None else components, keys=row_keys, contents=contents)
+                         components=None if job.geometry is not None else components, keys=row_keys,
+                         contents=_file_contents(job.path, dataset, ranges, progress))
     state.wait_for_everyone()
     for job in jobs:
         stores[job.name] = TargetStore.open(job.path)
@@ -420,7 +432,7 @@ def _spatial_pca(prior, dataset, pre, path: Path, state, geometry: dict, batch_s
         for stale in (path / CHUNKS).glob("*.npy"):  # written in a basis that is gone: recompute them
             stale.unlink()
         rows = np.unique(np.linspace(0, len(dataset) - 1, geometry["fit_images"]).round().astype(np.int64))
-        fitted = fit_map_pca(prior.to(device).eval(), sample_batches(dataset, pre, rows, batch_size, image_key),
+        fitted = fit_map_pca(prior.to(device).eval(), sample_batches(dataset, pre, rows, batch_size, image_key, device),
                              geometry, precision, device, "the items of the map's PCA fit")
         if show:
             print(f"precompute: fitted the map's PCA over {len(rows)} items", file=sys.stderr)
@@ -435,40 +447,58 @@ def _spatial_pca(prior, dataset, pre, path: Path, state, geometry: dict, batch_s
 def _compute_chunks(jobs, dataset, ranges, batch_size, num_workers, precision, device, show, tqdm, image_key=None,
                     fingerprint=None):
     """Every job's missing chunks in one pass over the data: each batch of items is read, decoded and identified
-    once, preprocessed once per prior (in the loader workers) and embedded by each prior whose chunk it is: its pooled
-    rows, or for a spatial job its feature map (channels last, each location reduced by the job's PCA if any)."""
+    once by the loader (:func:`~accelerate_ssl.targets.write.input_batches`), crosses to the device as uint8 and is
+    preprocessed there once per prior, batches ahead of the forward (:func:`~accelerate_ssl.targets.write.prior_batches`),
+    and is embedded by each prior whose chunk it is: its pooled rows, or for a spatial job its feature map (channels
+    last, each location reduced by the job's PCA if any). Batch k+1's forward is queued before batch k's rows are
+    waited for, so the device does not idle on the host between batches."""
     todo = sorted(set().union(*(job.todo for job in jobs)))
     for job in jobs:
         job.prior = job.prior.to(device).eval()
-    loader = input_batches(dataset, [job.pre for job in jobs], batch_size, num_workers, device.type == "cuda",
-                           [ranges[k] for k in todo], image_key, fingerprint)
+    loader = input_batches(dataset, batch_size, num_workers, device, [ranges[k] for k in todo], image_key, fingerprint)
+    batches = prior_batches(loader, [job.pre for job in jobs], device, PRECISIONS[precision])
     bar = tqdm(total=sum(ranges[k][1] - ranges[k][0] for k in todo),
                desc="precompute " + " + ".join(job.prior.spec for job in jobs), unit="img", disable=not show,
                dynamic_ncols=True)
-    batches = iter(loader)
-    try:
-        for k in todo:
-            a, b = ranges[k]
-            mine = [i for i, job in enumerate(jobs) if k in job.todo]
-            rows = {i: np.empty((b - a, jobs[i].width), dtype=np.float32) for i in mine}
-            ids = np.empty(b - a, dtype=np.int64)
-            done = 0
-            while done < b - a:
-                xs, digests = next(batches)
-                ids[done : done + len(digests)] = digests.numpy()
-                for i in mine:
-                    job = jobs[i]
-                    out = embed(job.prior, xs[i], precision, device,
-                                lambda bad, first=a + done: f"dataset indices {[first + j for j in bad]} (chunk {k})",
-                                spatial=job.geometry is not None)
-                    if job.reduce_map is not None:  # every location of the map [B, h, w, C] -> k components
-                        out = job.reduce_map.transform(out.reshape(-1, out.shape[-1])).reshape(*out.shape[:-1], -1)
-                    rows[i][done : done + len(out)] = out.reshape(len(out), -1).cpu().numpy()
-                done += len(digests)
-                bar.update(len(digests))
-            for i in mine:
+    # chunk -> (rows per job, identity digests, file records, rows filled)
+    filling: dict[int, tuple[dict, np.ndarray, np.ndarray, list]] = {}
+
+    def settle(k: int, s: int, pending: dict, digests: torch.Tensor, records: torch.Tensor) -> None:
+        """A batch's rows into its chunk; the chunk written once it is whole (its digests and file records first)."""
+        a, b = ranges[k]
+        if k not in filling:
+            filling[k] = ({i: np.empty((b - a, jobs[i].width), dtype=np.float32) for i in pending},
+                          np.empty(b - a, dtype=np.int64), np.empty((b - a, records.shape[1]), dtype=np.int64), [0])
+        rows, ids, files, filled = filling[k]
+        ids[s - a : s - a + len(digests)] = digests.numpy()
+        files[s - a : s - a + len(digests)] = records.numpy()
+        for i, rows_of in pending.items():
+            out = rows_of.result(lambda bad: f"dataset indices {[s + j for j in bad]} (chunk {k})")
+            rows[i][s - a : s - a + len(out)] = out.reshape(len(out), -1).numpy()
+        filled[0] += len(digests)
+        bar.update(len(digests))
+        if filled[0] == b - a:
+            for i in rows:
                 _write_chunk(ids_path(jobs[i].path, k), ids)
+                if files.shape[1]:
+                    _write_chunk(contents_path(jobs[i].path, k), files)
                 _write_chunk(chunk_path(jobs[i].path, k), rows[i])
+            del filling[k]
+
+    queued = None
+    try:
+        for (xs, digests, records), (c, s, e) in zip(batches, loader.batch_sampler.spans()):
+            k = todo[c]
+            if len(digests) != e - s:
+                raise RuntimeError(f"precompute: the loader gave {len(digests)} rows for rows [{s}, {e}) (chunk {k}).")
+            pending = {i: forward_rows(job.prior, xs[i], precision, device, spatial=job.geometry is not None,
+                                       reduce=job.reduce_map)
+                       for i, job in enumerate(jobs) if k in job.todo}
+            if queued is not None:
+                settle(*queued)
+            queued = (k, s, pending, digests, records)
+        if queued is not None:
+            settle(*queued)
     finally:
         bar.close()
 
@@ -487,14 +517,22 @@ class _ChunkRows:
         return np.concatenate(parts) if parts else np.empty((0, self.shape[1]), np.float32)
 
 
-def _file_contents(dataset, progress: bool) -> Optional[np.ndarray]:
-    """A folder data set's files as :data:`CONTENTS` records them (size, mtime, digest of the bytes, row by row:
-    :func:`~accelerate_ssl.data.fingerprint.record_contents`), or None for data that lists no files. The bytes are read
-    here, once more after the pass that embedded them."""
-    from ..data.fingerprint import file_paths, record_contents
+def _file_contents(path: Path, dataset, ranges, progress: bool) -> Optional[np.ndarray]:
+    """A folder data set's files as :data:`CONTENTS` records them (size, mtime, digest of the bytes, row by row), or
+    None for data that lists no files: the records the loader made of each file as it read and decoded it (one read),
+    and, for chunks without them (written by an earlier version, or read through ``dataset[i]``), the files read now
+    (:func:`~accelerate_ssl.data.fingerprint.record_contents`)."""
+    from ..data.fingerprint import CONTENT_FIELDS, file_paths, record_contents
 
     paths = file_paths(dataset)
-    return None if paths is None else record_contents(paths, progress=progress)
+    if paths is None:
+        return None
+    parts = []
+    for k, (a, b) in enumerate(ranges):
+        made = contents_path(path, k)
+        whole = _complete_array(made, (b - a, len(CONTENT_FIELDS)), np.int64)
+        parts.append(np.load(made) if whole else record_contents(paths[a:b], progress=progress))
+    return np.concatenate(parts) if parts else np.empty((0, len(CONTENT_FIELDS)), np.int64)
 
 
 def _consolidate(path: Path, ranges, dim: int, metadata: dict, dtype: str = "float32", components: Optional[int] = None,
@@ -621,7 +659,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "channels; the rows are then the maps' means, and a view's crop box can be pooled from the "
                              "map (accelerate_ssl.targets.views). Streamed data: sidecars of maps, the PCA fitted "
                              "on the first images of evenly spaced shards" % SPATIAL_FIT_IMAGES)
-    parser.add_argument("--num-workers", type=int, default=0)
+    parser.add_argument("--num-workers", type=int, default=None,
+                        help="loader worker processes that read, digest and decode the images (default: sized from "
+                             "the machine: on a GPU every CPU but two, up to 16; on a CPU only CPUs torch's threads "
+                             "leave free, one per 4 at most, none for in-memory arrays); 0: a background thread of the "
+                             "process reads them")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="rows per resumable chunk file")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--image-field", default=None, help=IMAGE_FIELD_HELP)

@@ -77,6 +77,7 @@ import numpy as np
 import torch
 
 from ..atomic import atomic_path, atomic_write_text
+from ..data.fingerprint import content_digest
 from ..data.views import StoredViews, apply_view
 from .pca import TargetPCA
 from ..checksum import file_sha256
@@ -97,9 +98,8 @@ def key_index(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=5).digest(), "big")
 
 
-def bytes_digest(data: bytes) -> int:
-    """The int64 digest of a sample's image bytes recorded per sidecar row."""
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big", signed=True)
+#: the int64 digest of a sample's image bytes recorded per sidecar row (one definition with a folder file's)
+bytes_digest = content_digest
 
 
 def _keys_sha256(keys: list[str]) -> str:
@@ -319,7 +319,7 @@ def _shard_rows(prior, pre, source, shard, batch_size, precision, views, device,
     """Keys, float32 rows ``[n, d]`` (``[n, k, d]`` with views; a spatial run's: ``[n, h w C]``, each map channels
     last, every location reduced by ``reduce_map`` when given) and image-bytes digests of one data shard."""
     from ..priors import Preprocess
-    from .write import check_grid, embed, preprocess_images
+    from .write import PRECISIONS, check_grid, forward_rows, preprocess_images
 
     keys: list[str] = []
     digests: list[int] = []
@@ -332,15 +332,12 @@ def _shard_rows(prior, pre, source, shard, batch_size, precision, views, device,
         if not batch:
             return
         first = len(keys) - len(batch) // k  # the key of the batch's first row
-        x = preprocess_images(batch, pre, f" (shard {shard!r}, from key {keys[first]!r})")
-        rows = embed(prior, x, precision, device,
-                     lambda bad: f"keys {[keys[first + i // k] for i in bad]} of shard {shard!r}",
-                     spatial=geometry is not None)
+        x = preprocess_images(batch, pre, f" (shard {shard!r}, from key {keys[first]!r})", device, PRECISIONS[precision])
+        rows = forward_rows(prior, x, precision, device, spatial=geometry is not None, reduce=reduce_map).result(
+            lambda bad: f"keys {[keys[first + i // k] for i in bad]} of shard {shard!r}")
         if geometry is not None:
             check_grid(rows, geometry, f"shard {shard!r}, keys {keys[first]!r}...")
-            if reduce_map is not None:
-                rows = reduce_map.transform(rows.reshape(-1, rows.shape[-1])).reshape(*rows.shape[:-1], -1)
-        out.append(rows.cpu().reshape(len(x), -1))
+        out.append(rows.reshape(len(x), -1))
         batch.clear()
 
     for key, image, raw in source.samples(shard):
@@ -386,7 +383,7 @@ def _fit_map_pca(prior, pre, source, geometry: dict, batch_size: int, precision:
     if len(images) * int(np.prod(geometry["grid"])) < 2:
         raise ValueError(f"spatial={geometry['channels']}: the map's PCA needs at least 2 locations; the stream gave "
                          f"{len(images)} sample(s).")
-    batches = (preprocess_images(images[a:a + batch_size], pre, " (the samples of the map's PCA fit)")
+    batches = (preprocess_images(images[a:a + batch_size], pre, " (the samples of the map's PCA fit)", device)
                for a in range(0, len(images), batch_size))
     fitted = fit_map_pca(prior, batches, geometry, precision, device, "the samples of the map's PCA fit")
     if show:
