@@ -766,6 +766,26 @@ def train_demo_prior(r: Result) -> dict[str, str]:
             "images).\n\n" + r.source("Each row's own record is under `benchmarks/prior_runs/`.")}
 
 
+# ---------------------------------------------------------------------------------------------- the budget study
+def budget_tables(r: Result) -> dict[str, str]:
+    """``budget_<student>.json`` (``budget.py``): its tables by name (``budget.tables``), each closed by its source."""
+    note = "" if r.get("complete", True) else (f"Incomplete: {r['runs_done']} of {r['runs_planned']} runs finished; a "
+                                               "cell shows how many seeds it has when fewer than 5.")
+    return {f"{r.path.stem}.{name}": text + "\n\n" + r.source(note)
+            for name, text in benchmark("budget").tables(r).items()}
+
+
+def handover_tables(r: Result) -> dict[str, str]:
+    """``handover_<study>_<student>.json`` (``handover.py``): the study's table."""
+    return {f"{r.path.stem}.table": benchmark("handover").tables(r) + "\n\n" + r.source()}
+
+
+for _path in sorted(RESULTS.glob("budget_*.json")):
+    renders(_path.name)(budget_tables)
+for _path in sorted(RESULTS.glob("handover_*.json")):
+    renders(_path.name)(handover_tables)
+
+
 # ---------------------------------------------------------------------------------------------- the script
 def blocks() -> dict[str, str]:
     """Every block, by name, rendered from the result files now."""

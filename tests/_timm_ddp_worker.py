@@ -102,7 +102,8 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            steps.append({"epoch": epoch, "samples": decode(input), "rows": rela.targets.index,
+            ran = rela.stats["loss_rela"] is not None  # (after the hand-over no row is looked up)
+            steps.append({"epoch": epoch, "samples": decode(input), "rows": rela.targets.index if ran else None,
                           "lambda": rela.stats["lambda"]})
         if args.rank == 0:  # train.py's saver exists on rank 0 only
             output_dir = cli.out

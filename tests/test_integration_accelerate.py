@@ -401,7 +401,7 @@ def test_the_accelerate_cv_recipe_runs_as_written_and_every_row_is_the_samples_o
     assert done.returncode == 0, done.stderr[-4000:]
     ranks = read_logs(tmp_path / "log", ranks=2)
     for steps in ranks:
-        assert len(steps) == 2 * 3  # 38 training images, 19 per process, batches of 8, two epochs
+        assert len(steps) == 8 * 3  # 38 training images, 19 per process, batches of 8, eight epochs
         assert_every_row_is_the_samples_own(steps)
     assert [s["lambda"] for s in ranks[0]] == [s["lambda"] for s in ranks[1]]
     assert "the image is field 'image'" in done.stderr  # the choice of field is said
@@ -456,7 +456,11 @@ def test_killed_after_a_checkpoint_and_resumed_with_skip_first_batches_trains_th
         assert [s["step"] for s in whole[rank]] == list(range(1, 13))
         assert [s["step"] for s in killed[rank]] == [1, 2, 3, 4]
         assert [s["step"] for s in resumed[rank]] == list(range(5, 13))
-        assert all(s["read_is_own"] for s in whole[rank] + killed[rank] + resumed[rank])
+        # every step reads its own samples' rows until ReLA hands over (planned for the run), none after
+        for run in (whole[rank], killed[rank] + resumed[rank]):
+            over = [s["handed_over"] for s in run]
+            assert not over[0] and over == sorted(over) and all(s["read_is_own"] for s in run if not s["handed_over"])
+        assert [s["handed_over"] for s in killed[rank] + resumed[rank]] == [s["handed_over"] for s in whole[rank]]
         assert [s["own"] for s in killed[rank] + resumed[rank]] == [s["own"] for s in whole[rank]]
         assert [s["loss"] for s in killed[rank] + resumed[rank]] == [s["loss"] for s in whole[rank]]
     for epoch in (0, 1):  # each epoch, the two processes trained the two halves of the data set

@@ -108,7 +108,8 @@ def test_a_list_names_priors_by_position_and_one_prior_is_unchanged():
     assert losses == listed_losses and "priors" not in single.stats and single.head is not None
     # a lone store's checkpoint keeps the single-store format, key for key
     assert set(single.state_dict()) == {"head", "dims", "own_optimizer", "head_mode", "head_needs_fit", "schedule",
-                                        "steps", "n_components", "store_rows", "store", "alignment_check", "witness"}
+                                        "steps", "n_components", "handover", "store_rows", "store", "alignment_check",
+                                        "witness"}
     assert set(single.state_dict()) == set(listed.state_dict())
 
 

@@ -161,8 +161,10 @@ def test_the_readme_block_is_lines_of_a_loop_that_runs(tmp_path, monkeypatch, fa
     assert len(run["losses"]) == 4 and all(np.isfinite(run["losses"]))
     store = run["store"]
     assert store.spatial["grid"] == [3, 3] and store.components == 32 and store.dtype == "float16"
-    assert len(pooled) == len(run["carried"]) == 4  # wrap pooled every step's views
-    for (index, g1, g2), ((_, rows_index, geometry), targets) in zip(run["carried"], pooled):
+    # wrap pooled the views of every step before the default schedule handed over (at half the run at the latest)
+    assert len(run["carried"]) == 4 and run["ran"][0] and len(pooled) == sum(run["ran"]) >= 2
+    ran = [c for c, r in zip(run["carried"], run["ran"]) if r]
+    for (index, g1, g2), ((_, rows_index, geometry), targets) in zip(ran, pooled):
         assert torch.equal(rows_index, torch.cat([index, index])) and torch.equal(geometry, torch.cat([g1, g2]))
         maps = store.maps(index)
         assert targets.shape == (2 * len(index), 32)

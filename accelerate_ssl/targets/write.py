@@ -641,7 +641,7 @@ def sample_batches(dataset, preprocess, rows, batch_size: int, image_key=None, d
     collate, name = _Collate(), dataset_name(dataset)
     for a in range(0, len(rows), batch_size):
         images = [image_tensor(dataset[int(i)], image_key, f"item {int(i)} of {name}") for i in rows[a : a + batch_size]]
-        yield preprocess_images(collate([(im, 0, 0) for im in images])[0], preprocess, device=device)
+        yield preprocess_images(collate([(im, 0, NO_RECORD) for im in images])[0], preprocess, device=device)
 
 
 def check_spatial(spatial) -> None:

@@ -100,6 +100,7 @@ def training_function(args) -> None:
             read = spy.reads[-1] if len(spy.reads) == reads + 1 else None  # test
             log.write(json.dumps({"step": overall_step, "epoch": epoch, "own": own.tolist(),  # test
                                   "read_is_own": read is not None and torch.equal(read, torch.as_tensor(spy.store[own])),  # test
+                                  "handed_over": rela.stats["loss_rela"] is None and read is None,  # test
                                   "loss": float(loss.detach())}) + "\n")  # test
             log.flush()  # test
             if args.checkpointing_steps and overall_step % args.checkpointing_steps == 0:

@@ -170,7 +170,7 @@ def training_function(config, args):
         eval_metric = accurate.item() / num_elems
         # Use accelerator.print to print only on the main process.
         accelerator.print(f"epoch {epoch}: {100 * eval_metric:.2f}")
-    assert rela.witness.last["rows_witnessed"] >= 24, rela.witness.status  # test: the witness re-embedded the images
+    assert rela.witness.last is not None and rela.witness.last["rows_witnessed"] >= 24, (rela.witness.status, rela.handover.switched_at)  # test: the witness re-embedded the images
     log.save(accelerator.process_index)  # test
     accelerator.end_training()
 
@@ -189,7 +189,7 @@ def main():
     )
     parser.add_argument("--cpu", action="store_true", help="If passed, will train on the CPU.")
     args = parser.parse_args()
-    config = {"lr": 3e-2, "num_epochs": 2, "seed": 42, "batch_size": 8, "image_size": 16}
+    config = {"lr": 3e-2, "num_epochs": 8, "seed": 42, "batch_size": 8, "image_size": 16}
     training_function(config, args)
 
 

@@ -33,7 +33,7 @@ predictor = torch.nn.Linear(32, 32)
 loader = torch.utils.data.DataLoader(TwoViews(), batch_size=16, shuffle=True)
 rela = ReLA(store, backbone, dataset=clean_train_set, total_steps=len(loader))
 opt = torch.optim.AdamW([*backbone.parameters(), *predictor.parameters()], lr=1e-3)  # ReLA trains its head itself
-losses, carried = [], []  # test
+losses, carried, ran = [], [], []  # test
 for index, (view1, geometry1), (view2, geometry2) in loader:
     feats = backbone(torch.cat([view1, view2]))  # one call on both views, stacked as the geometry is
     z1, z2 = feats.chunk(2)
@@ -44,3 +44,4 @@ for index, (view1, geometry1), (view2, geometry2) in loader:
     opt.step()
     losses.append(float(loss.detach()))  # test
     carried.append((index, geometry1, geometry2))  # test
+    ran.append(rela.stats["loss_rela"] is not None)  # test: the term ran (until the schedule hands over)
