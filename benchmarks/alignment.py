@@ -38,7 +38,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -492,17 +491,6 @@ def write_shards(dataset, folder: Path, per_shard: int = 1000) -> list[str]:
     return urls
 
 
-def git_commit() -> dict:
-    """The code's commit (``git rev-parse HEAD``) and whether the library or this script differed from it."""
-    import subprocess
-
-    def git(*a):
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    return {"sha": git("rev-parse", "HEAD"),
-            "modified": git("status", "--porcelain", "--", "accelerate_ssl", "benchmarks/alignment.py").splitlines()}
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     load_start, started = os.getloadavg(), time.strftime("%Y-%m-%dT%H:%M:%S")
@@ -521,11 +509,8 @@ def main(argv=None) -> int:
     cost_result = cost(args, stores) if args.cost_steps else {}
     summary = summarise(runs)
     result = {"command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/alignment.py", *sys.argv[1:]]),
-              "commit": git_commit(), "started": started,
-              "machine": {"device": "cpu", "torch": torch.__version__, "cuda": torch.version.cuda,
-                          "cudnn": torch.backends.cudnn.version(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                          "cpu_count": os.cpu_count(), "platform": platform.platform(), "threads": args.threads,
-                          "load_average_start": load_start, "load_average_end": os.getloadavg()},
+              "started": started,
+              "threads": args.threads, "load_average_start": load_start,
               "settings": settings, "summary": summary, "false_alarms": false_alarms(summary), "cost": cost_result,
               "table": table(summary, cost_result),
               "runs": runs}

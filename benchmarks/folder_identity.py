@@ -28,11 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -165,14 +163,6 @@ def measure(n: int, args) -> dict:
     }
 
 
-def git_commit() -> dict:
-    def git(*a):
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    return {"sha": git("rev-parse", "HEAD"),
-            "modified": git("status", "--porcelain", "--", "accelerate_ssl", "benchmarks/folder_identity.py").splitlines()}
-
-
 def table(results: list[dict]) -> str:
     lines = ["| files | precompute | reading + digests | share | per file | open, names only | open, + contents | "
              "added per file | copied folder's open | every file's bytes (verify) | per file |",
@@ -216,12 +206,8 @@ def main(argv=None) -> int:
         print(f"{n} files ...", flush=True)
         results.append(measure(n, args))
     result = {"command": shlex.join(["python", "benchmarks/folder_identity.py", *sys.argv[1:]]),
-              "commit": git_commit(), "started": started,
-              "machine": {"device": "cpu", "torch": torch.__version__, "cuda": torch.version.cuda,
-                          "cudnn": torch.backends.cudnn.version(),
-                          "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
-                          "platform": platform.platform(), "threads": args.threads, "load_average_start": load_start,
-                          "load_average_end": os.getloadavg()},
+              "started": started,
+              "threads": args.threads, "load_average_start": load_start,
               "settings": {"sizes": args.sizes, "repeats": args.repeats, "prior": PRIOR, "batch_size": 256},
               "results": results, "table": table(results)}
     out = Path(args.out)

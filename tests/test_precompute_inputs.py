@@ -237,19 +237,28 @@ def test_the_new_pipeline_writes_the_earlier_rows_and_resumes_its_interrupted_ru
 
 
 # ---------------------------------------------------------------------------------------------- reading, once
-def test_each_file_is_read_once_and_yields_its_record(tmp_path, monkeypatch):
-    """One read per file gives the bytes decoded and the record the store keeps of the file (size, mtime, digest of
-    those bytes): the content identity costs no second read."""
-    dataset = datasets(tmp_path)["folder"]
-    loader = input_batches(dataset, 5, num_workers=0)
+def count_reads(monkeypatch) -> dict:
+    """Every file read (``read_file``, wherever the loader or the content record calls it), counted by path."""
+    from accelerate_ssl.data import fingerprint
+
     reads: dict[str, int] = {}
-    original = write.read_file
+    original = fingerprint.read_file
 
     def counting(path):
         reads[str(path)] = reads.get(str(path), 0) + 1
         return original(path)
 
     monkeypatch.setattr(write, "read_file", counting)
+    monkeypatch.setattr(fingerprint, "read_file", counting)
+    return reads
+
+
+def test_each_file_is_read_once_and_yields_its_record(tmp_path, monkeypatch):
+    """One read per file gives the bytes decoded and the record the store keeps of the file (size, mtime, digest of
+    those bytes): the content identity costs no second read."""
+    dataset = datasets(tmp_path)["folder"]
+    loader = input_batches(dataset, 5, num_workers=0)
+    reads = count_reads(monkeypatch)
     identity = RowIdentity(dataset)
     seen = 0
     for images, rows, records in loader:
@@ -269,18 +278,11 @@ def test_a_folder_precompute_reads_each_file_once_for_its_rows_and_its_content_r
     from accelerate_ssl.data import fingerprint
 
     dataset = datasets(tmp_path)["folder"]
-    reads: dict[str, int] = {}
-    original = fingerprint.read_file
-
-    def counting(path):
-        reads[str(path)] = reads.get(str(path), 0) + 1
-        return original(path)
-
-    monkeypatch.setattr(write, "read_file", counting)
-    monkeypatch.setattr(fingerprint, "read_file", counting)
+    reads = count_reads(monkeypatch)
     prior = create_prior("random:convnet", in_channels=3, size=28)
     store = precompute_targets(prior, dataset, tmp_path / "store", batch_size=4, chunk_size=8, num_workers=0,
                                progress=False)
+    assert store.metadata["contents"]["digest"] == "blake2b-128" and len(store) == len(dataset)
     paths = [p for p, _ in dataset.samples]
     assert sorted(reads) == sorted(paths)
     # once each; the first once more, before the pass: the fast path's proof that it reads the data set's own item
