@@ -17,17 +17,18 @@ Controllers (the docs' "Schedules" page compares them on the budget study):
 =================  =======================================================  =====================
 name               rule                                                     source
 =================  =======================================================  =====================
-``Decay``          adaptive in [0, 0.8]: falls as the ReLA loss plateaus    ReLA v2, App. L, Alg. 1
-``Switch``         lambda 1 until the ReLA loss converges, then 0 for good  ReLA v1, App. J (default)
+``Decay``          adaptive in [0, 0.8]: falls as the ReLA loss plateaus    ReLA v2, App. L, Alg. 1 (default)
+``Switch``         lambda 1 until the ReLA loss converges, then 0 for good  ReLA v1, App. J
 ``Constant(lam)``  fixed lambda                                             ablation
 ``Epochs(f, T)``   lambda 1 for the first fraction f of T steps, then 0     authors' ``--rela_conlam``
 =================  =======================================================  =====================
 
 Use :func:`create_schedule` to build one from a spec (``"decay"``, ``"switch"``, ``"constant:<lambda>"``,
 ``"epochs:<fraction>"``), planned for ``total_steps``; ReLA, the CLI and the solo-learn mixin all take that spec.
-``Decay`` only approaches 0 (unless ``finish_below``), so it has no planned end of its own; ``Switch`` planned for a run
-hands over when the ReLA loss converges and at the latest at ``max_switch_fraction`` (0.5) of it. ``end_step`` gives
-any of them a planned end (e.g. to hand the run over to timm's mixup at a chosen epoch).
+The papers' ``Decay`` only approaches 0 and their ``Switch`` ends only when the ReLA loss converges; planned for a run
+(``total_steps``), both hand over by ``end_fraction`` (0.5) of it at the latest, so your loss always takes over inside
+the run. ``end_step`` gives any of them a planned end at a step you choose (e.g. to hand the run over to timm's mixup
+at a chosen epoch).
 """
 
 from __future__ import annotations
@@ -99,6 +100,19 @@ class Schedule:
         return f"{type(self).__name__}(value={self.value:.4f}, steps={self.steps}, finished={self.finished}{end})"
 
 
+def planned_end(total_steps: Optional[int], end_fraction: Optional[float], end_step: Optional[int],
+                earliest: float = 0.0) -> Optional[int]:
+    """The optimiser step by which a schedule planned for ``total_steps`` ends ReLA's term for good: ``end_step`` when
+    given, else ``end_fraction`` of the run (at least one step), else None (the rule alone decides). ``earliest``: the
+    lowest fraction the rule allows (``Switch``'s first possible switch)."""
+    if total_steps is None or end_step is not None or end_fraction is None:
+        return end_step
+    if not earliest <= end_fraction <= 1.0 or end_fraction <= 0.0:
+        raise ValueError(f"end_fraction must be in ({earliest}, 1] (the fraction of the run by which lambda reaches 0), or "
+                         f"None for no planned end; got {end_fraction}.")
+    return max(1, round(end_fraction * total_steps))
+
+
 def _check_loss(loss_rela: Optional[float], name: str) -> float:
     if loss_rela is None:
         raise ValueError(f"{name}.step needs the ReLA loss of the step; got None. Pass step(loss_rela=float).")
@@ -109,7 +123,7 @@ def _check_loss(loss_rela: Optional[float], name: str) -> float:
 
 
 class Decay(Schedule):
-    """Continuous adaptive lambda, ReLA v2 App. L, Algorithm 1.
+    """Continuous adaptive lambda, ReLA v2 App. L, Algorithm 1 (the default, planned for the run).
 
     State ``l_m = 2.0`` (EMA of the ReLA loss), ``rho_m = 0.0``. Per optimiser step with ReLA loss ``l_c``::
 
@@ -122,7 +136,9 @@ class Decay(Schedule):
     Before the first step ``value == max_lambda``. The controller never reports ``finished`` (lambda
     only approaches 0) unless ``finish_below`` is set: then lambda is set to 0 for good the first time
     it drops under that value, and ReLA stops computing its term. Neither is a planned end (the losses decide
-    whether lambda ever drops that low); ``end_step`` is one: lambda 0 for good after that many steps.
+    whether lambda ever drops that low); ``end_step`` is one: lambda 0 for good after that many steps. Planned for
+    ``total_steps``, the run gets one at ``end_fraction`` of it (default 0.5; None: the paper's rule alone, which never
+    reaches 0), so your loss carries the student the second half of the run.
 
     Run length: with the paper's constants the loss EMA moves at 0.001/step from 2.0, so lambda is
     still ~0.8 after 600 steps (ImageNet-length runs). Pass ``total_steps`` to scale the loss EMA to
@@ -146,9 +162,12 @@ class Decay(Schedule):
         loss_momentum: Optional[float] = None,
         initial_loss: float = 2.0,
         finish_below: Optional[float] = None,
+        end_fraction: Optional[float] = 0.5,
         end_step: Optional[int] = None,
     ):
-        super().__init__(end_step)
+        if total_steps is not None and total_steps <= 0:
+            raise ValueError(f"total_steps must be positive, got {total_steps}.")
+        super().__init__(planned_end(total_steps, end_fraction, end_step))
         if not 0.0 < max_lambda <= 1.0:
             raise ValueError(f"max_lambda must be in (0, 1], got {max_lambda}.")
         if not 0.0 < decay_fraction <= 1.0:
@@ -203,11 +222,11 @@ class Switch(Schedule):
     ``fast_momentum = 1 - (1 - slow_momentum) / 10`` (the paper's 10:1 ratio of rates). Explicit
     momenta win.
 
-    A planned run also has a latest switch: at ``max_switch_fraction * total_steps`` (default 0.5) lambda goes to 0
+    A planned run also has a latest switch: at ``end_fraction * total_steps`` (default 0.5) lambda goes to 0
     whatever the losses say (``end_step``), so the run hands over inside itself. Measured on the budget study's
     short CPU runs, the rule alone never fired within 100-1000 steps (the ReLA loss kept falling slowly), and those
     runs stopped as pure regression toward the prior (benchmarks, "The hand-over"). An explicit ``end_step`` wins;
-    ``max_switch_fraction=None`` leaves the losses alone to decide.
+    ``end_fraction=None`` leaves the losses alone to decide.
     """
 
     _state_keys = Schedule._state_keys + ("loss_slow", "loss_fast")
@@ -217,7 +236,7 @@ class Switch(Schedule):
         *,
         total_steps: Optional[int] = None,
         min_switch_fraction: float = 0.25,
-        max_switch_fraction: Optional[float] = 0.5,
+        end_fraction: Optional[float] = 0.5,
         fast_momentum: Optional[float] = None,
         slow_momentum: Optional[float] = None,
         threshold: float = 0.995,
@@ -232,11 +251,7 @@ class Switch(Schedule):
                 raise ValueError(f"total_steps must be positive, got {total_steps}.")
             if not 0.0 < min_switch_fraction <= 1.0:
                 raise ValueError(f"min_switch_fraction must be in (0, 1], got {min_switch_fraction}.")
-            if max_switch_fraction is not None and not min_switch_fraction <= max_switch_fraction <= 1.0:
-                raise ValueError(f"max_switch_fraction must be in [min_switch_fraction, 1] = [{min_switch_fraction}, 1] "
-                                 f"(or None: no latest switch), got {max_switch_fraction}.")
-            if max_switch_fraction is not None and end_step is None:  # the planned latest switch
-                end_step = max(1, round(max_switch_fraction * total_steps))
+            end_step = planned_end(total_steps, end_fraction, end_step, earliest=min_switch_fraction)
             t_min = max(1.0, min_switch_fraction * total_steps)
             scaled_slow = min(0.99, 0.005 ** (1.0 / t_min))
             scaled_fast = 1.0 - (1.0 - scaled_slow) / 10.0
@@ -335,10 +350,11 @@ class Epochs(Schedule):
 
 
 SCHEDULES = {"decay": Decay, "switch": Switch, "constant": Constant, "epochs": Epochs}
-#: the schedule ReLA uses when none is given: ``Switch`` planned for the run (the SSL loss skipped while lambda is 1;
-#: the switch when the ReLA loss plateaus, at the latest at half the run), so a run told its length hands over inside
-#: it; measured against the others in the budget study (benchmarks, "The hand-over")
-DEFAULT_SCHEDULE = "switch"
+#: the schedule ReLA uses when none is given: ``Decay`` planned for the run (lambda from 0.8, falling as the ReLA loss
+#: plateaus, 0 for good by half the run), so a run told its length hands over inside it. In the budget study it ended
+#: highest of the schedules at every length measured on the ViT and with the best on the ConvNet; a switch from lambda 1
+#: saves the SSL loss's compute early but ended lower (docs: "Schedules")
+DEFAULT_SCHEDULE = "decay"
 #: the one grammar of a schedule spec, for Python, every CLI verb and the solo-learn ``cfg.rela.schedule``
 SPEC_GRAMMAR = "'decay', 'switch', 'constant:<lambda>' or 'epochs:<fraction>'"
 _VALUE = {"constant": "lam", "epochs": "fraction"}  # what ':<value>' sets
@@ -365,7 +381,7 @@ def needs_run_length(spec: str | None) -> bool:
 
 
 def create_schedule(spec: str | Schedule | None = None, *, total_steps: Optional[int] = None, **kwargs) -> Schedule:
-    """Build a controller from a spec: ``"switch"`` (default, :data:`DEFAULT_SCHEDULE`), ``"decay"``, ``"constant:<lambda>"`` (0.5 without a
+    """Build a controller from a spec: ``"decay"`` (default, :data:`DEFAULT_SCHEDULE`), ``"switch"``, ``"constant:<lambda>"`` (0.5 without a
     value) or ``"epochs:<fraction>"``; ``total_steps`` plans those that take the run length (ignored by
     ``Constant``); other keyword arguments go to the class (``end_step=`` to every one). A :class:`Schedule` instance
     is returned as is."""

@@ -71,9 +71,9 @@ def parse_args(argv=None):
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--priors", nargs="+", default=list(PRIORS), choices=list(PRIORS))
     p.add_argument("--methods", nargs="+", default=["plain", "rela"], choices=["plain", "rela"])
-    p.add_argument("--schedule", default="switch",
-                   help="lambda schedule spec, planned for each budget (default: ReLA's default, switch); '<spec>@<f>': ReLA's term "
-                        "ends for good at fraction f of the run (ReLA(end_step=))")
+    p.add_argument("--schedule", default="decay",
+                   help="lambda schedule spec, planned for each budget (ReLA's default: decay, 0 by half the run); "
+                        "'<spec>@<f>': ReLA's term ends for good at fraction f of the run (ReLA(end_step=))")
     p.add_argument("--handover", default="momentum,warm-heads=auto",
                    help="ReLA's hand-over, as Handover.from_spec reads it ('momentum' resets the method's momentum copies)")
     p.add_argument("--rela-views", choices=("weak", "byol"), default="weak",

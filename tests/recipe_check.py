@@ -244,6 +244,15 @@ def read_logs(folder: Path, ranks: int = 1) -> list[list[dict]]:
     return [json.loads((folder / f"rank-{r}.json").read_text())["steps"] for r in range(ranks)]
 
 
+def assert_hands_over(lambdas: list[float], planned: int) -> None:
+    """lambda under the default schedule planned for ``planned`` steps (``decay``): 0.8 at the first step, above 0 until
+    it hands over, 0 for good from then on, and handed over by half the run at the latest."""
+    assert lambdas[0] == 0.8 and 0.0 in lambdas, lambdas
+    end = lambdas.index(0.0)
+    assert all(0.0 < v <= 0.8 for v in lambdas[:end]) and set(lambdas[end:]) == {0.0}, lambdas
+    assert 0 < end <= planned // 2 + 1, (end, planned)
+
+
 def assert_every_row_is_the_samples_own(steps: list[dict]) -> None:
     """Every step before the hand-over read its samples' own rows (and at least one did); every step after it read
     none."""

@@ -152,16 +152,20 @@ def test_spec_does_what_it_says(spec, expected):
     assert (len(h.momentum), h.warm_heads, h.rewarm) == expected
 
 
-def test_the_default_warms_the_heads_for_a_fraction_of_a_planned_run():
+def test_the_default_warms_the_heads_when_the_schedule_skipped_them():
+    """A planned run whose schedule skipped your loss before the switch (lambda 1: switch, epochs) warms your heads for
+    5 % of it; one that mixed your loss in all along (decay, the default) has warm heads already: no warm-up."""
     net = Net()
     rows = torch.randn(N, D_T)
-    assert ReLA(rows, net.backbone, feature_dim=4, total_steps=400, witness=False).handover.warm_heads == 20
-    assert ReLA(rows, net.backbone, feature_dim=4, witness=False).handover.warm_heads == 0  # no run length: none
-    rela = ReLA(rows, net.backbone, feature_dim=4, witness=False)
+    make = lambda **kw: ReLA(rows, net.backbone, feature_dim=4, witness=False, **kw)  # noqa: E731
+    assert make(schedule="switch", total_steps=400).handover.warm_heads == 20
+    assert make(schedule="epochs:0.3", total_steps=400).handover.warm_heads == 20
+    assert make(total_steps=400).handover.warm_heads == 0  # decay: lambda <= 0.8, your loss trained the heads
+    assert make(schedule="switch").handover.warm_heads == 0  # no run length: none
+    rela = make(schedule="switch")
     rela.set_total_steps(1000)  # (Lightning's callback plans the run this way)
     assert rela.handover.warm_heads == 50
-    assert ReLA(rows, net.backbone, feature_dim=4, total_steps=400, handover=Handover(warm_heads=3),
-                witness=False).handover.warm_heads == 3  # given: kept
+    assert make(schedule="switch", total_steps=400, handover=Handover(warm_heads=3)).handover.warm_heads == 3  # kept
 
 
 @pytest.mark.parametrize("spec", ["warm-heads", "momentum=3", "rewarm=-1", "heads=2", "rewarm=2,rewarm=3",

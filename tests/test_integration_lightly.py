@@ -144,9 +144,9 @@ def test_example_runs_with_and_without_rela_on_fashion_mnist(tmp_path):
     for name, stdout in out.items():
         assert "epoch: 00, loss:" in stdout, (name, stdout)
         assert np.isfinite(float(stdout.split("epoch: 00, loss:")[1].split()[0]))
-    # with ReLA: targets were precomputed into the default cache folder, lambda was logged: 1 while the prior pulls,
-    # then 0 once the default schedule has handed over to BYOL inside the planned run
-    assert "rela: step" in out["rela"] and "lambda 1.000" in out["rela"] and "lambda 0.000" in out["rela"]
+    # with ReLA: targets were precomputed into the default cache folder, lambda was logged: from the default schedule's
+    # 0.8, then 0 once it has handed over to BYOL inside the planned run
+    assert "rela: step" in out["rela"] and "lambda 0.800" in out["rela"] and "lambda 0.000" in out["rela"]
     assert len(list((tmp_path / "rela" / "rela-targets").glob("*/metadata.json"))) == 1
     # without: no ReLA output, no targets
     for name in ("flag", "stripped"):

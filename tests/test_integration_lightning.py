@@ -23,7 +23,7 @@ from accelerate_ssl.integrations.lightning import ReLACallback
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _lightning_ddp_worker import IndexImages, make_module, target_rows  # noqa: E402
 from processes import cpu_process_env  # noqa: E402
-from recipe_check import HOSTS, assert_every_row_is_the_samples_own, check_recipe, read_logs  # noqa: E402
+from recipe_check import HOSTS, assert_every_row_is_the_samples_own, assert_hands_over, check_recipe, read_logs  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_lightning_ddp_worker.py"
 RECIPES = Path(__file__).resolve().parent / "recipes"
@@ -315,10 +315,7 @@ def test_the_lightning_recipe_runs_as_written(tmp_path, fashion_mnist_available)
     steps = read_logs(tmp_path / "log")[0]
     assert len(steps) == 10 * 2
     assert_every_row_is_the_samples_own(steps)
-    # planned for the Trainer's 20 steps: lambda 1, then handed over to BYOL (0) by the run's half at the latest
-    lambdas = [s["lambda"] for s in steps]
-    switch = lambdas.index(0.0)
-    assert set(lambdas[:switch]) == {1.0} and set(lambdas[switch:]) == {0.0} and 0 < switch <= 10
+    assert_hands_over([s["lambda"] for s in steps], 20)  # planned for the Trainer's 20 steps
     assert len(list((tmp_path / "rela-targets").glob("shipped-digits-byol-64-*/metadata.json"))) == 1
 
 

@@ -19,7 +19,7 @@ from accelerate_ssl.backbones import ConvNet
 from accelerate_ssl.data import Digits
 from accelerate_ssl.recipes import BYOL, BYOL_VIEWS, random_views
 from processes import cpu_process_env
-from recipe_check import assert_every_row_is_the_samples_own, check_recipe, read_logs
+from recipe_check import assert_every_row_is_the_samples_own, assert_hands_over, check_recipe, read_logs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "recipes" / "quickstart_byol.py"
@@ -88,9 +88,7 @@ def test_with_the_run_length_lambda_falls(tmp_path):
         warnings.simplefilter("error", UserWarning)
         rela, lambdas = _run(tmp_path, with_length=True)
     assert rela.steps == len(lambdas) >= 290
-    # the default schedule hands over inside the planned run: lambda 1, then 0 for good by half of it
-    switch = lambdas.index(0.0)
-    assert set(lambdas[:switch]) == {1.0} and set(lambdas[switch:]) == {0.0} and switch <= len(lambdas) // 2 + 1
+    assert_hands_over(lambdas, len(lambdas))  # the default schedule hands over inside the planned run
 
 
 def test_without_the_run_length_it_warns_and_lambda_stays_high(tmp_path):

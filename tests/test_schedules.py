@@ -113,7 +113,7 @@ def test_bad_inputs():
 def test_one_spec_grammar():
     from accelerate_ssl.schedules import Constant, Decay, Epochs, Switch, create_schedule
 
-    assert isinstance(create_schedule(None), Switch) and create_schedule("Decay", total_steps=100).loss_momentum < 0.999
+    assert isinstance(create_schedule(None), Decay) and create_schedule("Decay", total_steps=100).loss_momentum < 0.999
     assert create_schedule("constant:0.3").value == pytest.approx(0.3) and create_schedule("constant").value == 0.5
     assert isinstance(create_schedule("constant:0.3", total_steps=10), Constant)  # the run length is not its business
     e = create_schedule("epochs:0.25", total_steps=40)
@@ -144,8 +144,8 @@ def test_rela_takes_the_spec_and_epochs_waits_for_its_run_length():
 
 # ------------------------------------------------------------------------------------------ a planned end
 @pytest.mark.parametrize("make, before", [
-    (lambda end: Decay(total_steps=100, end_step=end), "rule"),
-    (lambda end: Switch(total_steps=100, max_switch_fraction=None, end_step=end), "rule"),
+    (lambda end: Decay(total_steps=100, end_fraction=None, end_step=end), "rule"),
+    (lambda end: Switch(total_steps=100, end_fraction=None, end_step=end), "rule"),
     (lambda end: Constant(0.4, end_step=end), [0.4] * 6),
     (lambda end: Epochs(0.9, 100, end_step=end), [1.0] * 6),
 ])
@@ -164,18 +164,22 @@ def test_end_step_ends_every_schedule_at_that_step(make, before):
 
 def test_a_planned_switch_hands_over_by_half_the_run_whatever_the_losses():
     """The rule alone may never fire in a short run (a ReLA loss still falling); planned for total_steps, the switch
-    comes at the latest at max_switch_fraction of it (default 0.5). An explicit end_step wins; None: the rule only."""
+    comes at the latest at end_fraction of it (default 0.5). An explicit end_step wins; None: the rule only."""
     falling = [1.0 - 0.004 * t for t in range(120)]  # never flat enough for the rule
     s = Switch(total_steps=100)
     lams = [s.step(l) for l in falling[:60]]
     assert lams[:49] == [1.0] * 49 and lams[49:] == [0.0] * 11 and s.finished and s.ends_by == 50
-    assert Switch(total_steps=100, max_switch_fraction=0.8).ends_by == 80
+    assert Switch(total_steps=100, end_fraction=0.8).ends_by == 80
     assert Switch(total_steps=100, end_step=30).ends_by == 30
-    rule_only = Switch(total_steps=100, max_switch_fraction=None)
+    rule_only = Switch(total_steps=100, end_fraction=None)
     assert [rule_only.step(l) for l in falling] == [1.0] * 120 and rule_only.ends_by is None
     assert Switch().ends_by is None  # not planned: the paper's rule as printed
-    with pytest.raises(ValueError, match="max_switch_fraction must be in"):
-        Switch(total_steps=100, min_switch_fraction=0.5, max_switch_fraction=0.3)
+    with pytest.raises(ValueError, match="end_fraction must be in"):
+        Switch(total_steps=100, min_switch_fraction=0.5, end_fraction=0.3)  # before the rule's earliest switch
+    # Decay planned for a run hands over by the same fraction; unplanned, or end_fraction=None: the paper's rule
+    d = Decay(total_steps=100)
+    assert [d.step(l) for l in falling[:60]][49:] == [0.0] * 11 and d.ends_by == 50
+    assert Decay().ends_by is None and Decay(total_steps=100, end_fraction=None).ends_by is None
 
 
 def test_end_step_edge_cases_spec_and_resume():
@@ -204,7 +208,7 @@ def test_rela_end_step_under_the_default_schedule_and_the_mixing_policy():
     rows = torch.randn(32, 4)
     backbone = nn.Linear(3, 4)
     rela = ReLA(rows, backbone, feature_dim=4, n_components=None, total_steps=40, end_step=3, witness=False)
-    assert type(rela.schedule).__name__ == "Switch" and rela.end_step == 3 and rela.mixing_policy() == "hold"
+    assert type(rela.schedule).__name__ == "Decay" and rela.end_step == 3 and rela.mixing_policy() == "hold"
     opt = torch.optim.SGD(backbone.parameters(), lr=0.1)
     for s in range(5):
         out = backbone(torch.randn(4, 3))
@@ -218,8 +222,8 @@ def test_rela_end_step_under_the_default_schedule_and_the_mixing_policy():
     assert rela.schedule.end_step == 3 and rela.schedule.finished
     assert ReLA(rows, nn.Linear(3, 4), feature_dim=4, total_steps=40, witness=False).mixing_policy() == "hold"  # by 20
     assert ReLA(rows, nn.Linear(3, 4), feature_dim=4, witness=False).mixing_policy() == "refuse"  # no planned end
-    assert ReLA(rows, nn.Linear(3, 4), feature_dim=4, schedule="decay", total_steps=40,
-                witness=False).mixing_policy() == "refuse"
+    assert ReLA(rows, nn.Linear(3, 4), feature_dim=4, schedule=Decay(total_steps=40, end_fraction=None),
+                witness=False).mixing_policy() == "refuse"  # the paper's decay: never 0 by itself
     assert ReLA(rows, nn.Linear(3, 4), feature_dim=4, schedule="epochs:0.5", total_steps=40,
                 witness=False).mixing_policy() == "hold"
     with pytest.raises(ValueError, match=r"pass end_step=3 to it instead, e.g. Decay\(..., end_step=3\)"):

@@ -42,8 +42,8 @@ class Handover:
     Args:
         momentum: ``(online, momentum_copy)`` module pairs reset at the switch (``copy <- online``).
         warm_heads: optimiser steps after the switch during which the backbone's gradients are dropped. Default:
-            planned by ReLA as :data:`WARM_HEADS_FRACTION` of the run when it knows the run length (``total_steps``),
-            0 when it does not.
+            planned by ReLA as :data:`WARM_HEADS_FRACTION` of the run when it knows the run length (``total_steps``) and
+            the schedule skipped your loss before the switch (lambda 1), 0 otherwise.
         rewarm: optimiser steps, after ``warm_heads``, over which the learning rates ramp from 0 to theirs.
     """
 
@@ -101,10 +101,12 @@ class Handover:
         return fn
 
     # ------------------------------------------------------------------ run by ReLA
-    def plan(self, total_steps: int) -> None:
-        """The run is ``total_steps`` optimiser steps long: a warm-up not given is :data:`WARM_HEADS_FRACTION` of it."""
+    def plan(self, total_steps: int, skipped_user_loss: bool = True) -> None:
+        """The run is ``total_steps`` optimiser steps long: a warm-up not given is :data:`WARM_HEADS_FRACTION` of it when
+        the schedule skipped your loss before the switch (lambda 1: your heads never trained), none when it mixed your
+        loss in all along (``decay``: your heads are warm)."""
         if self._planned_warm_up:
-            self.warm_heads = round(WARM_HEADS_FRACTION * total_steps)
+            self.warm_heads = round(WARM_HEADS_FRACTION * total_steps) if skipped_user_loss else 0
 
     def switch(self, step: int) -> None:
         """lambda reached 0 after optimiser step ``step``: reset the momentum copies, call the callbacks (once)."""

@@ -7,8 +7,8 @@ with the user's loss (ReLA v2 Eq. 9 / ReLA v1 Eq. 9)::
 
     L = lambda * L_rela + (1 - lambda) * L_user,     L_rela = 1 - cos(W phi(x) + b, y)
 
-with lambda driven by a controller from :mod:`accelerate_ssl.schedules` (default :class:`Switch` planned for the
-run, ReLA v1 App. J: lambda 1 while the ReLA loss falls, then 0 for good, at the latest at half the run), and what
+with lambda driven by a controller from :mod:`accelerate_ssl.schedules` (default :class:`Decay` planned for the run,
+ReLA v2 App. L Alg. 1: lambda from 0.8, falling as the ReLA loss plateaus, 0 for good by half the run), and what
 happens when it reaches 0 by :mod:`.handover`.
 
 Usage (plain PyTorch; lightly's BYOL example plus two lines)::
@@ -120,10 +120,10 @@ class ReLA:
             gives the feature dim by one dry forward (eval mode, no grad, state restored).
         dataloader: a DataLoader to track indices from (same as calling :meth:`track`); its dataset
             gives the feature dim when ``dataset`` is not given, and its length is checked.
-        schedule: a :class:`~accelerate_ssl.schedules.Schedule` or a spec (``"switch"`` default, ``"decay"``,
-            ``"constant:<lambda>"``, ``"epochs:<fraction>"``), planned for ``total_steps``. The default hands over
-            inside the planned run (at the latest at half of it), so your loss carries the student past the prior;
-            ``decay`` (ReLA v2) never reaches 0 by itself (docs: "Schedules").
+        schedule: a :class:`~accelerate_ssl.schedules.Schedule` or a spec (``"decay"`` default, ``"switch"``,
+            ``"constant:<lambda>"``, ``"epochs:<fraction>"``), planned for ``total_steps``. Planned, ``decay`` and
+            ``switch`` hand over inside the run (by half of it at the latest), so your loss carries the student past
+            the prior (docs: "Schedules" compares them).
         n_components: target dim after PCA. ``"auto"`` (default): the student feature dim, capped by the
             target dim; an int: that many; ``None`` or 0: raw targets, no PCA and no z-scoring. (The demo's
             64-d student did better with 16 than with 64 at 250 steps; "auto" is the size-agnostic choice.)
@@ -196,7 +196,8 @@ class ReLA:
             the global and the dense term.
         handover: what happens when lambda reaches 0 for good and your loss takes over (:class:`Handover`: reset your
             momentum network to the student, warm your SSL heads on the frozen backbone, re-warm the learning rate);
-            :meth:`on_handover` adds a callback. Default: ``Handover()``: the heads warm up for 5 % of a planned run.
+            :meth:`on_handover` adds a callback. Default: ``Handover()``: when the schedule skipped your loss before the
+            switch (lambda 1: ``switch``, ``epochs:``), your heads warm up for 5 % of a planned run.
     """
 
     def __init__(
@@ -243,8 +244,6 @@ class ReLA:
             raise TypeError(f"ReLA(handover=) takes a Handover (accelerate_ssl.rela.Handover), got {type(handover).__name__}.")
         #: what happens at the switch and the steps after it (:mod:`.handover`)
         self.handover = handover if handover is not None else Handover()
-        if total_steps is not None:
-            self.handover.plan(int(total_steps))
         self._drop_generator = torch.Generator().manual_seed(int(seed))
 
         def term(name, t):
@@ -297,6 +296,8 @@ class ReLA:
             self.schedule = Constant(1.0, end_step=end_step)  # a stand-in until set_total_steps(); wrap refuses it
         else:
             self.schedule = self._plan(total_steps)
+        if total_steps is not None:
+            self.handover.plan(int(total_steps), skipped_user_loss=self.schedule.value >= 1.0)
         self.head_in_ddp = bool(head_in_ddp)
         #: whether a by-name schedule knows the run length (warned about at the first wrap otherwise)
         self._planned = self._schedule_name is None or total_steps is not None or not takes_run_length(self._schedule_name)
@@ -616,12 +617,13 @@ class ReLA:
         """Plan a schedule given by name for ``total_steps`` optimiser steps (e.g. Lightning's
         ``trainer.estimated_stepping_batches``), keeping the progress it has made (a resumed run stays
         where it was). A :class:`Schedule` instance passed to ``ReLA`` is yours and is left as it is."""
-        if self._schedule_name is None:
-            return
         if not isinstance(total_steps, int) or total_steps <= 0:
             raise ValueError(f"total_steps must be a positive int (optimiser steps of the whole run), got {total_steps!r}.")
+        if self._schedule_name is None:
+            self.handover.plan(total_steps, skipped_user_loss=self.schedule.value >= 1.0)
+            return
         planned = self._plan(total_steps)
-        self.handover.plan(total_steps)
+        self.handover.plan(total_steps, skipped_user_loss=planned.value >= 1.0)
         if self.schedule.steps:  # a resumed run: its state was planned for this run already, keep it
             planned.load_state_dict(self.schedule.state_dict())
         self.schedule = planned
