@@ -21,6 +21,7 @@ One JSON per finished run in ``--runs`` (committed; rerun the same command to re
 over N processes), then the results JSON and PNG::
 
     python benchmarks/budget.py --student vit --worker 0/2 & python benchmarks/budget.py --student vit --worker 1/2
+    python benchmarks/budget.py --student vit --gather            # the results JSON + PNG from every finished run
     python benchmarks/budget.py --student vit --tables benchmarks/results/budget_vit.json     # the tables, from the JSON
 """
 
@@ -395,11 +396,14 @@ def main(argv=None) -> None:
     mine = [] if a.gather else todo[a.worker[0]::a.worker[1]]
     for unit in sorted(mine, key=lambda u: u[0] == "rela" and u[1] == "indomain"):  # the in-domain prior last
         run_unit(a, data, unit)
+    if a.worker[1] > 1:
+        print("budget.py: this worker's runs are done; `--gather` (or the command without --worker) writes the results.")
+        return
     runs = {u: json.loads(unit_file(a, u).read_text()) for u in todo if unit_file(a, u).is_file()}
     if len(runs) < len(todo):
-        print(f"budget.py: {len(runs)} of {len(todo)} runs done; rerun to finish (other workers may still run).")
-        if a.worker != (0, 1) or not any(u[0] == "plain" and u[2] == a.full for u in runs):
-            return  # a worker, or nothing to compare with yet: no results file
+        print(f"budget.py: {len(runs)} of {len(todo)} runs done; rerun to finish.")
+        if not any(u[0] == "plain" and u[2] == a.full for u in runs):
+            return  # nothing to compare with yet: no results file
     result = {"command": "python benchmarks/" + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
               "complete": len(runs) == len(todo), "runs_done": len(runs), "runs_planned": len(todo),
               "settings": settings(a), "analysis": analyse(a, runs),

@@ -530,7 +530,8 @@ def budget_study(size: Size, out: Path, seconds: float) -> dict:
     into ``out/budget.json`` (the runs cached under ``out/budget-runs``, so a rerun resumes)."""
     plan = BUDGET_ARGV["smoke" if size is SIZES["smoke"] else "full"]
     seconds = min(float(seconds), 3600.0)
-    argv = [*plan["argv"], "--runs", str(out / "budget-runs"), "--cache", str(out / "budget-cache")]
+    argv = [*plan["argv"], "--runs", str(out / "budget-runs"), "--cache", str(out / "budget-cache"),
+            "--out", str(out / "budget.json")]
     script = ROOT / "benchmarks" / BUDGET_SCRIPT
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     t = time.perf_counter()
@@ -547,7 +548,7 @@ def budget_study(size: Size, out: Path, seconds: float) -> dict:
     finally:
         for log in logs:
             log.close()
-    result = run_script(BUDGET_SCRIPT, [*argv, "--gather", "--out", str(out / "budget.json")], out,
+    result = run_script(BUDGET_SCRIPT, [*argv, "--gather"], out,
                         max(10.0, seconds - (time.perf_counter() - t)))
     codes = [w.returncode for w in workers]
     result["workers"] = {"count": plan["workers"], "returncodes": codes}

@@ -154,28 +154,34 @@ def analyse(a, runs: dict) -> dict:
 
 def tables(result: dict) -> str:
     an, s = result["analysis"], result["settings"]
+    seeds = f"{len(s['seeds'])} seed{'s' if len(s['seeds']) > 1 else ''}"
     lines = []
     if s["study"] == "switch":
         at = round(s["switch"] * s["steps"])
         v = [k for k in an if k.startswith("variant:")]
-        probes = an[v[0]]["probes"]
-        lines += [f"Top-1 % (linear probe), mean ± sd over {len(s['seeds'])} seeds, at steps after the switch (step {at}):",
-                  "", "| variant | " + " | ".join(f"+{p - at}" for p in probes) + " | end |", "|---" * (2 + len(probes)) + "|"]
+        probes = [p for p in an[v[0]]["probes"] if p >= at]
+        lines += [f"Top-1 % (linear probe), mean ± sd over {seeds}, from the switch (step {at} of {s['steps']}) on:", "",
+                  "| what happens at the switch | " + " | ".join("at the switch" if p == at else f"+{p - at} steps"
+                                                             for p in probes) + " |", "|---" * (1 + len(probes)) + "|"]
         for k in v:
-            cells = [f"{c['mean']:.2f} ± {c['sd'] or 0:.2f}" for c in an[k]["top1"]]
-            lines.append(f"| {k.split(':')[1]} | " + " | ".join(cells) + f" | {an[k]['end']['top1']['mean']:.2f} |")
+            cells = [c for p, c in zip(an[k]["probes"], an[k]["top1"]) if p >= at]
+            lines.append(f"| {k.split(':')[1]} | " + " | ".join(
+                f"{c['mean']:.2f}" + (f" ± {c['sd']:.2f}" if c["sd"] is not None else "") for c in cells) + " |")
         p = an[f"plain:{s['steps']}"]
-        lines.append(f"| plain SSL, same length | {p['top1'][0]['mean']:.2f} (at step {at}) |" + " |" * (len(probes) - 1)
-                     + f" {p['end']['top1']['mean']:.2f} |")
+        plain = dict(zip(p["probes"], p["top1"]))
+        lines.append("| plain SSL, no prior | " + " | ".join(f"{plain[q]['mean']:.2f}" if q in plain else ""
+                                                           for q in probes) + " |")
     else:
-        lines += ["| run length | schedule | hand-over step (per seed) | top-1 % at the end | kNN % | 100 labels/class % |",
+        lines += [f"Mean ± sd over {seeds}:", "",
+                  "| run length | schedule | hand-over step (per seed) | top-1 % at the end | kNN % | 100 labels/class % |",
                   "|---:|---|---|---|---|---|"]
         for k, r in sorted(an.items(), key=lambda kv: (kv[1]["steps"], kv[0])):
             name = "plain SSL" if k.startswith("plain") else k.split(":", 1)[1].rsplit(":", 1)[0]
             hand = "" if k.startswith("plain") else ", ".join("never" if h is None else str(h) for h in r["handover_step"])
             e = r["end"]
             lines.append(f"| {r['steps']} | {name} | {hand} | " + " | ".join(
-                f"{e[q]['mean']:.2f} ± {e[q]['sd'] or 0:.2f}" for q in ("top1", "knn_top1", "few_label_top1")) + " |")
+                f"{e[q]['mean']:.2f}" + (f" ± {e[q]['sd']:.2f}" if e[q]["sd"] is not None else "")
+                for q in ("top1", "knn_top1", "few_label_top1")) + " |")
     return "\n".join(lines)
 
 
