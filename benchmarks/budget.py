@@ -318,7 +318,7 @@ def fmt(cell: dict | None, key: str = "top1") -> str:
         return "–"
     v = cell[key]
     return f"{v['mean']:.2f}" + (f" ± {v['sd']:.2f}" if v["sd"] is not None else "") + \
-        (f" ({cell['seeds']} seeds)" if cell["seeds"] < 5 else "")
+        (f" ({cell['seeds']} seed{'s' if cell['seeds'] > 1 else ''})" if cell["seeds"] < 5 else "")
 
 
 PROBES = {"top1": "linear probe, all labels", "knn_top1": "kNN, k = 20", "few_label_top1": "linear probe, 100 labels per class"}
@@ -352,10 +352,20 @@ def tables(result: dict) -> dict[str, str]:
         plain = f"{row['plain']['compute']['mean']:.3f}" if "plain" in row else "–"
         lines.append(f"| {steps} steps | {plain} | " + " | ".join(cells) + " |")
     out["compute"] = "\n".join(lines)
+    runs = result["runs"].values()
+    train = sum(r["train_cpu_seconds"] for r in runs)
+    probe = sum(c.get("probe_seconds", 0.0) for r in runs for c in r["curve"])
+    pre = sum(v.get("cpu_seconds", 0.0) for v in an["priors"].values())
+    out["cost"] = (f"The study: {len(result['runs'])} runs, {train / 3600:.1f} CPU-hours of training, "
+                   f"{pre / 60:.1f} CPU-minutes of precompute and {probe / 3600:.1f} hours of probing (wall-clock), "
+                   f"one torch thread per run.")
     longer = an.get("longer_plain") or {}
-    out["longer"] = "\n".join(["| plain SSL steps | seeds | linear % | kNN % | 100 labels/class % |", "|---:|---:|---:|---:|---:|"] +
-                              [f"| {k} | {v['seeds']} | " + " | ".join(f"{v[q]:.2f}" for q in PROBES) + " |"
-                               for k, v in sorted(longer.items(), key=lambda kv: int(kv[0]))])
+    out["longer"] = "\n".join(
+        ["| plain SSL steps | seeds | linear % | kNN % | 100 labels/class % | the same seeds' full runs: linear % |",
+         "|---:|---:|---:|---:|---:|---:|"] +
+        [f"| {k} | {v['seeds']} | " + " | ".join(f"{v[q]:.2f}" for q in PROBES) +
+         f" | {v['full_same_seeds']['top1']:.2f} ({s['full']} steps) |"
+         for k, v in sorted(longer.items(), key=lambda kv: int(kv[0]))])
     return out
 
 

@@ -59,10 +59,11 @@ def parse_args(argv=None):
                    help="schedules study: the hand-over of every run (Handover.from_spec)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--worker", default="0/1", metavar="I/N")
-    p.add_argument("--out", help="results JSON (default: benchmarks/results/handover_<study>_<student>.json)")
+    p.add_argument("--gather", action="store_true", help="run nothing: the results of the runs finished so far")
+    p.add_argument("--out", help="results JSON (default: benchmarks/results/handover_<study>_<student>_<prior>.json)")
     a = p.parse_args(argv)
     a.worker = tuple(map(int, a.worker.split("/")))
-    a.out = a.out or str(ROOT / f"benchmarks/results/handover_{a.study}_{a.student}.json")
+    a.out = a.out or str(ROOT / f"benchmarks/results/handover_{a.study}_{a.student}_{a.prior}.json")
     return a
 
 
@@ -214,15 +215,21 @@ def main(argv=None) -> None:
     todo = units(a)
     runs = {}
     for i, unit in enumerate(todo):
-        if i % a.worker[1] == a.worker[0]:
+        if a.gather:
+            if unit_file(a, unit).is_file():
+                runs[unit] = json.loads(unit_file(a, unit).read_text())
+        elif i % a.worker[1] == a.worker[0]:
             runs[unit] = run(a, data, unit)
     if a.worker[1] > 1:
-        print("handover.py: this worker's runs are done; rerun without --worker for the results.")
+        print("handover.py: this worker's runs are done; --gather (or the command without --worker) writes the results.")
         return
+    missing = [u for u in todo if u not in runs]
+    if missing:
+        print(f"handover.py: {len(missing)} of {len(todo)} runs not finished: the results hold the others.")
     settings = {k: getattr(a, k) for k in ("study", "student", "prior", "seeds", "steps", "switch", "variants",
                                            "warm_heads", "rewarm", "after", "budgets", "schedules", "handover", "threads")}
     result = {"command": "python benchmarks/" + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-              "settings": settings, "recipe": budget.settings(b), "analysis": analyse(a, runs),
+              "complete": not missing, "settings": settings, "recipe": budget.settings(b), "analysis": analyse(a, runs),
               "runs": {"-".join(map(str, u)): r for u, r in runs.items()}}
     write_results(a.out, result, per_seed=["runs.*.curve", "analysis.*.end.top1.per_seed"])
     figure(result, Path(a.out).with_suffix(".png"))

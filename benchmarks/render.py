@@ -776,8 +776,9 @@ def budget_tables(r: Result) -> dict[str, str]:
 
 
 def handover_tables(r: Result) -> dict[str, str]:
-    """``handover_<study>_<student>.json`` (``handover.py``): the study's table."""
-    return {f"{r.path.stem}.table": benchmark("handover").tables(r) + "\n\n" + r.source()}
+    """``handover_<study>_<student>_<prior>.json`` (``handover.py``): the study's table."""
+    note = "" if r.get("complete", True) else "Some of the study's runs had not finished: the table holds the others."
+    return {f"{r.path.stem}.table": benchmark("handover").tables(r) + "\n\n" + r.source(note)}
 
 
 for _path in sorted(RESULTS.glob("budget_*.json")):
