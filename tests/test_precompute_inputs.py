@@ -258,13 +258,14 @@ def test_each_file_is_read_once_and_yields_its_record(tmp_path, monkeypatch):
     those bytes): the content identity costs no second read."""
     dataset = datasets(tmp_path)["folder"]
     loader = input_batches(dataset, 5, num_workers=0)
+    expected = {path: file_record(path).tolist() for path, _ in dataset.samples}  # read here, before counting
     reads = count_reads(monkeypatch)
     identity = RowIdentity(dataset)
     seen = 0
     for images, rows, records in loader:
         for j in range(len(rows)):
             path = dataset.samples[seen + j][0]
-            assert records[j].tolist() == file_record(path).tolist()  # what the store's content check compares
+            assert records[j].tolist() == expected[path]  # what the store's content check compares
             assert int(rows[j]) == identity(seen + j)
         seen += len(rows)
     assert seen == len(dataset) and sorted(reads) == sorted(p for p, _ in dataset.samples)

@@ -56,11 +56,11 @@ def train(targets, steps, seed=0, **rela_kwargs):
 
 
 def run_steps(net, rela, opt, steps) -> list[float]:
-    """One optimiser step of ReLA's loss alone per ``(x, index)`` of ``steps``; the per-step losses."""
+    """One optimiser step per ``(x, index)`` of ``steps`` with a small user loss (what lambda hands over to); the
+    per-step losses."""
     losses = []
     for xb, idx in steps:
-        net(xb)
-        loss = rela.wrap(torch.zeros(()), index=idx)
+        loss = rela.wrap(1e-3 * net(xb).pow(2).mean(), index=idx)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -187,8 +187,8 @@ def test_a_resumed_run_continues_exactly():
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
     opt.load_state_dict(saved[2])
     rela.load_state_dict(saved[0])
-    assert head + run_steps(net, rela, opt, steps[5:]) == whole
-    assert rela.head_mode == "own"
+    assert head + run_steps(net, rela, opt, steps[5:]) == whole  # resumed past the hand-over (step 4 of 8)
+    assert rela.head_mode == "own" and rela.stats["lambda"] == 0.0
 
 
 # ---------------------------------------------------------------------------------------------- checks per prior
