@@ -77,12 +77,9 @@ def test_every_page_of_the_site_is_in_its_navigation():
 
 
 def _hooks():
-    import importlib.util
+    from scripts import load_script
 
-    spec = importlib.util.spec_from_file_location("_docs_hooks", ROOT / "docs" / "hooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("docs/hooks.py", "_docs_hooks")
 
 
 def test_the_cli_reference_is_written_from_every_parser():

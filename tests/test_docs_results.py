@@ -74,12 +74,9 @@ def test_there_are_results_to_check():
 
 # ---------------------------------------------------------------------------------------------- generated blocks
 def _render():
-    import importlib.util
+    from scripts import load_script
 
-    spec = importlib.util.spec_from_file_location("_render_for_tests", ROOT / "benchmarks" / "render.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/render.py", "_render_for_tests")
 
 
 def test_every_generated_block_is_what_its_result_file_gives_now():

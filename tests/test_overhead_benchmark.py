@@ -1,19 +1,18 @@
 """benchmarks/overhead.py on tiny settings: it runs end to end (a fresh batch of store rows every step, as the
 placeholder-index check requires) and reports what it measured."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
+
+from scripts import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def test_overhead_benchmark_tiny(tmp_path, fashion_mnist_available):
     sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("overhead", BENCH / "overhead.py")
-    overhead = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(overhead)
+    overhead = load_script("benchmarks/overhead.py", "overhead")
     out = tmp_path / "overhead.json"
     result = overhead.main(["--repeats", "2", "--warmup", "1", "--batch-size", "16", "--widths", "4,8",
                             "--store-rows", "200", "--cache", str(tmp_path / "cache"), "--out", str(out)])

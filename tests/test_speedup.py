@@ -3,14 +3,13 @@ recomputed from the recorded curves, and the tables regenerated from its JSON.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
+from scripts import load_script
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-spec = importlib.util.spec_from_file_location("speedup", BENCH / "speedup.py")
-study = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(study)
+study = load_script("benchmarks/speedup.py", "speedup")
 
 TINY = ["--seeds", "0", "--full-steps", "4", "--plain-probes", "0", "2", "4", "--train-size", "256",
         "--test-size", "128", "--probe-epochs", "2", "--batch-size", "32", "--widths", "8", "16", "--timing-steps", "2"]
