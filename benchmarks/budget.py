@@ -193,6 +193,35 @@ def prepare_prior(a, data, prior: str) -> dict:
     return record
 
 
+def prior_probe(a, data, prior: str) -> dict:
+    """The prior itself, probed as the students are (its embeddings of the clean train and test images, the same
+    linear / kNN / few-label probes, seed 0): what the student is pulled toward. Once per prior, kept beside its
+    store."""
+    import head_to_head as h2h
+
+    from accelerate_ssl.priors import create_prior
+    from accelerate_ssl.recipes.views import FASHION_MNIST_MEAN, FASHION_MNIST_STD
+
+    memo = Path(f"{store_dir(a, prior)}-probe.json")
+    if memo.is_file():
+        return json.loads(memo.read_text())
+    model = create_prior(PRIORS[prior] or f"checkpoint:{indomain_checkpoint(a)}").eval()
+
+    class Embed(torch.nn.Module):  # the probe's normalised images -> pixels -> the prior's own preprocessing
+        def __init__(self):
+            super().__init__()
+            self.prior = model
+
+        def forward(self, x):
+            return self.prior(self.prior.preprocess.batch((x * FASHION_MNIST_STD + FASHION_MNIST_MEAN).clamp(0, 1)))
+
+    train, test, xtr, xte = data
+    torch.set_num_threads(a.threads)
+    out = dict(h2h.Probe(train, test, xtr, xte, 0).inner.evaluate(Embed()))
+    atomic_write_json(memo, out, indent=1)
+    return out
+
+
 def train_indomain(a, data) -> dict:
     """The in-domain prior: plain SSL for the full budget (seed INDOMAIN_SEED), saved as a checkpoint prior."""
     import head_to_head as h2h
@@ -268,9 +297,9 @@ def commit() -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- analysis
-def analyse(a, runs: dict) -> dict:
+def analyse(a, data, runs: dict) -> dict:
     """Per budget: each method's end accuracy (mean, sd, per seed) on three probes, its compute relative to the same
-    seed's full plain run, and whether lambda reached 0 (the hand-over) and where."""
+    seed's full plain run, and whether lambda reached 0 (the hand-over) and where; each prior's own probe."""
     seeds = [s for s in a.seeds if ("plain", None, a.full, s) in runs]
     full = {s: runs[("plain", None, a.full, s)] for s in seeds}
     probes = ("top1", "knn_top1", "few_label_top1")
@@ -302,7 +331,7 @@ def analyse(a, runs: dict) -> dict:
     for prior in a.priors:
         memo = store_dir(a, prior).with_suffix(".json")
         if memo.is_file():
-            priors[prior] = json.loads(memo.read_text())
+            priors[prior] = {**json.loads(memo.read_text()), "probe": prior_probe(a, data, prior)}
     longer = {}
     for steps in sorted({k[2] for k in runs if k[0] == "plain" and k[2] > a.full}):
         rs = [end(r) for k, r in runs.items() if k[0] == "plain" and k[2] == steps]
@@ -343,6 +372,11 @@ def tables(result: dict) -> dict[str, str]:
                 lines.append(f"| *paper, CIFAR-10, {round(100 * frac)} %* | *{paper['plain']}* | " +
                              " | ".join(f"*{paper[p]}*" if p in paper else "–" for p in priors) +
                              f" | *{PAPER_CIFAR10[1.0]['plain']}* |")
+        own = {p: an["priors"].get(p, {}).get("probe") for p in priors}
+        if any(own.values()):
+            probe_key = "linear_top1" if key == "top1" else key
+            lines.append("| *the prior itself* | – | " + " | ".join(f"*{own[p][probe_key]:.2f}*" if own[p] else "–"
+                                                                  for p in priors) + " | – |")
         out[key] = "\n".join(lines)
     lines = ["| budget | plain SSL: compute | " + " | ".join(f"ReLA, {PRIOR_LABEL[p]}: compute; hand-over step per seed"
                                                            for p in priors) + " |", "|---" * (2 + len(priors)) + "|"]
@@ -352,6 +386,7 @@ def tables(result: dict) -> dict[str, str]:
         plain = f"{row['plain']['compute']['mean']:.3f}" if "plain" in row else "–"
         lines.append(f"| {steps} steps | {plain} | " + " | ".join(cells) + " |")
     out["compute"] = "\n".join(lines)
+    out["summary"] = goals(an, s)
     runs = result["runs"].values()
     train = sum(r["train_cpu_seconds"] for r in runs)
     probe = sum(c.get("probe_seconds", 0.0) for r in runs for c in r["curve"])
@@ -367,6 +402,33 @@ def tables(result: dict) -> dict[str, str]:
          f" | {v['full_same_seeds']['top1']:.2f} ({s['full']} steps) |"
          for k, v in sorted(longer.items(), key=lambda kv: int(kv[0]))])
     return out
+
+
+def goals(an: dict, s: dict) -> str:
+    """The study's two goals, read off its table: with the prior trained on other data, full-budget plain SSL's
+    linear-probe accuracy reached by ReLA + SSL within 50 % of its compute (precompute counted); with an untrained
+    prior, the 10 % budget improved over plain SSL at that budget."""
+    full = an["table"]["full"]["top1"]["mean"]
+    rows = {int(k): v for k, v in an["table"]["budgets"].items()}
+    lines = []
+    other = [(k, v["other"]) for k, v in sorted(rows.items()) if "other" in v]
+    within = [(k, c) for k, c in other if c["compute"]["mean"] <= 0.5]
+    if within:
+        k, c = within[-1]
+        met = c["top1"]["mean"] >= full
+        lines.append(f"With the prior trained on other data, ReLA + SSL reaches {c['top1']['mean']:.2f} % at "
+                     f"{round(100 * k / s['full'])} % of the steps ({c['compute']['mean']:.2f} of the full run's compute, "
+                     f"precompute included) against full-budget plain SSL's {full:.2f} %: the goal of reaching it within "
+                     f"half the compute is **{'met' if met else 'not met'}**"
+                     + ("." if met else f" ({c['top1']['mean'] - full:+.2f} points)."))
+    first = rows.get(min(rows)) if rows else None
+    if first and "random" in first and "plain" in first:
+        d = first["random"]["top1"]["mean"] - first["plain"]["top1"]["mean"]
+        lines.append(f"With an untrained prior at {round(100 * min(rows) / s['full'])} % of the steps: "
+                     f"{first['random']['top1']['mean']:.2f} % against plain SSL's {first['plain']['top1']['mean']:.2f} % "
+                     f"({d:+.2f} points): the goal of improving the smallest budget is "
+                     f"**{'met' if d > 0 else 'not met'}**.")
+    return " ".join(lines)
 
 
 def figure(result: dict, path: Path) -> None:
@@ -416,7 +478,7 @@ def main(argv=None) -> None:
             return  # nothing to compare with yet: no results file
     result = {"command": "python benchmarks/" + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
               "complete": len(runs) == len(todo), "runs_done": len(runs), "runs_planned": len(todo),
-              "settings": settings(a), "analysis": analyse(a, runs),
+              "settings": settings(a), "analysis": analyse(a, data, runs),
               "runs": {unit_file(a, u).stem: r for u, r in runs.items()}}
     write_results(a.out, result, device=a.device if a.device != "cpu" else None,
                   per_seed=["runs.*.curve", "analysis.table.budgets.*.*.top1.per_seed"])
