@@ -181,8 +181,8 @@ def prepare_prior(a, data, prior: str) -> dict:
     spec = PRIORS[prior]
     if prior == "indomain":
         spec = f"checkpoint:{indomain_checkpoint(a)}"
-        if not indomain_checkpoint(a).is_file():
-            record["training"] = train_indomain(a, data)
+        record["training"] = (train_indomain(a, data) if not indomain_checkpoint(a).is_file() else
+                              {"steps": a.full, "seed": INDOMAIN_SEED, "checkpoint": indomain_checkpoint(a).name})
     torch.set_num_threads(a.threads)
     load, t, c = os.getloadavg(), time.perf_counter(), time.process_time()
     precompute_targets(create_prior(spec).to(a.device), data[0], store_dir(a, prior), progress=True,

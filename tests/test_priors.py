@@ -187,3 +187,18 @@ def test_a_recorded_timm_vit_is_rebuilt_at_the_size_its_rows_were_made_at(tmp_pa
     with torch.inference_mode():
         assert torch.equal(again(again.preprocess.batch(x)), prior(prior.preprocess.batch(x)))
     assert again.preprocess.config == prior.preprocess.config
+
+
+def test_a_checkpoint_prior_of_a_vit_built_for_small_images_loads_at_its_own_size(tmp_path):
+    """A timm ViT saved at 28 px (a fixed patch grid, no crop in its preprocessing) is sized at that grid, not at a
+    default side it refuses."""
+    timm = pytest.importorskip("timm")
+    kwargs = {"img_size": 28, "patch_size": 4, "in_chans": 1, "embed_dim": 32, "depth": 1, "num_heads": 2,
+              "num_classes": 0, "global_pool": "avg"}
+    net = timm.create_model("vit_tiny_patch16_224", **kwargs)
+    path = save_prior_checkpoint(net, tmp_path / "vit28.safetensors", "timm:vit_tiny_patch16_224", kwargs,
+                                 {"channels": 1, "mean": [0.3], "std": [0.35]})
+    prior = create_prior(f"checkpoint:{path}")
+    assert prior.output_dim == 32
+    x = torch.rand(2, 1, 28, 28)
+    torch.testing.assert_close(prior(prior.preprocess.batch(x)), net.eval()(prior.preprocess.batch(x)))

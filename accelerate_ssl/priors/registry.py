@@ -418,6 +418,16 @@ def strip_classifier(model: nn.Module) -> list[str]:
     return removed
 
 
+def fixed_input_size(model: nn.Module) -> Optional[int]:
+    """The one input side ``model`` accepts (a timm ViT built for a fixed patch grid, e.g. ``img_size=28``), or None
+    when it takes any size."""
+    embed = getattr(model, "patch_embed", None)
+    size = getattr(embed, "img_size", None)
+    if size is None or getattr(embed, "dynamic_img_size", False) or not getattr(embed, "strict_img_size", True):
+        return None
+    return int(size[0] if isinstance(size, (tuple, list)) else size)
+
+
 def probe_dim(model: nn.Module, channels: int, size: int) -> int:
     model.eval()
     with torch.inference_mode():
@@ -659,7 +669,7 @@ def _load_checkpoint(path: Path, spec: str, weights: Optional[str], overrides: d
     pre_cfg = dict((meta or {}).get("preprocess_config") or {"channels": 3})
     pre = preprocess_with(Preprocess.from_config(pre_cfg).config, overrides)
     reject_unknown(overrides, spec)
-    dim = probe_dim(model, pre.channels, pre.crop or 32)
+    dim = probe_dim(model, pre.channels, pre.crop or fixed_input_size(getattr(model, "net", model)) or 32)
     where = {"checkpoint": str(path.resolve())} if provenance == "path" else {}
     return Prior(model, spec, pre, prior_info(spec.split(":", 1)[0], arch_name, None, dim, **where,
                                          checkpoint_sha256=file_sha256(path)))
