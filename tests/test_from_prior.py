@@ -114,7 +114,7 @@ def test_what_from_prior_cannot_take_is_refused_naming_the_fix(tmp_path):
         def __iter__(self):
             yield torch.zeros(1, 8, 8)
 
-    with pytest.raises(TypeError, match="streamed data.*ShardedTargets.*At web scale"):
+    with pytest.raises(TypeError, match="streamed data.*ShardedTargets.*webdataset.md.*At scale"):
         ReLA.from_prior("random:convnet", _backbone(), DataLoader(Stream()), cache_dir=tmp_path)
     with pytest.raises(ValueError, match="not both"):
         ReLA.from_prior("random:convnet", _backbone(), DataLoader(_data()), dataset=_data(transform=None),

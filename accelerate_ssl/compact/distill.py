@@ -47,7 +47,7 @@ class DistillConfig:
     Where the benchmark measured better values the defaults stay the paper's, because those were measured on one
     setting only (Fashion-MNIST, 28 px, a 128-d teacher, N = 100): there ``U = V = min(2N, dim)`` makes a full-rank
     image basis that compresses nothing and ``H = 4`` misses half the rotated targets' variance, so ``U = V = 64`` and
-    ``approx_hidden=64`` scored higher (``benchmarks/README.md``). An ``H`` too small for
+    ``approx_hidden=64`` scored higher (``docs/benchmarks/warm-start.md``). An ``H`` too small for
     your teacher shows itself: the share of target variance the approximation nets miss is stored and printed, and
     above 20 % an ``ApproxFitWarning`` is raised.
     """

@@ -42,7 +42,7 @@ What cannot be proven aligned is refused, never guessed:
   ``MultiEpochsDataLoader``, whose ``__iter__`` yields its one persistent iterator's batches as they come;
 - a wrapper that ends an iteration with inner batches it never yielded (checked at its end);
 - a loader whose collate function mixes samples (timm's ``FastCollateMixup`` with mixing on) while ReLA's term runs
-  without a planned end: a mixed image is two samples, while a stored target belongs to one (README, "timm").
+  without a planned end: a mixed image is two samples, while a stored target belongs to one (``docs/hosts/timm.md``).
 
 **timm's mixers while ReLA's term runs.** The latest ReLA's ``mixing_policy()`` decides: ``"refuse"`` (no planned end:
 a mixed batch stops training, naming the fixes), ``"hold"`` (a planned end: the mixer does not mix yet), ``"allow"``
@@ -342,7 +342,7 @@ def guard_timm_mixers(guard) -> None:
     (``input, target = mixup_fn(input, target)``) follow it at every call: raise (``"refuse"``), return the batch
     unmixed with its one-hot targets (``"hold"``), or mix (``"allow"``), instead of feeding ReLA mixed images with one
     sample's target. Patches ``timm.data.mixup.Mixup.__call__`` once (when timm is imported); other mixers are the
-    user's to keep off (README)."""
+    user's to keep off (``docs/hosts/timm.md``)."""
     global _MIXING_GUARD
     _MIXING_GUARD = weakref.ref(guard)
     import sys

@@ -25,7 +25,7 @@ all, in expectation.
 What it cannot see: a store with only part of its rows wrong (the right rows keep the gap), and a wrong pairing the
 head has *learnt* (a store of the same images in another order that maps class to class, an epoch or more of training
 on it): then the head predicts the wrong rows well. The witness sees both, since the prior does not learn.
-``benchmarks/alignment.py`` measures false alarms and misses (``benchmarks/README.md``).
+``benchmarks/alignment.py`` measures false alarms and misses (``docs/benchmarks/checks.md``).
 
 Cost: three ``[B, n]`` reductions per micro-batch, no gradient. The statistics stay on the device and reach the host
 once per window through :class:`~accelerate_ssl.rela.deferred.DeferredReads`, so the check never makes a step wait.

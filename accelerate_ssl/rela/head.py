@@ -47,7 +47,7 @@ def fit_transport_head(head: nn.Linear, features: torch.Tensor, target: torch.Te
     gradients that reach the student point in arbitrary directions of the target space; starting
     from the closed-form least-squares map for the student's *current* features instead lets those
     gradients improve the features at once (the same reason linear-probe-then-fine-tune distorts
-    pretrained features less). Our choice, measured in the demo (README, "The demo"); pass
+    pretrained features less). Our choice, measured in the demo (``docs/benchmarks/demo.md``); pass
     ``ReLA(head_init="random")`` for the papers' behaviour.
 
     Solves ``min_W,b ||[F 1] [W; b] - Y||^2 + r ||W||^2`` in float64 with ``r = ridge * trace(F^T F) / D``
@@ -114,8 +114,8 @@ class TransportHead:
         The first step's loss is then scored on the rows the head was just fitted to, so that step's ReLA gradient is
         small (none when the batch has fewer rows than feature dims). Fitting on half the batch and scoring the other
         half keeps that one gradient but halves the fit's rows, and measured worse: 3 seeds at 100 steps of the demo's
-        recipe, 0.2-1.0 points lower top-1 for each of three priors (``benchmarks/README.md``, "The transport head's
-        start")."""
+        recipe, 0.2-1.0 points lower top-1 for each of three priors (a measurement made when the
+        head's start was chosen; no result file of it is kept)."""
         self.needs_fit = False
         fit_transport_head(self.linear, feats, target, distributed=is_distributed())
 

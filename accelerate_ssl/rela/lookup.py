@@ -109,7 +109,7 @@ def check_trained_dataset(store, dataset, which: str, checked: Sequence = ()) ->
             f"A {type(dataset).__name__} streams samples without positions, so ReLA cannot look rows up by index. Let "
             "the targets ride in the batch: precompute sidecars (`accelerate-ssl precompute --data wds:<shards> / "
             "hf:<path>`), join them in the pipeline (ShardedTargets.join / .column), create ReLA without dataset= / "
-            "dataloader=, and pass rela.wrap(loss, targets=batch_targets) (README: At web scale).")
+            "dataloader=, and pass rela.wrap(loss, targets=batch_targets) (docs/hosts/webdataset.md, 'At scale').")
     if hasattr(store, "check_dataset"):
         try:
             store.check_dataset(dataset)

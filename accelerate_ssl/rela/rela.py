@@ -145,7 +145,7 @@ class ReLA:
             ``stats["finished"]`` True; ``wrap`` returns your loss unchanged from then on). ``Decay`` never ends by
             itself and ``Switch`` ends when the ReLA loss converges (planned: by half the run); an end step is a planned hand-over. While a term
             with a planned end runs (this, or an ``epochs:`` schedule's switch), timm's mixup / cutmix is held off
-            instead of refused, and mixes again once it is over (README, "timm"). For a :class:`Schedule` instance,
+            instead of refused, and mixes again once it is over (``docs/hosts/timm.md``). For a :class:`Schedule` instance,
             pass it to the instance (``Decay(..., end_step=n)``).
         head_in_ddp: the head is a submodule of your DDP-wrapped model (solo-learn's mixin registers it so),
             so DDP already averages its gradients and ReLA must not average them a second time.
@@ -179,8 +179,8 @@ class ReLA:
         balance: how several priors' losses make ReLA's loss (:func:`~accelerate_ssl.rela.term.combine_losses`):
             ``"drop"`` (default: UNIC's teacher dropping, per sample every prior but the one with the highest loss
             dropped with probability ``drop``) or ``"equal"`` (the mean of the priors' losses, each a cosine over its
-            own standardised rows). Measured on the demo's recipe (``benchmarks/README.md``, "Several priors at
-            once"), dropping was ahead of equal weights on each of 3 seeds (by 0.10-0.26 points); one prior is the
+            own standardised rows). Measured on the demo's recipe (``docs/benchmarks/several-priors.md``), dropping was
+            ahead of equal weights on each of 3 seeds (by 0.10-0.26 points); one prior is the
             same either way.
         drop: the dropping probability of ``balance="drop"``.
         seed: seeds the draws of ``balance="drop"`` (their generator is part of :meth:`state_dict`).
@@ -382,7 +382,7 @@ class ReLA:
 
         Args:
             prior: a prior spec (``"timm:vit_small_patch14_dinov2.lvd142m"``, ``"open_clip:ViT-B-32/laion2b_s34b_b79k"``,
-                ``"shipped:digits-byol"``, ...; README "Choosing a prior") or a ready ``Prior``.
+                ``"shipped:digits-byol"``, ...; ``docs/concepts/priors.md``, "Which prior") or a ready ``Prior``.
             backbone: the student's feature extractor (``model.backbone``).
             dataloader: the training loader (over a map-style data set; streamed data carries its rows in the batch
                 instead: ``ShardedTargets``).
@@ -413,7 +413,8 @@ class ReLA:
                 f"The loader's data set is a {type(source).__name__}: streamed data, whose rows are found by sample key "
                 "rather than by position. Precompute sidecars (`accelerate-ssl precompute --data wds:<shards> / "
                 "hf:<path>`), let the rows ride in the batch (ShardedTargets.open(folder).join() / .column(dataset)) "
-                "and create ReLA(targets, backbone, ...) with rela.wrap(loss, targets=...) (README: At web scale).")
+                "and create ReLA(targets, backbone, ...) with rela.wrap(loss, targets=...) "
+                "(docs/hosts/webdataset.md, 'At scale').")
         if dataset is not None and transform_attr is not None:
             raise ValueError("ReLA.from_prior: pass dataset= (the clean set itself) or transform_attr= (where the "
                              "loader's data set holds its augmentation), not both.")

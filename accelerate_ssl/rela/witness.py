@@ -36,7 +36,7 @@ training when the recent witnessed samples' boxes are confidently on the wrong s
 
 Where it cannot judge it says so once (:class:`WitnessWarning`) and keeps confirming what it can: a prior that does not
 tell augmented views of different images apart (a random network under strong augmentation: measured in
-``benchmarks/README.md``), or a loop that shows the backbone one view per step (a supervised run; ReLA's one-view
+``docs/benchmarks/checks.md``), or a loop that shows the backbone one view per step (a supervised run; ReLA's one-view
 steps), where nothing calibrates ``u``: as soon as it has witnessed enough rows without confirming them, it says so,
 with their rank (near 1/2 they are most likely other samples' rows, or the prior does not recognise the views; one
 view per step cannot tell which). A confirmed alignment (``mean(u) + 3 se(u) < 1/2``) is recorded in

@@ -222,7 +222,7 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
                         "rows by position. Use accelerate_ssl.precompute_sidecars(prior, "
                         + ("open_stream(dataset, image_field='image')" if module == "datasets" else "'wds:<shard pattern>'")
                         + f", path) or `accelerate-ssl precompute --data {spec} --out PATH`, then train with "
-                        "rela.wrap(loss, targets=batch['target']) (README: At web scale).")
+                        "rela.wrap(loss, targets=batch['target']) (docs/hosts/webdataset.md, 'At scale').")
     if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
         raise TypeError(f"precompute_targets needs a map-style dataset (len() and dataset[i]): target row i belongs to "
                         f"dataset[i], and a {type(dataset).__name__} has no stable index. Wrap the samples in a map-style "
