@@ -474,8 +474,9 @@ def main(argv=None) -> None:
     runs = {u: json.loads(unit_file(a, u).read_text()) for u in todo if unit_file(a, u).is_file()}
     if len(runs) < len(todo):
         print(f"budget.py: {len(runs)} of {len(todo)} runs done; rerun to finish.")
-        if not any(u[0] == "plain" and u[2] == a.full for u in runs):
-            return  # nothing to compare with yet: no results file
+    if not any(u[0] == "plain" and u[2] == a.full for u in runs):
+        print("budget.py: no full plain run among these runs, nothing to compare with: no results file written.")
+        return
     result = {"command": "python benchmarks/" + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
               "complete": len(runs) == len(todo), "runs_done": len(runs), "runs_planned": len(todo),
               "settings": settings(a), "analysis": analyse(a, data, runs),
