@@ -421,6 +421,11 @@ def goals(an: dict, s: dict) -> str:
                      f"precompute included) against full-budget plain SSL's {full:.2f} %: the goal of reaching it within "
                      f"half the compute is **{'met' if met else 'not met'}**"
                      + ("." if met else f" ({c['top1']['mean'] - full:+.2f} points)."))
+        later = [(k2, c2) for k2, c2 in other if k2 > k and c2["top1"]["mean"] >= full]
+        if not met and later:
+            k2, c2 = later[0]
+            lines.append(f"It gets there at {round(100 * k2 / s['full'])} % of the steps ({c2['top1']['mean']:.2f} %), "
+                         f"at {c2['compute']['mean']:.2f} of the full run's compute.")
     first = rows.get(min(rows)) if rows else None
     if first and "random" in first and "plain" in first:
         d = first["random"]["top1"]["mean"] - first["plain"]["top1"]["mean"]

@@ -178,6 +178,8 @@ def tables(result: dict) -> str:
                   "|---:|---|---|---|---|---|"]
         for k, r in sorted(an.items(), key=lambda kv: (kv[1]["steps"], kv[0])):
             name = "plain SSL" if k.startswith("plain") else k.split(":", 1)[1].rsplit(":", 1)[0]
+            n = len(r["handover_step"])
+            name += f" ({n} seed{'s' if n > 1 else ''})" if n < len(s["seeds"]) else ""
             hand = "" if k.startswith("plain") else ", ".join("never" if h is None else str(h) for h in r["handover_step"])
             e = r["end"]
             lines.append(f"| {r['steps']} | {name} | {hand} | " + " | ".join(
