@@ -175,8 +175,6 @@ class Decay(Schedule):
         if loss_momentum is None:
             loss_momentum = 0.999
             if total_steps is not None:
-                if total_steps <= 0:
-                    raise ValueError(f"total_steps must be positive, got {total_steps}.")
                 loss_momentum = min(0.999, max(0.0, 1.0 - 6.0 / (decay_fraction * total_steps)))
         for name, m in (("loss_momentum", loss_momentum), ("rho_momentum", rho_momentum)):
             if not 0.0 <= m < 1.0:
@@ -225,7 +223,7 @@ class Switch(Schedule):
     A planned run also has a latest switch: at ``end_fraction * total_steps`` (default 0.5) lambda goes to 0
     whatever the losses say (``end_step``), so the run hands over inside itself. Measured on the budget study's
     short CPU runs, the rule alone never fired within 100-1000 steps (the ReLA loss kept falling slowly), and those
-    runs stopped as pure regression toward the prior (benchmarks, "The hand-over"). An explicit ``end_step`` wins;
+    runs stopped as pure regression toward the prior (``docs/concepts/schedules.md``). An explicit ``end_step`` wins;
     ``end_fraction=None`` leaves the losses alone to decide.
     """
 

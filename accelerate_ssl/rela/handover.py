@@ -29,7 +29,7 @@ from torch import nn
 __all__ = ["Handover", "HANDOVER_SPEC", "WARM_HEADS_FRACTION"]
 
 #: the heads' warm-up of a run ReLA knows the length of, when ``warm_heads`` is not given: this fraction of its
-#: optimiser steps (measured on the budget study: docs, "The hand-over")
+#: optimiser steps (measured on the budget study: ``docs/concepts/handover.md``)
 WARM_HEADS_FRACTION = 0.05
 
 #: the grammar of :meth:`Handover.from_spec` (the benchmarks' and the CLI's ``--handover``)
@@ -152,10 +152,11 @@ class Handover:
             group["lr"] = lr
         self._saved_lr = []
 
-    @property
-    def active(self) -> bool:
-        """Whether anything remains to do after the switch (warm-up or re-warm steps)."""
-        return bool(self.warm_heads or self.rewarm)
+    def acts_at(self, step: int) -> bool:
+        """Whether :meth:`before_step` changes optimiser step ``step``: one of the warm-up or re-warm steps after the
+        switch (before it, and once they are over, your optimiser's steps are left alone)."""
+        k = self.since(step)
+        return k is not None and k < self.warm_heads + self.rewarm
 
     def state_dict(self) -> dict[str, Any]:
         return {"switched_at": self.switched_at, "warm_heads": self.warm_heads, "rewarm": self.rewarm}

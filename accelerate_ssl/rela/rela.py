@@ -898,7 +898,7 @@ class ReLA:
         if not self._is_user_optimizer(opt):
             return None
         sync = not self.head_in_ddp and is_distributed()
-        if not sync and self.handover.since(self.steps) is None:
+        if not sync and not self.handover.acts_at(self.steps):
             return None
         # torch passes the bound call's args: (optimizer, closure?, ...)
         closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
