@@ -11,6 +11,16 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["ACCELERATE_SSL_OFFLINE"] = "1"
 
 
+@pytest.fixture
+def caches(tmp_path, monkeypatch):
+    """Empty HF and torch hub caches in tmp_path, offline through the environment (filled with tests/hub_cache.py)."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return tmp_path
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

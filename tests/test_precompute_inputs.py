@@ -26,6 +26,7 @@ from accelerate_ssl import TargetStore, create_prior, precompute_targets
 from accelerate_ssl.data.datasets import ImageFiles
 from accelerate_ssl.data.fingerprint import RowIdentity, file_record
 from accelerate_ssl.targets import write
+from hub_cache import hub_snapshot, randomise, save_state
 from accelerate_ssl.targets.write import (Packed, decode_file, decode_on, direct_source, input_batches, jpeg_frame,
                                           loader_prefetch, loader_workers, preprocess_images, prior_batches, read_file)
 
@@ -94,48 +95,24 @@ def reference_rows(prior, dataset, batch: int, precision: str = "fp32") -> np.nd
 
 
 # ---------------------------------------------------------------------------------------------- priors, offline
-def hub_snapshot(root: Path, repo: str) -> Path:
-    """``$HF_HOME/hub/models--<org>--<repo>`` with its ``refs/main``, as the hub's cache lays it out."""
-    folder = root / "hf" / "hub" / ("models--" + repo.replace("/", "--"))
-    snapshot = folder / "snapshots" / ("a" * 40)
-    snapshot.mkdir(parents=True)
-    (folder / "refs").mkdir()
-    (folder / "refs" / "main").write_text("a" * 40)
-    return snapshot
-
-
-def _random_state(model, seed: int) -> dict:
-    from safetensors.torch import save_file  # noqa: F401 - the caller saves
-
-    torch.manual_seed(seed)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.05)
-    return {k: v.contiguous() for k, v in model.state_dict().items()}
-
-
 @pytest.fixture
-def zoo(tmp_path, monkeypatch):
+def zoo(caches):
     """A timm, an open_clip and a torchvision prior from caches made here (random weights), at 32 px, offline."""
     import open_clip
     import timm
     import torchvision
-    from safetensors.torch import save_file
 
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    save_file(_random_state(timm.create_model("test_vit", pretrained=False), 1),
-              str(hub_snapshot(tmp_path, "timm/test_vit.r160_in1k") / "model.safetensors"))
+    save_state(randomise(timm.create_model("test_vit", pretrained=False), 1).state_dict(),
+               hub_snapshot(caches, "timm/test_vit.r160_in1k") / "model.safetensors")
     clip_cfg = {"embed_dim": 16, "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 8,
                                                  "head_width": 16},
                 "text_cfg": {"context_length": 8, "vocab_size": 50, "width": 16, "heads": 1, "layers": 1}}
-    snapshot = hub_snapshot(tmp_path, "someone/tiny-clip")
-    save_file(_random_state(open_clip.CLIP(**clip_cfg), 2), str(snapshot / "open_clip_model.safetensors"))
+    snapshot = hub_snapshot(caches, "someone/tiny-clip")
+    save_state(randomise(open_clip.CLIP(**clip_cfg), 2).state_dict(), snapshot / "open_clip_model.safetensors")
     (snapshot / "open_clip_config.json").write_text(json.dumps({"model_cfg": clip_cfg, "preprocess_cfg": {
         "mean": [0.48, 0.46, 0.41], "std": [0.27, 0.26, 0.28], "interpolation": "bicubic"}}))
     weights = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
-    checkpoints = tmp_path / "torch" / "hub" / "checkpoints"
+    checkpoints = caches / "torch" / "hub" / "checkpoints"
     checkpoints.mkdir(parents=True)
     torch.manual_seed(3)
     torch.save(torchvision.models.resnet18().state_dict(), checkpoints / weights.url.rsplit("/", 1)[1])

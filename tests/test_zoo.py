@@ -16,44 +16,13 @@ from accelerate_ssl.cli import main as cli_main
 from accelerate_ssl.targets.precompute import precompute_targets
 from accelerate_ssl.priors import create_prior
 from accelerate_ssl.priors.zoo import PriorWeightsNotFoundError
-
-REV = "a" * 40
-
-
-@pytest.fixture
-def caches(tmp_path, monkeypatch):
-    """Empty HF and torch hub caches in tmp_path, offline through the environment."""
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return tmp_path
-
-
-def hub_snapshot(root, repo_id: str, revision: str = REV):
-    """Create ``$HF_HOME/hub/models--<org>--<repo>`` with ``refs/main`` -> ``revision``; return the snapshot dir."""
-    repo = root / "hf" / "hub" / ("models--" + repo_id.replace("/", "--"))
-    snap = repo / "snapshots" / revision
-    snap.mkdir(parents=True)
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(revision)
-    return snap
-
-
-def _save(state: dict, path):
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+from hub_cache import REV, hub_snapshot, randomise, save_state
 
 
 def _random_timm(name: str, seed: int):
     import timm
 
-    torch.manual_seed(seed)
-    model = timm.create_model(name, pretrained=False)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.05)
-    return model
+    return randomise(timm.create_model(name, pretrained=False), seed)
 
 
 def _images(n=3, size=40, seed=0):
@@ -85,7 +54,7 @@ def test_timm_name_loads_exactly_the_cached_weights(caches, name, pool):
     import timm
 
     model = _random_timm(name, seed=1)
-    _save(model.state_dict(), hub_snapshot(caches, f"timm/{name}") / "model.safetensors")
+    save_state(model.state_dict(), hub_snapshot(caches, f"timm/{name}") / "model.safetensors")
 
     prior = create_prior(f"timm:{name}")
     info = prior.describe()
@@ -112,7 +81,7 @@ def test_timm_name_loads_exactly_the_cached_weights(caches, name, pool):
 
 def test_timm_default_tag_and_explicit_file_wins(caches, tmp_path):
     model = _random_timm("test_resnet.r160_in1k", seed=2)
-    _save(model.state_dict(), hub_snapshot(caches, "timm/test_resnet.r160_in1k") / "model.safetensors")
+    save_state(model.state_dict(), hub_snapshot(caches, "timm/test_resnet.r160_in1k") / "model.safetensors")
     assert create_prior("timm:test_resnet").describe()["arch"] == "test_resnet.r160_in1k"  # timm's default tag
     other = _random_timm("test_resnet.r160_in1k", seed=3)
     torch.save(other.state_dict(), tmp_path / "mine.pth")
@@ -125,7 +94,7 @@ def test_timm_default_tag_and_explicit_file_wins(caches, tmp_path):
 def test_timm_hf_hub_repo(caches):
     model = _random_timm("test_vit.r160_in1k", seed=4)
     snap = hub_snapshot(caches, "someone/my-vit")
-    _save(model.state_dict(), snap / "model.safetensors")
+    save_state(model.state_dict(), snap / "model.safetensors")
     (snap / "config.json").write_text(json.dumps({
         "architecture": "test_vit", "num_classes": model.num_classes,
         "pretrained_cfg": {"input_size": [3, 160, 160], "crop_pct": 1.0, "interpolation": "bilinear",
@@ -165,7 +134,7 @@ def _tiny_clip(seed: int):
 def test_open_clip_hf_hub_repo(caches):
     clip = _tiny_clip(5)
     snap = hub_snapshot(caches, "someone/tiny-clip")
-    _save(clip.state_dict(), snap / "open_clip_model.safetensors")
+    save_state(clip.state_dict(), snap / "open_clip_model.safetensors")
     mean, std = [0.48, 0.46, 0.41], [0.27, 0.26, 0.28]
     (snap / "open_clip_config.json").write_text(json.dumps({
         "model_cfg": _TINY_CLIP, "preprocess_cfg": {"mean": mean, "std": std, "interpolation": "bicubic"}}))
@@ -187,7 +156,7 @@ def test_open_clip_arch_and_tag(caches, monkeypatch):
     monkeypatch.setitem(pretrained._PRETRAINED, "Tiny-ViT", {"tinytag": {
         "hf_hub": "someone/tiny-clip-tag/", "mean": (0.1, 0.2, 0.3), "std": (0.3, 0.3, 0.3), "quick_gelu": False}})
     clip = _tiny_clip(6)
-    _save(clip.state_dict(), hub_snapshot(caches, "someone/tiny-clip-tag") / "open_clip_model.safetensors")
+    save_state(clip.state_dict(), hub_snapshot(caches, "someone/tiny-clip-tag") / "open_clip_model.safetensors")
     prior = create_prior("open_clip:Tiny-ViT/tinytag")
     assert prior.preprocess_config["mean"] == [0.1, 0.2, 0.3] and prior.describe()["tag"] == "tinytag"
     assert torch.equal(prior.model.state_dict()["conv1.weight"], clip.visual.state_dict()["conv1.weight"])
@@ -249,7 +218,7 @@ def test_bad_names(caches, spec, match):
 def test_precompute_records_provenance_and_refuses_other_weights(caches, tmp_path, capsys):
     name = "test_resnet.r160_in1k"
     snap = hub_snapshot(caches, f"timm/{name}")
-    _save(_random_timm(name, seed=8).state_dict(), snap / "model.safetensors")
+    save_state(_random_timm(name, seed=8).state_dict(), snap / "model.safetensors")
     data = _Images()
     store = precompute_targets(create_prior(f"timm:{name}"), data, tmp_path / "store", progress=False)
     prior_meta = store.metadata["prior"]
@@ -259,7 +228,7 @@ def test_precompute_records_provenance_and_refuses_other_weights(caches, tmp_pat
 
     # the same name, other cached weights (a new revision of the repo): a mismatch naming both hashes
     (snap / "model.safetensors").unlink()
-    _save(_random_timm(name, seed=9).state_dict(), snap / "model.safetensors")
+    save_state(_random_timm(name, seed=9).state_dict(), snap / "model.safetensors")
     prior2 = create_prior(f"timm:{name}")
     assert prior2.describe()["weights_sha256"] != first_sha
     with pytest.raises(ValueError) as err:
@@ -297,7 +266,7 @@ def test_priors_cli_list_show_fetch(caches, capsys):
     assert cli_main(["priors", "show", f"timm:{name}", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["cached"] is False and shown["source"] == f"timm/{name}" and shown["output_dim"] == 96
-    _save(_random_timm(name, seed=1).state_dict(), hub_snapshot(caches, f"timm/{name}") / "model.safetensors")
+    save_state(_random_timm(name, seed=1).state_dict(), hub_snapshot(caches, f"timm/{name}") / "model.safetensors")
     assert cli_main(["priors", "show", f"timm:{name}", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["cached"] is True
     assert cli_main(["priors", "list"]) == 0 and "shipped:fashion-mnist-byol" in capsys.readouterr().out
@@ -311,7 +280,7 @@ def test_priors_cli_list_show_fetch(caches, capsys):
 
 def test_timm_vit_at_another_input_size_and_wrong_file(caches, tmp_path):
     name = "test_vit.r160_in1k"
-    _save(_random_timm(name, seed=10).state_dict(), hub_snapshot(caches, f"timm/{name}") / "model.safetensors")
+    save_state(_random_timm(name, seed=10).state_dict(), hub_snapshot(caches, f"timm/{name}") / "model.safetensors")
     prior = create_prior(f"timm:{name}", size=96)  # timm resamples the position embeddings as it loads
     assert prior.preprocess_config["crop"] == 96
     assert _features(prior, _images()).shape == (3, prior.output_dim)
