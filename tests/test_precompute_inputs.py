@@ -270,6 +270,23 @@ def test_a_folder_precompute_reads_each_file_once_for_its_rows_and_its_content_r
     assert TargetStore.open(tmp_path / "store", dataset=dataset) is not None  # its content check passes
 
 
+def test_several_priors_over_a_folder_read_each_file_once_and_record_it_in_every_store(tmp_path, monkeypatch):
+    """One pass serves every prior: each file is read once for all of them, and each store keeps its content record."""
+    from accelerate_ssl.data import fingerprint
+
+    dataset = datasets(tmp_path)["folder"]
+    reads = count_reads(monkeypatch)
+    priors = {name: create_prior("random:convnet", in_channels=3, size=28, seed=seed)
+              for name, seed in (("a", 0), ("b", 1))}
+    stores = precompute_targets(priors, dataset, {name: tmp_path / name for name in priors}, batch_size=4, chunk_size=8, num_workers=0,
+                                progress=False)
+    paths = [p for p, _ in dataset.samples]
+    assert reads[paths[0]] == 2 and {reads[p] for p in paths[1:]} == {1}  # as with one prior
+    for name in priors:
+        recorded = np.load(stores[name].path / "contents.npy")
+        assert recorded.tolist() == [fingerprint.file_record(p).tolist() for p in paths]
+
+
 def test_direct_sources_read_what_the_data_set_gives(tmp_path):
     from torchvision.datasets import ImageFolder
 

@@ -262,6 +262,7 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
 
     # ---- consolidate (main process), metadata.json last
     if state.is_main_process:
+        contents = _file_contents([job.path for job in jobs], dataset, ranges, progress) if jobs else None
         for job in jobs:
             metadata = {
                 "format": FORMAT, "format_version": FORMAT_VERSION, **job.settings, "file": TARGETS,
@@ -277,7 +278,7 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
                     metadata["spatial"]["pca_sha256"] = file_sha256(job.path / PCA_DIR / AT_WRITE_PCA)
             _consolidate(job.path, ranges, job.width, metadata, dtype=dtype,
                          components=None if job.geometry is not None else components, keys=row_keys,
-                         contents=_file_contents(job.path, dataset, ranges, progress))
+                         contents=contents)
     state.wait_for_everyone()
     for job in jobs:
         stores[job.name] = TargetStore.open(job.path)
@@ -517,11 +518,11 @@ class _ChunkRows:
         return np.concatenate(parts) if parts else np.empty((0, self.shape[1]), np.float32)
 
 
-def _file_contents(path: Path, dataset, ranges, progress: bool) -> Optional[np.ndarray]:
+def _file_contents(paths_of_jobs: list[Path], dataset, ranges, progress: bool) -> Optional[np.ndarray]:
     """A folder data set's files as :data:`CONTENTS` records them (size, mtime, digest of the bytes, row by row), or
-    None for data that lists no files: the records the loader made of each file as it read and decoded it (one read),
-    and, for chunks without them (written by an earlier version, or read through ``dataset[i]``), the files read now
-    (:func:`~accelerate_ssl.data.fingerprint.record_contents`)."""
+    None for data that lists no files: the records the loader made of each file as it read and decoded it (one read,
+    kept beside any of the jobs' chunks), and, for chunks without them (written by an earlier version, or read through
+    ``dataset[i]``), the files read now, once for every job (:func:`~accelerate_ssl.data.fingerprint.record_contents`)."""
     from ..data.fingerprint import CONTENT_FIELDS, file_paths, record_contents
 
     paths = file_paths(dataset)
@@ -529,9 +530,9 @@ def _file_contents(path: Path, dataset, ranges, progress: bool) -> Optional[np.n
         return None
     parts = []
     for k, (a, b) in enumerate(ranges):
-        made = contents_path(path, k)
-        whole = _complete_array(made, (b - a, len(CONTENT_FIELDS)), np.int64)
-        parts.append(np.load(made) if whole else record_contents(paths[a:b], progress=progress))
+        made = [f for f in (contents_path(p, k) for p in paths_of_jobs)
+                if _complete_array(f, (b - a, len(CONTENT_FIELDS)), np.int64)]
+        parts.append(np.load(made[0]) if made else record_contents(paths[a:b], progress=progress))
     return np.concatenate(parts) if parts else np.empty((0, len(CONTENT_FIELDS)), np.int64)
 
 
