@@ -32,7 +32,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,7 +43,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 
 from accelerate_ssl.atomic import atomic_write_json  # noqa: E402
-from accelerate_ssl.results import save_figure, write_results  # noqa: E402
+from accelerate_ssl.results import code_commit, save_figure, write_results  # noqa: E402
 
 PRIORS = {"random": "random:convnet", "other": "shipped:digits-byol", "indomain": None}  # indomain: trained here
 PRIOR_LABEL = {"random": "untrained ConvNet", "other": "digits BYOL (other data)",
@@ -283,17 +282,9 @@ def run_unit(a, data, unit: tuple) -> None:
     checkpoints = budget_steps(a) if kind == "plain" and steps == a.full else ()
     run = train_run(a, data, seed, steps, prior, checkpoints)
     run.update(unit=dict(zip(("kind", "prior", "steps", "seed"), unit)), settings=settings(a), precompute=pre,
-               load_average=[load, os.getloadavg()], commit=commit())
+               load_average=[load, os.getloadavg()], commit=code_commit(ROOT)["commit"])
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, run, indent=1)
-
-
-def commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 # ---------------------------------------------------------------------------------------------- analysis

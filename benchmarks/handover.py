@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import budget  # noqa: E402
 import torch  # noqa: E402
 
-from accelerate_ssl.results import save_figure, write_results  # noqa: E402
+from accelerate_ssl.results import code_commit, save_figure, write_results  # noqa: E402
 
 VARIANTS = {  # name -> (handover spec, views while lambda is 1); W and R from --warm-heads / --rewarm
     "none": ("none", "weak"), "momentum": ("momentum", "weak"), "warm-heads": ("warm-heads={W}", "weak"),
@@ -125,7 +125,7 @@ def run(a, data, unit) -> dict:
         pre = budget.prepare_prior(b, data, a.prior) if bunit[0] == "rela" else None
         result = budget.train_run(b, data, unit[3], unit[2], a.prior if bunit[0] == "rela" else None,
                                   checkpoints(a, unit))
-        result.update(unit=list(unit), settings=budget.settings(b), precompute=pre, commit=budget.commit())
+        result.update(unit=list(unit), settings=budget.settings(b), precompute=pre, commit=code_commit(ROOT)["commit"])
         path.parent.mkdir(parents=True, exist_ok=True)
         budget.atomic_write_json(path, result, indent=1)
     return json.loads(path.read_text())
