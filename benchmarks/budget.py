@@ -271,18 +271,23 @@ def unit_file(a, unit: tuple) -> Path:
     return Path(a.runs) / f"{kind}-{prior}-{steps}-seed{seed}-{recipe}.json"
 
 
-def run_unit(a, data, unit: tuple) -> None:
+def run_unit(a, data, unit: tuple, path: Path | None = None, checkpoints=None, label=None) -> None:
+    """Run ``unit`` and write its JSON to ``path`` (default :func:`unit_file`), unless it is there (a rerun resumes).
+    ``checkpoints``: the steps probed besides the end (default: every budget's, on the full plain run); ``label``: the
+    unit as the record names it (another study's own, for ``handover.py``)."""
     kind, prior, steps, seed = unit
-    path = unit_file(a, unit)
+    path = Path(path or unit_file(a, unit))
     if path.is_file():
         return
     torch.set_num_threads(a.threads)
     pre = prepare_prior(a, data, prior) if prior else None
     load = os.getloadavg()
-    checkpoints = budget_steps(a) if kind == "plain" and steps == a.full else ()
+    if checkpoints is None:
+        checkpoints = budget_steps(a) if kind == "plain" and steps == a.full else ()
     run = train_run(a, data, seed, steps, prior, checkpoints)
-    run.update(unit=dict(zip(("kind", "prior", "steps", "seed"), unit)), settings=settings(a), precompute=pre,
-               load_average=[load, os.getloadavg()], commit=code_commit(ROOT)["commit"])
+    run.update(unit=dict(zip(("kind", "prior", "steps", "seed"), unit)) if label is None else label,
+               settings=settings(a), precompute=pre, load_average=[load, os.getloadavg()],
+               commit=code_commit(ROOT)["commit"])
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, run, indent=1)
 

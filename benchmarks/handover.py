@@ -29,9 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import budget  # noqa: E402
-import torch  # noqa: E402
 
-from accelerate_ssl.results import code_commit, save_figure, write_results  # noqa: E402
+from accelerate_ssl.results import save_figure, write_results  # noqa: E402
 
 VARIANTS = {  # name -> (handover spec, views while lambda is 1); W and R from --warm-heads / --rewarm
     "none": ("none", "weak"), "momentum": ("momentum", "weak"), "warm-heads": ("warm-heads={W}", "weak"),
@@ -118,16 +117,10 @@ def unit_file(a, unit) -> Path:
 
 
 def run(a, data, unit) -> dict:
+    """One of this study's runs: budget.py's run of its recipe (:func:`recipe_of`), kept under this study's name."""
     path = unit_file(a, unit)
-    if not path.is_file():
-        b, bunit = recipe_of(a, unit)
-        torch.set_num_threads(a.threads)
-        pre = budget.prepare_prior(b, data, a.prior) if bunit[0] == "rela" else None
-        result = budget.train_run(b, data, unit[3], unit[2], a.prior if bunit[0] == "rela" else None,
-                                  checkpoints(a, unit))
-        result.update(unit=list(unit), settings=budget.settings(b), precompute=pre, commit=code_commit(ROOT)["commit"])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        budget.atomic_write_json(path, result, indent=1)
+    b, bunit = recipe_of(a, unit)
+    budget.run_unit(b, data, bunit, path, checkpoints(a, unit), label=list(unit))
     return json.loads(path.read_text())
 
 
