@@ -564,9 +564,8 @@ class RowIdentity:
 
 
 def content_digest(data) -> int:
-    """The signed 64-bit digest (blake2b, 8 bytes, big-endian) of the bytes an image was read from: a folder's file, a
-    streamed sample's image field. The precompute digests each file's bytes as it reads them (once: the same bytes
-    are decoded), and a sidecar records it per row."""
+    """The signed 64-bit digest (blake2b, 8 bytes, big-endian) of the bytes a streamed sample's image was read from,
+    which a sidecar records per row (a folder's files are recorded by :func:`read_file`'s 128-bit digest)."""
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big", signed=True)
 
 

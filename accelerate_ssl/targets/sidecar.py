@@ -98,10 +98,6 @@ def key_index(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=5).digest(), "big")
 
 
-#: the int64 digest of a sample's image bytes recorded per sidecar row (one definition with a folder file's)
-bytes_digest = content_digest
-
-
 def _keys_sha256(keys: list[str]) -> str:
     return hashlib.sha256("\n".join(keys).encode()).hexdigest()
 
@@ -346,7 +342,7 @@ def _shard_rows(prior, pre, source, shard, batch_size, precision, views, device,
                                "name samples, so they must be unique within a shard: fix the shard.")
         seen[key] = len(keys)
         keys.append(key)
-        digests.append(bytes_digest(raw) if raw is not None else 0)
+        digests.append(content_digest(raw) if raw is not None else 0)
         if views is None:
             batch.append(Preprocess.to_tensor(image))
         else:
@@ -815,7 +811,7 @@ class ShardedTargets(MapRows):
         i = 0
         for shard in source.shards:
             for key, raw in source.contents(shard):
-                have[i] = bytes_digest(raw)
+                have[i] = content_digest(raw)
                 have_keys.append(key)
                 i += 1
             bar.update(i - bar.n)
@@ -865,7 +861,7 @@ def _check_sample(shard: str, pos: int, key: str, keys: list[str], seen: dict, d
                            "shard has a duplicated key: fix it and recompute its sidecar.")
     if pos >= len(keys) or keys[pos] != key:
         _mismatch(shard, pos, key, keys)
-    if digest != 0 and raw is not None and bytes_digest(raw) != digest:
+    if digest != 0 and raw is not None and content_digest(raw) != digest:
         raise SidecarError(f"shard {shard!r}: the image of key {key!r} is not the one its target was computed from "
                            "(its bytes changed); recompute the sidecar of this shard.")
     seen[key] = pos
