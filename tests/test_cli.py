@@ -63,7 +63,7 @@ def test_precompute_under_accelerate_launch_prints_its_result_once(tmp_path):
     """Every process of `accelerate launch` runs the verb (each computes its shard); the store is one, so is its line."""
     from pathlib import Path
 
-    from processes import cpu_process_env
+    from processes import assert_exited_cleanly, cpu_process_env
 
     data = _folder_of_images(tmp_path / "imgs")
     accelerate = str(Path(sys.executable).with_name("accelerate"))
@@ -72,7 +72,7 @@ def test_precompute_under_accelerate_launch_prints_its_result_once(tmp_path):
            "--dynamo_backend", "no", "-m", "accelerate_ssl.cli", "precompute", "--prior", "random:convnet",
            "--data", f"folder:{data}", "--out", str(tmp_path / "store"), "--no-progress"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cpu_process_env(PYTHONPATH=root))
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert_exited_cleanly(done.returncode, done.stderr)
     wrote = [line for line in done.stdout.splitlines() if line.startswith("wrote ")]
     assert wrote == [f"wrote {tmp_path / 'store'}: 12 rows x 256 (random:convnet, fp32)"], done.stdout
     assert json.loads((tmp_path / "store" / "metadata.json").read_text())["num_processes"] == 2  # both ran it

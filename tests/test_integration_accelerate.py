@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from accelerate_ssl.data.datasets import fashion_mnist_dir
 from accelerate_ssl.rela import ReLA
-from processes import cpu_process_env  # noqa: E402
+from processes import assert_exited_cleanly, cpu_process_env  # noqa: E402
 from recipe_check import HOSTS, assert_every_row_is_the_samples_own, check_recipe, read_logs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ def _run(command: str, cwd: Path, timeout: int = 170) -> subprocess.CompletedPro
 
 def _run_argv(argv: list, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
     done = subprocess.run(argv, cwd=cwd, env=_env(), text=True, capture_output=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert_exited_cleanly(done.returncode, done.stderr)
     return done
 
 
@@ -398,7 +398,7 @@ def test_the_accelerate_cv_recipe_runs_as_written_and_every_row_is_the_samples_o
     done = subprocess.run(_argv(LAUNCH) + [str(CV_RECIPE), "--data_dir", str(tmp_path / "images"), "--cpu"],
                           cwd=tmp_path, env=_env(RECIPE_LOG=str(tmp_path / "log")), text=True, capture_output=True,
                           timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert_exited_cleanly(done.returncode, done.stderr)
     ranks = read_logs(tmp_path / "log", ranks=2)
     for steps in ranks:
         assert len(steps) == 8 * 3  # 38 training images, 19 per process, batches of 8, eight epochs

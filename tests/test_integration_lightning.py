@@ -22,7 +22,7 @@ from accelerate_ssl.integrations.lightning import ReLACallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _lightning_ddp_worker import IndexImages, make_module, target_rows  # noqa: E402
-from processes import cpu_process_env  # noqa: E402
+from processes import assert_exited_cleanly, cpu_process_env  # noqa: E402
 from recipe_check import HOSTS, assert_every_row_is_the_samples_own, assert_hands_over, check_recipe, read_logs  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_lightning_ddp_worker.py"
@@ -135,7 +135,7 @@ def test_two_process_ddp_distributed_sampler_reload_accumulation_clipping(tmp_pa
     # Lightning launches rank 1 itself by re-running the worker script
     done = subprocess.run([sys.executable, str(WORKER), "lightning", str(tmp_path)], cwd=tmp_path, env=_env(),
                           capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert_exited_cleanly(done.returncode, done.stderr, done.stdout)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     r0, r1 = ranks
     assert r0["world_size"] == 2
@@ -232,7 +232,7 @@ def test_several_priors_are_logged_each_and_resume_exactly(tmp_path):
 def test_closure_stepped_ddp_loop_keeps_the_head_identical_on_both_processes(tmp_path):
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(WORKER), "closure",
                            str(tmp_path)], env=_env(), capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert_exited_cleanly(done.returncode, done.stderr, done.stdout)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     for mode in ("user", "own"):  # the head in the user's optimiser, or in ReLA's own
         assert len(r0[mode]) == 4

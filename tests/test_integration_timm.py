@@ -406,7 +406,7 @@ def test_timm_style_ddp_on_the_cpu_under_two_gloo_processes(image_folder, tmp_pa
     import sys
     from pathlib import Path
 
-    from processes import cpu_process_env
+    from processes import assert_exited_cleanly, cpu_process_env
 
     folder, store = image_folder
     here = Path(__file__).resolve()
@@ -414,7 +414,7 @@ def test_timm_style_ddp_on_the_cpu_under_two_gloo_processes(image_folder, tmp_pa
     done = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(here.with_name("_timm_ddp_worker.py")),
                            str(folder), str(tmp_path)], capture_output=True, text=True, timeout=300,
                           env=cpu_process_env(PYTHONPATH=str(here.parents[1]), RELA_TARGETS=str(store.path)))
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert_exited_cleanly(done.returncode, done.stderr)
     ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
     for r in ranks:
         assert r["world_size"] == 2 and r["updates_per_epoch"] == 4 and r["rela_steps"] == 8
