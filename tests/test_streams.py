@@ -795,3 +795,24 @@ def test_a_datasets_column_of_array_images_gives_each_row_its_own_target(prior, 
         rows = targets.column(shuffled).with_format("torch")[:]
         assert rows["label"].tolist() != list(range(20))  # the order really changed
         assert torch.allclose(rows["target"][:, : targets.dim], own(prior, rows["image"].permute(0, 3, 1, 2)), atol=1e-5)
+
+
+@pytest.mark.parametrize("feature", ["Array3D", "Array2D", "nested lists"])
+def test_uint8_pixel_columns_read_as_stored_give_each_row_its_own_target(prior, tmp_path, feature):
+    """A data set whose uint8 pixels are an array column, passed as loaded (no with_format): datasets hands such a cell
+    out as nested Python lists, and its numpy format widens uint8 to int64 (read as 0..255 floats and refused). The
+    stream reads the column as numpy in its own dtype, so each row gets the prior's output for its own image."""
+    images = np.stack([image_of(n) for n in range(12)])
+    column, kind = {"Array3D": (images[..., None], datasets.Array3D(shape=(SIZE, SIZE, 1), dtype="uint8")),
+                    "Array2D": (images, datasets.Array2D(shape=(SIZE, SIZE), dtype="uint8")),
+                    "nested lists": (images, datasets.Sequence(datasets.Sequence(datasets.Value("uint8"))))}[feature]
+    features = datasets.Features({"image": kind, "label": datasets.Value("int64")})
+    ds = datasets.Dataset.from_dict({"image": list(column), "label": list(range(12))}, features=features)
+    assert isinstance(ds[0]["image"], list)  # what a reader of the cells gets without the fix
+    ds.save_to_disk(str(tmp_path / "pixels"))
+    targets = precompute_sidecars(prior, open_stream(f"hf:{tmp_path / 'pixels'}", shard_rows=5), tmp_path / "side",
+                                  batch_size=4, progress=False)
+    rows = targets.column(ds.shuffle(seed=1)).with_format("torch")[:]
+    assert rows["label"].tolist() != list(range(12))
+    expected = own(prior, torch.from_numpy(images[rows["label"].numpy()])[:, None])
+    assert torch.allclose(rows["target"][:, : targets.dim], expected, atol=1e-5)

@@ -159,16 +159,32 @@ class StreamSource:
         ds = self._hf
         cells = ds.with_format("arrow")
         keys = cells[a:b].column(self.key_field).to_pylist() if self.key_field else [str(i) for i in range(a, b)]
+        # pixels stored as an array column (Array2D / Array3D, nested lists) come back as nested Python lists unless
+        # read as numpy, in the column's own dtype (datasets' numpy format would widen uint8 to int64)
+        dtype = _array_column_dtype(ds, self.image_field)
+        pixels = ds.with_format("numpy", columns=[self.image_field], dtype=dtype) if dtype else ds
         for off in range(0, b - a, 256):
             lo, hi = a + off, min(a + off + 256, b)
             raws = [hf_content(c) for c in cells[lo:hi].column(self.image_field).to_pylist()]
-            images = ds[lo:hi][self.image_field] if decode else [None] * len(raws)
+            images = pixels[lo:hi][self.image_field] if decode else [None] * len(raws)
             for j, (image, raw) in enumerate(zip(images, raws)):
                 if decode and isinstance(image, dict):  # Image(decode=False): the cell's bytes (or file)
                     image = decode_image(raw)
                 elif isinstance(image, bytes):  # an encoded image in a binary column (e.g. "jpg")
                     image = decode_image(image)
                 yield str(keys[off + j]), image, raw
+
+
+def _array_column_dtype(ds, field: str) -> Optional[str]:
+    """The element dtype of column ``field`` of a Hugging Face data set when it holds pixels as an array
+    (``Array2D`` ... ``Array5D``, or a ``Sequence`` / list of lists of values), else None (an ``Image``, bytes, a file)."""
+    feature = ds.features.get(field) if getattr(ds, "features", None) else None
+    if type(feature).__name__.startswith("Array"):
+        return feature.dtype
+    nested = False
+    while isinstance(feature, list) or type(feature).__name__ in ("Sequence", "List", "LargeList"):
+        feature, nested = (feature[0] if isinstance(feature, list) else feature.feature), True
+    return feature.dtype if nested and type(feature).__name__ == "Value" else None
 
 
 def load_hf(path_or_name: str, split: str = "train"):
