@@ -243,6 +243,20 @@ def test_float_images_in_0_255_are_refused(tmp_path):
         _precompute(Floats(), tmp_path / "floats")
 
 
+def test_integer_images_wider_than_uint8_are_refused_with_the_conversion(tmp_path):
+    """int64 pixels (what a Hugging Face numpy/torch format makes of a uint8 column) are 0..255 or 16-bit values:
+    refused, naming the dtype and the conversion, not read as out-of-range floats."""
+    class Wide(Dataset):
+        def __len__(self):
+            return 20
+
+        def __getitem__(self, i):
+            return np.full((8, 8, 1), 10 * i, dtype=np.int64), 0
+
+    with pytest.raises(ValueError, match="uint8 \\(0..255\\) or float \\(0..1\\), got torch.int64.*astype\\(np.uint8\\)"):
+        _precompute(Wide(), tmp_path / "wide")
+
+
 def test_nan_rows_name_the_store_not_the_student(tmp_path):
     store = _precompute(_digits(), tmp_path / "nan")
     rows = np.load(store.path / "targets.npy", mmap_mode="r+")

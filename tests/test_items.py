@@ -120,6 +120,8 @@ class Encoded(Dataset):
     (("tabby_1.png", 0), None, ["a tuple (str, int)", "no element of it is an image", "image_key=<position>"]),
     ((torch.zeros(3, 4, 4), 0), "image", ["image_key='image' names a field, but tuple items have positions"]),
     ({"image": torch.zeros(5, 4, 4)}, None, ["Expected an image [C, H, W] with 1 or 3 channels", "image_key="]),
+    ({"image": [[[0, 1, 2]] * 4] * 4, "label": 0}, None,  # a Hugging Face Array3D cell read without a format
+     ["its field 'image' holds a list", "pixels as nested Python lists", "dtype='uint8', output_all_columns=True"]),
 ])
 def test_an_item_the_library_cannot_read_names_the_data_set_its_structure_and_the_fix(tmp_path, item, image_key, words):
     named = {} if image_key is None else {"image_key": image_key}

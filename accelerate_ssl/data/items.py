@@ -102,6 +102,17 @@ def _fix(item: Any) -> str:
             "__getitem__).")
 
 
+def _lists_hint(value: Any) -> str:
+    """What to do when ``value`` looks like pixels held as nested Python lists of numbers, else ''."""
+    depth, leaf = 0, value
+    while isinstance(leaf, list) and leaf:
+        depth, leaf = depth + 1, leaf[0]
+    if depth < 2 or not isinstance(leaf, (int, float)) or isinstance(leaf, bool):
+        return ""
+    return (" (pixels as nested Python lists: a Hugging Face data set hands out an Array2D / Array3D column so; pass "
+            "it .with_format('numpy', columns=['<image column>'], dtype='uint8', output_all_columns=True))")
+
+
 def _unreadable(item: Any, where: str, problem: str) -> UnreadableItemError:
     return UnreadableItemError(f"Cannot read the image of {where}: it is {describe_item(item)}; {problem}. {_fix(item)}")
 
@@ -120,7 +131,8 @@ def image_location(item: Any, image_key: ImageKey = None, where: str = "an item"
                 raise _unreadable(item, where, f"none of its fields is one of the common image fields "
                                                 f"({', '.join(IMAGE_FIELDS)})")
         if not is_image(item[key]):
-            raise _unreadable(item, where, f"its field {key!r} holds a {_describe_value(item[key])}, not an image")
+            raise _unreadable(item, where, f"its field {key!r} holds a {_describe_value(item[key])}, not an image"
+                                           + _lists_hint(item[key]))
         return key
     if isinstance(item, (list, tuple)):
         if image_key is not None:
@@ -138,7 +150,7 @@ def image_location(item: Any, image_key: ImageKey = None, where: str = "an item"
     if image_key is not None:
         raise _unreadable(item, where, f"image_key={image_key!r} was given, but the item is not a dict or a tuple")
     if not is_image(item):
-        raise _unreadable(item, where, "it is not an image")
+        raise _unreadable(item, where, "it is not an image" + _lists_hint(item))
     return None
 
 

@@ -137,6 +137,13 @@ class Preprocess:
         embed them as they are and every target would be wrong."""
         if x.dtype == torch.uint8:
             x = x.float().div_(255.0)
+        elif not x.dtype.is_floating_point:
+            raise ValueError(
+                f"Images must be uint8 (0..255) or float (0..1), got {x.dtype}: integer pixels in a wider type (a "
+                "Hugging Face numpy / torch format widens uint8 to int64) are 0..255 values or 16-bit ones, which "
+                "cannot be told apart. Convert 8-bit pixels with .astype(np.uint8) / .to(torch.uint8) (Hugging Face: "
+                "with_format('numpy', columns=['<image column>'], dtype='uint8', output_all_columns=True)), or scale "
+                "others to float in [0, 1].")
         else:
             x = x.float()
             lo, hi = (float(v) for v in torch.aminmax(x)) if x.numel() else (0.0, 0.0)
