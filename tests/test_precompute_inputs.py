@@ -287,6 +287,35 @@ def test_several_priors_over_a_folder_read_each_file_once_and_record_it_in_every
         assert recorded.tolist() == [fingerprint.file_record(p).tolist() for p in paths]
 
 
+class FlippedFiles(ImageFiles):
+    """A folder read through its own ``__getitem__`` (a transform): never bypassed, so no file is recorded as read."""
+
+    def __getitem__(self, i):
+        image, label = super().__getitem__(i)
+        return image.transpose(Image.FLIP_LEFT_RIGHT), label
+
+
+def test_several_priors_over_a_folder_read_through_getitem_record_each_file_once_for_every_store(tmp_path,
+                                                                                                 monkeypatch):
+    """The other way to the content records: items come from ``dataset[i]``, so the chunks carry no records and the
+    files are read for them after the pass, once for all the priors, and every store keeps the same records."""
+    from accelerate_ssl.data import fingerprint
+
+    dataset = FlippedFiles(datasets(tmp_path)["folder"].root)
+    assert direct_source(dataset) is None
+    reads = count_reads(monkeypatch)
+    priors = {name: create_prior("random:convnet", in_channels=3, size=28, seed=seed)
+              for name, seed in (("a", 0), ("b", 1))}
+    stores = precompute_targets(priors, dataset, {name: tmp_path / name for name in priors}, batch_size=4,
+                                chunk_size=8, num_workers=0, progress=False)
+    paths = [p for p, _ in dataset.samples]
+    assert sorted(reads) == sorted(paths) and set(reads.values()) == {1}  # once each, not once per prior
+    expected = [fingerprint.file_record(p).tolist() for p in paths]
+    for name in priors:
+        assert np.load(stores[name].path / "contents.npy").tolist() == expected
+        assert TargetStore.open(stores[name].path, dataset=dataset) is not None  # its content check passes
+
+
 def test_direct_sources_read_what_the_data_set_gives(tmp_path):
     from torchvision.datasets import ImageFolder
 
