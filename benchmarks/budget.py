@@ -338,12 +338,19 @@ def analyse(a, data, runs: dict) -> dict:
             "full_curve": {str(s): r["curve"] for s, r in full.items()}}
 
 
+def mean_sd_text(v: dict) -> str:
+    """``{"mean", "sd"}`` as "mean ± sd" (the mean alone when one seed gives no sd)."""
+    return f"{v['mean']:.2f}" + (f" ± {v['sd']:.2f}" if v["sd"] is not None else "")
+
+
+def seeds_text(n: int) -> str:
+    return f"{n} seed{'s' if n > 1 else ''}"
+
+
 def fmt(cell: dict | None, key: str = "top1") -> str:
     if not cell:
         return "–"
-    v = cell[key]
-    return f"{v['mean']:.2f}" + (f" ± {v['sd']:.2f}" if v["sd"] is not None else "") + \
-        (f" ({cell['seeds']} seed{'s' if cell['seeds'] > 1 else ''})" if cell["seeds"] < 5 else "")
+    return mean_sd_text(cell[key]) + (f" ({seeds_text(cell['seeds'])})" if cell["seeds"] < 5 else "")
 
 
 PROBES = {"top1": "linear probe, all labels", "knn_top1": "kNN, k = 20", "few_label_top1": "linear probe, 100 labels per class"}

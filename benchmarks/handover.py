@@ -148,7 +148,7 @@ def analyse(a, runs: dict) -> dict:
 
 def tables(result: dict) -> str:
     an, s = result["analysis"], result["settings"]
-    seeds = f"{len(s['seeds'])} seed{'s' if len(s['seeds']) > 1 else ''}"
+    seeds = budget.seeds_text(len(s["seeds"]))
     lines = []
     if s["study"] == "switch":
         at = round(s["switch"] * s["steps"])
@@ -159,8 +159,7 @@ def tables(result: dict) -> str:
                                                              for p in probes) + " |", "|---" * (1 + len(probes)) + "|"]
         for k in v:
             cells = [c for p, c in zip(an[k]["probes"], an[k]["top1"]) if p >= at]
-            lines.append(f"| {k.split(':')[1]} | " + " | ".join(
-                f"{c['mean']:.2f}" + (f" ± {c['sd']:.2f}" if c["sd"] is not None else "") for c in cells) + " |")
+            lines.append(f"| {k.split(':')[1]} | " + " | ".join(budget.mean_sd_text(c) for c in cells) + " |")
         p = an[f"plain:{s['steps']}"]
         plain = dict(zip(p["probes"], p["top1"]))
         lines.append("| plain SSL, no prior | " + " | ".join(f"{plain[q]['mean']:.2f}" if q in plain else ""
@@ -172,12 +171,11 @@ def tables(result: dict) -> str:
         for k, r in sorted(an.items(), key=lambda kv: (kv[1]["steps"], kv[0])):
             name = "plain SSL" if k.startswith("plain") else k.split(":", 1)[1].rsplit(":", 1)[0]
             n = len(r["handover_step"])
-            name += f" ({n} seed{'s' if n > 1 else ''})" if n < len(s["seeds"]) else ""
+            name += f" ({budget.seeds_text(n)})" if n < len(s["seeds"]) else ""
             hand = "" if k.startswith("plain") else ", ".join("never" if h is None else str(h) for h in r["handover_step"])
             e = r["end"]
             lines.append(f"| {r['steps']} | {name} | {hand} | " + " | ".join(
-                f"{e[q]['mean']:.2f}" + (f" ± {e[q]['sd']:.2f}" if e[q]["sd"] is not None else "")
-                for q in ("top1", "knn_top1", "few_label_top1")) + " |")
+                budget.mean_sd_text(e[q]) for q in ("top1", "knn_top1", "few_label_top1")) + " |")
     return "\n".join(lines)
 
 
