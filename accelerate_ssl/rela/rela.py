@@ -297,7 +297,7 @@ class ReLA:
         else:
             self.schedule = self._plan(total_steps)
         if total_steps is not None:
-            self.handover.plan(int(total_steps), skipped_user_loss=self.schedule.value >= 1.0)
+            self._plan_handover(int(total_steps), self.schedule)
         self.head_in_ddp = bool(head_in_ddp)
         #: whether a by-name schedule knows the run length (warned about at the first wrap otherwise)
         self._planned = self._schedule_name is None or total_steps is not None or not takes_run_length(self._schedule_name)
@@ -614,6 +614,12 @@ class ReLA:
             self._index_pending = 1
         self._current_index, self._index_fresh, self._index_source = index, True, source
 
+    def _plan_handover(self, total_steps: int, schedule: Schedule) -> None:
+        """Plan the hand-over for a run of ``total_steps`` under ``schedule``: a schedule that starts at lambda 1 skips
+        your loss until its switch (``switch``, ``epochs:``), so your heads get the planned warm-up; one that starts
+        below 1 (``decay``) trains them all along."""
+        self.handover.plan(total_steps, skipped_user_loss=schedule.value >= 1.0)
+
     def set_total_steps(self, total_steps: int) -> None:
         """Plan a schedule given by name for ``total_steps`` optimiser steps (e.g. Lightning's
         ``trainer.estimated_stepping_batches``), keeping the progress it has made (a resumed run stays
@@ -621,10 +627,10 @@ class ReLA:
         if not isinstance(total_steps, int) or total_steps <= 0:
             raise ValueError(f"total_steps must be a positive int (optimiser steps of the whole run), got {total_steps!r}.")
         if self._schedule_name is None:
-            self.handover.plan(total_steps, skipped_user_loss=self.schedule.value >= 1.0)
+            self._plan_handover(total_steps, self.schedule)
             return
         planned = self._plan(total_steps)
-        self.handover.plan(total_steps, skipped_user_loss=planned.value >= 1.0)
+        self._plan_handover(total_steps, planned)
         if self.schedule.steps:  # a resumed run: its state was planned for this run already, keep it
             planned.load_state_dict(self.schedule.state_dict())
         self.schedule = planned
