@@ -166,11 +166,15 @@ def main(argv=None):
             update_momentum(model.projection_head, model.projection_head_momentum, m=momentum_val)
             x0 = x0.to(device)
             x1 = x1.to(device)
-            p0 = model(x0)
-            z0 = model.forward_momentum(x0)
-            p1 = model(x1)
-            z1 = model.forward_momentum(x1)
-            loss = rela.wrap(0.5 * (criterion(p0, z1) + criterion(p1, z0)))
+
+            def byol_loss():  # lightly's forward passes and loss; rela.wrap skips it while lambda is 1
+                p0 = model(x0)
+                z0 = model.forward_momentum(x0)
+                p1 = model(x1)
+                z1 = model.forward_momentum(x1)
+                return 0.5 * (criterion(p0, z1) + criterion(p1, z0))
+
+            loss = rela.wrap(byol_loss, inputs=x0)
             total_loss += loss.detach()
             loss.backward()
             optimizer.step()

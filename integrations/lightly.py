@@ -7,7 +7,10 @@ store opened or precomputed once under a cache folder keyed by prior and data fi
 
     rela = ReLA.from_prior("shipped:digits-byol", model.backbone, dataloader, total_steps=epochs * len(dataloader))
     ...
-    loss = rela.wrap(0.5 * (criterion(p0, z1) + criterion(p1, z0)))
+    def byol_loss():                 # lightly's forward passes and loss, as they are
+        ...
+        return 0.5 * (criterion(p0, z1) + criterion(p1, z0))
+    loss = rela.wrap(byol_loss, inputs=x0)   # skipped while lambda is 1: the backbone runs on x0 alone
 
 This module adds what is lightly's own:
 
@@ -90,7 +93,7 @@ class LightlyReLA(ReLA):
         self._last_logged = -1
 
     def wrap(self, loss, *, index=None, features=None, filenames: Optional[Sequence[str]] = None, keys=None,
-             targets=None):
+             targets=None, inputs=None):
         if filenames is not None:
             if index is not None or keys is not None:
                 raise ValueError("Pass index=, keys= or filenames= to wrap, not both.")
@@ -107,7 +110,7 @@ class LightlyReLA(ReLA):
                 fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
                 print(f"rela: step {s['step']:5d}  lambda {s['lambda']:.3f}  loss_rela {fmt(s['loss_rela'])}  "
                       f"loss_ssl {fmt(s['loss_ssl'])}", flush=True)
-        return super().wrap(loss, index=index, features=features, keys=keys, targets=targets)
+        return super().wrap(loss, index=index, features=features, keys=keys, targets=targets, inputs=inputs)
 
 
 class _NoReLA:
@@ -115,7 +118,7 @@ class _NoReLA:
 
     stats = {"lambda": 0.0, "loss_rela": None, "loss_ssl": None, "step": 0, "finished": True}
 
-    def wrap(self, loss, *, index=None, features=None, filenames=None, keys=None, targets=None):
+    def wrap(self, loss, *, index=None, features=None, filenames=None, keys=None, targets=None, inputs=None):
         return loss() if callable(loss) else loss
 
     def state_dict(self) -> dict:

@@ -453,3 +453,68 @@ def test_head_fit_state_is_checkpointed():
     assert torch.equal(resumed.head.weight, w)  # a resumed head is never refitted
     with pytest.raises(ValueError, match="head_init"):
         ReLA(targets(), bb, feature_dim=4, head_init="zeros")
+
+
+# ---------------------------------------------------------------------------------------------- the cheap step
+def test_a_callable_loss_is_skipped_while_lambda_is_1_and_inputs_give_the_features():
+    """wrap(loss_fn, inputs=x0): while lambda is 1 the function is never called (no SSL side) and ReLA runs the backbone
+    on x0 alone; from the hand-over on, the function runs first and its backbone calls are the step's features (both
+    views: nothing counted twice, nothing left over for the next step)."""
+    from accelerate_ssl.schedules import Epochs
+
+    torch.manual_seed(0)
+    model = Net()
+    calls = {"loss": 0, "backbone": 0}
+    model.backbone.register_forward_hook(lambda *a: calls.__setitem__("backbone", calls["backbone"] + 1))
+    rela = ReLA(targets(), model.backbone, feature_dim=4, schedule=Epochs(0.5, total_steps=4), witness=False)
+    opt = torch.optim.SGD(list(model.parameters()) + list(rela.parameters()), lr=0.1)
+    seen = []
+    for x, _, idx in fixed_batches(4):
+        def ssl_loss(x=x):
+            calls["loss"] += 1
+            return (model(x).pow(2).mean() + model(x + 0.1).pow(2).mean()) / 2
+
+        before = dict(calls)
+        loss = rela.wrap(ssl_loss, index=idx, inputs=x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append((rela.stats["lambda"], calls["loss"] - before["loss"], calls["backbone"] - before["backbone"]))
+    # lambda 1: no loss call, one backbone call (ReLA's own, on x); lambda 0: the loss, and its two backbone calls
+    assert seen == [(1.0, 0, 1), (1.0, 0, 1), (0.0, 1, 2), (0.0, 1, 2)]
+    assert rela.capture.captured == []
+
+
+def test_with_both_losses_the_callable_runs_first_and_its_forwards_are_the_features():
+    torch.manual_seed(0)
+    model = Net()
+    rela = ReLA(targets(), model.backbone, feature_dim=4, schedule=Constant(0.5), witness=False)
+    x, _, idx = next(iter(fixed_batches(1)))
+    loss = rela.wrap(lambda: model(x).pow(2).mean() + model(x + 0.1).pow(2).mean(), index=idx, inputs=x)
+    assert rela.stats["lambda"] == 0.5 and rela.stats["loss_ssl"] is not None
+    # the ReLA term averaged over the two views the callable ran: the same as passing those features
+    ref = ReLA(targets(), model.backbone, feature_dim=4, schedule=Constant(0.5), witness=False)
+    ref.head.load_state_dict(rela.head.state_dict())
+    with torch.no_grad():
+        feats = [model.backbone(x), model.backbone(x + 0.1)]
+    expected = ref.wrap(torch.tensor(0.0), index=idx, features=feats)
+    assert rela.stats["loss_rela"] == pytest.approx(ref.stats["loss_rela"], rel=1e-5)
+    assert torch.isfinite(loss) and torch.isfinite(expected)
+
+
+def test_inputs_are_refused_where_they_cannot_give_features():
+    model = Net()
+    x, _, idx = next(iter(fixed_batches(1)))
+    hooked_input = ReLA(targets(), model.head, feature_dim=4, capture="input", schedule=Constant(1.0), witness=False)
+    with pytest.raises(ValueError, match="capture='input'.*pass the loss as a tensor"):
+        hooked_input.wrap(lambda: model(x).sum(), index=idx, inputs=x)
+    hooked_input.close()
+    rela = ReLA(targets(), model.backbone, feature_dim=4, schedule=Constant(1.0), witness=False)
+    with pytest.raises(TypeError, match="image tensor of one view"):
+        rela.wrap(lambda: model(x).sum(), index=idx, inputs=[x])
+    model.eval()
+    with pytest.raises(RuntimeError, match="training mode with grad enabled"):
+        rela.wrap(lambda: model(x).sum(), index=idx, inputs=x)
+    model.train()
+    with pytest.raises(RuntimeError, match="pass inputs=<one view's images> too"):
+        rela.wrap(lambda: model(x).sum(), index=idx)  # a callable skipped, nothing forwarded, no inputs

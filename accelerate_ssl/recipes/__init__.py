@@ -15,12 +15,12 @@ Using ReLA in your own loop needs none of this: it is what the library's own mea
 """
 
 from .methods import BYOL, METHODS, Supervised, create_method
-from .probe import Probe, cost_speedup, mean_run, speedup, steps_to_reach
+from .probe import Probe, cost_speedup, mean_run, speedup, steps_to_reach, value_at
 from .train import (cosine_lr, cosine_momentum, loader_batches, random_batches, shuffled_batches, tensor_batches,
                     train_ssl, warmup_cosine_lr)
 from .views import BYOL_VIEWS, WEAK_VIEWS, ViewConfig, images_to_tensor, prior_teacher, random_views
 
-__all__ = ["BYOL", "METHODS", "Supervised", "create_method", "Probe", "cost_speedup", "mean_run", "speedup", "steps_to_reach",
+__all__ = ["BYOL", "METHODS", "Supervised", "create_method", "Probe", "cost_speedup", "mean_run", "speedup", "steps_to_reach", "value_at",
            "cosine_lr", "cosine_momentum", "loader_batches", "random_batches", "shuffled_batches", "tensor_batches",
            "train_ssl", "warmup_cosine_lr", "BYOL_VIEWS", "WEAK_VIEWS", "ViewConfig", "images_to_tensor",
            "prior_teacher", "random_views"]

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-__all__ = ["Probe", "steps_to_reach", "speedup", "cost_speedup", "mean_run"]
+__all__ = ["Probe", "steps_to_reach", "value_at", "speedup", "cost_speedup", "mean_run"]
 
 
 class Probe:
@@ -41,7 +41,8 @@ class Probe:
 
         from ..evaluate import extract_features
 
-        return tuple(extract_features(backbone, TensorDataset(x, y), batch_size=1024)[0]
+        # batches of 256: a small ViT's attention over 1024 images at once is slower per image on a CPU
+        return tuple(extract_features(backbone, TensorDataset(x, y), batch_size=256)[0]
                      for x, y in ((self.train_x, self.train_y), (self.test_x, self.test_y)))
 
     def _linear(self, ftr: torch.Tensor, fte: torch.Tensor) -> float:
@@ -77,6 +78,15 @@ def steps_to_reach(curve: list[tuple[int, float]], target: float) -> Optional[fl
         if a1 >= target:
             return s0 + (target - a0) / (a1 - a0) * (s1 - s0)
     return None
+
+
+def value_at(curve: list[tuple[float, float]], x: float) -> Optional[float]:
+    """The piecewise-linear curve ``[(x, value), ...]`` at ``x`` (None outside it)."""
+    curve = sorted(curve)
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (x - x0) / (x1 - x0) * (y1 - y0)
+    return curve[-1][1] if curve and x == curve[-1][0] else None
 
 
 def speedup(plain_curve: list[tuple[int, float]], rela_acc: float, budget: int) -> dict:

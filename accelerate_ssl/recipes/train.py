@@ -40,10 +40,12 @@ __all__ = ["train_ssl", "loader_batches", "tensor_batches", "shuffled_batches", 
 #: what the student sees while lambda == 1 (the ReLA term only): the SSL views, ReLA v1's weak views,
 #: or the images as the batch source gives them (the targets' own images, or replayed stored views)
 RELA_VIEWS = ("byol", "weak", "clean")
-#: what a step costs while lambda == 1: ``"one-view"`` (default) forwards one view per image and skips the SSL
-#: branch entirely (no second view, no momentum network, no EMA update); ``"two-view"`` forwards the method's
-#: ``n_views`` views and keeps the EMA update (the recipe before the cheaper step; kept for comparison)
-RELA_STEPS = ("one-view", "two-view")
+#: what a step costs while lambda == 1: ``"one-view"`` (default; the loss passed to ``wrap`` as a callable, as the
+#: README's recipe writes it) forwards one view per image and skips the SSL branch entirely (no second view, no momentum
+#: network, no EMA update); ``"two-view"`` forwards the method's ``n_views`` views and keeps the EMA update (the recipe
+#: before the cheaper step; kept for comparison); ``"eager"`` is a loop that computes its SSL loss before ``wrap`` (a
+#: tensor): every step at the full price of a plain step, whatever lambda is
+RELA_STEPS = ("one-view", "two-view", "eager")
 
 Batches = Iterator[tuple[torch.Tensor, Optional[torch.Tensor]]]
 
@@ -144,14 +146,14 @@ def train_ssl(
     through ``rela.wrap`` when ``rela`` is given; ``optimizer`` step (``lr(step)`` set first when given);
     ``method.update_momentum``. A loss that is not finite stops the run with an error naming the step.
 
-    While ``rela.lam >= 1`` (the ReLA term only, ReLA v1 App. J's first stage) the step is ReLA's regression
-    alone: with ``rela_step="one-view"`` (default) the student sees **one** view per image (``rela_views``, see
-    :data:`RELA_VIEWS`) and the SSL branch is skipped entirely: no second view, no momentum forward, no EMA
-    update; from the first step with lambda < 1 the full method runs. What the SSL side gets at that switch (its
-    momentum network reset to the student, its heads warmed on the frozen backbone, the learning rate re-warmed) is
-    ``rela.handover``'s (:class:`~accelerate_ssl.rela.Handover`; e.g. ``Handover(momentum=method.momentum_pairs())``),
-    as in any loop. ``rela_step="two-view"``: ``n_views`` views (``rela_views``) and the EMA update every step, as
-    before the cheaper step existed.
+    With ``rela_step="one-view"`` (default) the step is the README's recipe: the SSL loss (every view's forward and the
+    method's loss) is a callable given to ``rela.wrap(ssl_loss, index=, inputs=first_view)``, so while ``rela.lam >= 1``
+    (the ReLA term only) ReLA runs the backbone on **one** view itself (``rela_views``, see :data:`RELA_VIEWS`) and the
+    SSL branch is skipped entirely: no second view, no momentum forward; the EMA update runs every step, as a user's
+    loop runs it. What the SSL side gets at the switch (its heads warmed on the frozen backbone, its momentum network
+    reset, the learning rate re-warmed) is ``rela.handover``'s (:class:`~accelerate_ssl.rela.Handover`), as in any
+    loop. ``rela_step="two-view"``: ``n_views`` views (``rela_views``) and the EMA update every step, the SSL loss
+    skipped at lambda 1; ``"eager"``: the SSL loss computed before ``wrap`` on every step (its full price).
 
     ``teacher`` (with ``rela``): online targets instead of the store's rows. On every step whose ReLA term is computed
     (until the schedule has finished), ``teacher(view)`` embeds each view the student forwards, under ``no_grad``,
@@ -216,33 +218,49 @@ def train_ssl(
         if lr is not None:
             for group in optimizer.param_groups:
                 group["lr"] = lr(step)
-        rela_only = rela is not None and rela.lam >= 1.0
-        one_view = rela_only and rela_step == "one-view"
-        n = 1 if one_view else method.n_views
-        geometry = None
-        if rela_only and rela_views == "clean":  # one forward pass of the images themselves
-            vs = [x] * n
-            fs = [backbone(x)] * n
+        readme = rela is not None and rela_step == "one-view" and teacher is None and not per_view
+        one_view = False
+        if readme:  # the README's recipe: the SSL loss as a callable, wrap(..., inputs=) given one view
+            lam = rela.lam
+            first = x if lam >= 1.0 and rela_views == "clean" else random_views(
+                x, WEAK_VIEWS if lam >= 1.0 and rela_views == "weak" else views, view_generator)
+
+            def ssl_loss():  # skipped by wrap while lambda is 1: ReLA runs the backbone on `first` alone
+                vs = [first, *(random_views(x, views, view_generator) for _ in range(method.n_views - 1))]
+                return method.step_loss([backbone(v) for v in vs], vs, index)
+
+            lambdas.append(lam)
+            loss = rela.wrap(ssl_loss, index=index, inputs=first)
         else:
-            cfg = WEAK_VIEWS if (rela_only and rela_views == "weak") else views
-            drawn = [random_views(x, cfg, view_generator, geometry=per_view) for _ in range(n)]
-            vs = [d[0] for d in drawn] if per_view else drawn
-            geometry = torch.cat([d[1] for d in drawn]) if per_view else None
-            fs = [backbone(v) for v in vs]
-        ssl_loss = lambda: method.step_loss(fs, vs, index)  # noqa: E731
-        if rela is not None:
-            lambdas.append(rela.lam)
-            if teacher is not None and not rela.schedule.finished:  # online: the prior embeds the very views
-                distinct = [i for i, v in enumerate(vs) if all(v is not u for u in vs[:i])]  # "clean": one tensor
-                with torch.no_grad():
-                    rows = torch.cat([teacher(vs[i]) for i in distinct])
-                loss = rela.wrap(ssl_loss, targets=rows, features=torch.cat([fs[i] for i in distinct]))
-            elif geometry is not None:  # cached maps, pooled over each view's box
-                loss = rela.wrap(ssl_loss, index=index, geometry=geometry, features=torch.cat(fs))
+            rela_only = rela is not None and rela.lam >= 1.0 and rela_step != "eager"
+            one_view = rela_only and rela_step == "one-view"
+            n = 1 if one_view else method.n_views
+            geometry = None
+            if rela_only and rela_views == "clean":  # one forward pass of the images themselves
+                vs = [x] * n
+                fs = [backbone(x)] * n
             else:
-                loss = rela.wrap(ssl_loss, index=index)
-        else:
-            loss = ssl_loss()
+                cfg = WEAK_VIEWS if (rela_only and rela_views == "weak") else views
+                drawn = [random_views(x, cfg, view_generator, geometry=per_view) for _ in range(n)]
+                vs = [d[0] for d in drawn] if per_view else drawn
+                geometry = torch.cat([d[1] for d in drawn]) if per_view else None
+                fs = [backbone(v) for v in vs]
+            ssl_loss = lambda: method.step_loss(fs, vs, index)  # noqa: E731
+            if rela_step == "eager":  # the loss computed before wrap, as a tensor: never skipped
+                ssl_loss = ssl_loss()
+            if rela is not None:
+                lambdas.append(rela.lam)
+                if teacher is not None and not rela.schedule.finished:  # online: the prior embeds the very views
+                    distinct = [i for i, v in enumerate(vs) if all(v is not u for u in vs[:i])]  # "clean": one tensor
+                    with torch.no_grad():
+                        rows = torch.cat([teacher(vs[i]) for i in distinct])
+                    loss = rela.wrap(ssl_loss, targets=rows, features=torch.cat([fs[i] for i in distinct]))
+                elif geometry is not None:  # cached maps, pooled over each view's box
+                    loss = rela.wrap(ssl_loss, index=index, geometry=geometry, features=torch.cat(fs))
+                else:
+                    loss = rela.wrap(ssl_loss, index=index)
+            else:
+                loss = ssl_loss if rela_step == "eager" else ssl_loss()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

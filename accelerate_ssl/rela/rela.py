@@ -7,17 +7,23 @@ with the user's loss (ReLA v2 Eq. 9 / ReLA v1 Eq. 9)::
 
     L = lambda * L_rela + (1 - lambda) * L_user,     L_rela = 1 - cos(W phi(x) + b, y)
 
-with lambda driven by a controller from :mod:`accelerate_ssl.schedules` (default :class:`Decay` planned for the run,
-ReLA v2 App. L Alg. 1: lambda from 0.8, falling as the ReLA loss plateaus, 0 for good by half the run), and what
+with lambda driven by a controller from :mod:`accelerate_ssl.schedules` (default :class:`Switch` planned for the run,
+ReLA v1 App. J: lambda 1, your loss skipped when passed as a callable, then 0 for good late in the run), and what
 happens when it reaches 0 by :mod:`.handover`.
 
-Usage (plain PyTorch; lightly's BYOL example plus two lines)::
+Usage (plain PyTorch; lightly's BYOL example, its forward passes and loss moved into a function)::
 
-    rela = ReLA("targets/fmnist-prior", model.backbone, dataloader=loader)     # line 1
+    rela = ReLA.from_prior("shipped:digits-byol", model.backbone, loader, total_steps=epochs * len(loader))
     for (x0, x1), _ in loader:
-        ...                                                # the user's forward passes, unchanged
-        loss = rela.wrap(lambda: 0.5 * (crit(p0, z1) + crit(p1, z0)))         # line 2
+        def byol_loss():                                   # your forward passes and loss, unchanged, in a function
+            p0, z0, p1, z1 = model(x0), model.forward_momentum(x0), model(x1), model.forward_momentum(x1)
+            return 0.5 * (crit(p0, z1) + crit(p1, z0))
+        loss = rela.wrap(byol_loss, inputs=x0)     # lambda 1: backbone(x0) only, byol_loss skipped
         loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+Passed as a callable, your loss is skipped while lambda is 1: the step is one view through the backbone and the
+transport head (a fraction of a plain step; ``docs/benchmarks/cost.md``). A loss computed before ``wrap`` works the
+same, at the full price of a plain step on every step.
 
 What ReLA does behind those two lines:
 
@@ -120,10 +126,11 @@ class ReLA:
             gives the feature dim by one dry forward (eval mode, no grad, state restored).
         dataloader: a DataLoader to track indices from (same as calling :meth:`track`); its dataset
             gives the feature dim when ``dataset`` is not given, and its length is checked.
-        schedule: a :class:`~accelerate_ssl.schedules.Schedule` or a spec (``"decay"`` default, ``"switch"``,
-            ``"constant:<lambda>"``, ``"epochs:<fraction>"``), planned for ``total_steps``. Planned, ``decay`` and
-            ``switch`` hand over inside the run (by half of it at the latest), so your loss carries the student past
-            the prior (docs: "Schedules" compares them).
+        schedule: a :class:`~accelerate_ssl.schedules.Schedule` or a spec (``"switch"`` default, ``"switch:<end
+            fraction>"``, ``"decay"``, ``"constant:<lambda>"``, ``"epochs:<fraction>"``), planned for ``total_steps``.
+            Planned, ``switch`` and ``decay`` hand over inside the run (``switch`` by
+            :data:`~accelerate_ssl.schedules.SWITCH_END_FRACTION` of it, ``decay`` by half), so your loss carries the
+            student past the prior (docs: "Schedules" compares them at equal compute).
         n_components: target dim after PCA. ``"auto"`` (default): the student feature dim, capped by the
             target dim; an int: that many; ``None`` or 0: raw targets, no PCA and no z-scoring. (The demo's
             64-d student did better with 16 than with 64 at 250 steps; "auto" is the size-agnostic choice.)
@@ -138,12 +145,13 @@ class ReLA:
             solution from that batch's student features to its targets (:func:`fit_transport_head`);
             ``"random"``: PyTorch's default ``nn.Linear`` initialisation, as in the papers.
         total_steps: the planned number of optimiser steps of the whole run, for a schedule given by name
-            (``Decay`` and ``Switch`` scale their constants to it, ``Switch`` hands over by half of it, and the
-            hand-over's heads warm-up is a fraction of it; without it the first ``wrap`` warns that lambda may never
+            (``Decay`` and ``Switch`` scale their constants to it and hand over inside it, and the hand-over's heads
+            warm-up is a fraction of it; without it the first ``wrap`` warns that lambda may never
             reach 0); also settable later with :meth:`set_total_steps`.
         end_step: ReLA's term ends for good after this many optimiser steps, under any schedule (lambda 0,
             ``stats["finished"]`` True; ``wrap`` returns your loss unchanged from then on). ``Decay`` never ends by
-            itself and ``Switch`` ends when the ReLA loss converges (planned: by half the run); an end step is a planned hand-over. While a term
+            itself and ``Switch`` ends when the ReLA loss converges (planned: late in the run at the latest); an end
+            step is a planned hand-over. While a term
             with a planned end runs (this, or an ``epochs:`` schedule's switch), timm's mixup / cutmix is held off
             instead of refused, and mixes again once it is over (``docs/hosts/timm.md``). For a :class:`Schedule` instance,
             pass it to the instance (``Decay(..., end_step=n)``).
@@ -313,6 +321,7 @@ class ReLA:
         self._window_sum: Optional[torch.Tensor] = None
         self._window_count = 0
         self._last: dict[str, Any] = self._no_wrap()
+        self._ran_student = False  # wrap(inputs=) ran the backbone since the last optimiser step
         self.steps = 0
         self._backbone_param_ids = {id(p) for p in backbone.parameters()}
 
@@ -707,13 +716,21 @@ class ReLA:
         targets: Union[torch.Tensor, dict, None] = None,
         keys=None,
         geometry: Optional[torch.Tensor] = None,
+        inputs: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``lambda * L_rela + (1 - lambda) * loss`` for this micro-batch (with several priors ``L_rela`` combines
         theirs, ``balance=``).
 
         Args:
-            loss: your loss tensor, or a zero-argument callable returning it (then it is not computed at
-                all while lambda == 1, e.g. the first stage of ``Switch``).
+            loss: your loss tensor, or a zero-argument callable returning it: while lambda is 1 a callable is not
+                called at all, so the SSL side of the step (the other views, a momentum network, the projection
+                heads) is never computed; otherwise it is called first, and the backbone calls it makes are the step's
+                features.
+            inputs: the images of one view of this batch, with a callable ``loss``: when ReLA needs features that no
+                backbone call has given (lambda 1: your loss is skipped), it runs ``backbone(inputs)`` itself, so a
+                lambda-1 step costs one forward and backward of one view (the README's recipe). Under
+                ``torch.distributed`` ReLA averages the backbone's gradients of such a step itself (that forward does
+                not pass through your DDP wrapper).
             index: the batch's dataset indices (default: from the tracked DataLoader).
             targets: the batch's raw prior targets ``[B, dim]``, carried by the batch itself (a sidecar field of a
                 WebDataset sample, a ``datasets`` column): no index is needed, so nothing can misalign them. They get
@@ -747,12 +764,18 @@ class ReLA:
                 "steps, with the loader this process iterates; Lightning's ReLACallback plans it), or call "
                 "rela.set_total_steps(n) before training.", UserWarning, stacklevel=2)
         lam = float(self.schedule.value)
-        captured, capture_error = self.capture.take()
         if self.schedule.finished:  # ReLA is over for good: the user's loss, untouched
+            self.capture.clear()
             out = loss() if callable(loss) else loss
             self._last = {**self._no_wrap(0.0), "loss_ssl": out.detach()}
             self._window_count += 1
             return out
+        # your loss first, unless lambda 1 skips a callable: the backbone calls it makes are this step's features
+        l_ssl = None if lam >= 1.0 and callable(loss) else loss() if callable(loss) else loss
+        captured, capture_error = self.capture.take()
+        if features is None and not captured and capture_error is None and inputs is not None:
+            self._run_student(inputs)
+            captured, capture_error = self.capture.take()
 
         if features is not None:
             feats = [features] if isinstance(features, torch.Tensor) else list(features)
@@ -764,7 +787,9 @@ class ReLA:
                 raise RuntimeError(
                     "ReLA.wrap: no backbone features were captured since the last wrap. The backbone must be called "
                     "in training mode with grad enabled (model.train(), not under torch.no_grad()) between two wraps, "
-                    "and it must be the module given to ReLA (not a copy); or pass features= to wrap."
+                    "and it must be the module given to ReLA (not a copy); or pass features= to wrap. With your loss "
+                    "as a callable, which lambda 1 skips, pass inputs=<one view's images> too: ReLA then runs the "
+                    "backbone on them itself."
                 )
             feats = captured
         if sum(x is not None for x in (index, targets, keys)) > 1:
@@ -816,10 +841,8 @@ class ReLA:
         l_rela = self._rela_term(feats, index, rows=rows, path=path, maps=maps, geometry=geometry, n=views.n)
 
         if lam >= 1.0:
-            l_ssl = None if callable(loss) else loss
             out = l_rela if l_ssl is None else l_rela + 0.0 * l_ssl  # keeps your graph's params "used" (DDP)
         else:
-            l_ssl = loss() if callable(loss) else loss
             out = lam * l_rela + (1.0 - lam) * l_ssl
         d, fed = l_rela.detach(), self._schedule_loss
         self._window_sum = fed if self._window_sum is None else self._window_sum + fed
@@ -855,6 +878,23 @@ class ReLA:
                              "targets={name: rows, ...}, each prior's rows as its sidecar folder's join / column hands "
                              "them (e.g. ShardedTargets.join(field=name) per folder).")
         return {names[0]: targets}
+
+    def _run_student(self, inputs: torch.Tensor) -> None:
+        """``wrap(inputs=)``: the backbone run on one view, for a step whose loss was skipped (its hook records the
+        features); marked so that its gradients are averaged across processes at the optimiser step."""
+        if self.capture.use_input:
+            raise ValueError("ReLA.wrap(inputs=) runs the hooked module on the images, but ReLA hooks the input of "
+                             f"{type(self.backbone).__name__} (capture='input'), which takes features, not images. Run "
+                             "your model on the batch and pass the loss as a tensor: a supervised step computes the "
+                             "features and the loss in one forward, so skipping the loss saves nothing.")
+        if not isinstance(inputs, torch.Tensor):
+            raise TypeError(f"ReLA.wrap(inputs=) takes the image tensor of one view of the batch, got "
+                            f"{type(inputs).__name__}.")
+        if not (self.backbone.training and torch.is_grad_enabled()):
+            raise RuntimeError("ReLA.wrap(inputs=): the backbone must be in training mode with grad enabled to be "
+                               "trained on these inputs (model.train(), not under torch.no_grad()).")
+        self.backbone(inputs)
+        self._ran_student = True
 
     def _no_wrap(self, lam: Optional[float] = None) -> dict[str, Any]:
         """:attr:`last_wrap` before any wrap, after a load, or once ReLA is over: no loss computed."""
@@ -904,7 +944,8 @@ class ReLA:
         if not self._is_user_optimizer(opt):
             return None
         sync = not self.head_in_ddp and is_distributed()
-        if not sync and not self.handover.acts_at(self.steps):
+        backbone_sync = self._ran_student and is_distributed()  # ReLA's own forward passed no DDP wrapper
+        if not sync and not backbone_sync and not self.handover.acts_at(self.steps):
             return None
         # torch passes the bound call's args: (optimizer, closure?, ...)
         closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
@@ -913,6 +954,8 @@ class ReLA:
         def gradients_complete(r: "ReLA") -> None:
             if sync:
                 r._sync_head_gradients()
+            if backbone_sync:
+                average_gradients(params)
             r.handover.before_step(opt, step, params)
 
         if closure is None:
@@ -967,6 +1010,7 @@ class ReLA:
         self._step(user_optimizer=None)
 
     def _step(self, user_optimizer) -> None:
+        self._ran_student = False
         for t in self.priors.values():
             for h in t.transports():
                 h.after_user_step(user_optimizer, trained=self._window_count > 0)
