@@ -17,18 +17,24 @@ Controllers (the docs' "Schedules" page compares them on the budget study):
 =================  =======================================================  =====================
 name               rule                                                     source
 =================  =======================================================  =====================
-``Decay``          adaptive in [0, 0.8]: falls as the ReLA loss plateaus    ReLA v2, App. L, Alg. 1 (default)
-``Switch``         lambda 1 until the ReLA loss converges, then 0 for good  ReLA v1, App. J
+``Switch``         lambda 1 until the ReLA loss converges, then 0 for good  ReLA v1, App. J (default)
+``Decay``          adaptive in [0, 0.8]: falls as the ReLA loss plateaus    ReLA v2, App. L, Alg. 1
 ``Constant(lam)``  fixed lambda                                             ablation
 ``Epochs(f, T)``   lambda 1 for the first fraction f of T steps, then 0     authors' ``--rela_conlam``
 =================  =======================================================  =====================
 
-Use :func:`create_schedule` to build one from a spec (``"decay"``, ``"switch"``, ``"constant:<lambda>"``,
-``"epochs:<fraction>"``), planned for ``total_steps``; ReLA, the CLI and the solo-learn mixin all take that spec.
-The papers' ``Decay`` only approaches 0 and their ``Switch`` ends only when the ReLA loss converges; planned for a run
-(``total_steps``), both hand over by ``end_fraction`` (0.5) of it at the latest, so your loss always takes over inside
-the run. ``end_step`` gives any of them a planned end at a step you choose (e.g. to hand the run over to timm's mixup
-at a chosen epoch).
+Use :func:`create_schedule` to build one from a spec (``"switch"``, ``"switch:<end fraction>"``, ``"decay"``,
+``"constant:<lambda>"``, ``"epochs:<fraction>"``), planned for ``total_steps``; ReLA, the CLI and the solo-learn mixin
+all take that spec. The papers' ``Switch`` ends only when the ReLA loss converges and their ``Decay`` only approaches 0;
+planned for a run (``total_steps``), each hands over by its ``end_fraction`` of the run at the latest (``Switch``:
+:data:`SWITCH_END_FRACTION`; ``Decay``: 0.5), so your loss always takes over inside the run. ``end_step`` gives any of
+them a planned end at a step you choose (e.g. to hand the run over to timm's mixup at a chosen epoch).
+
+Why ``Switch`` is the default: a step with lambda 1 and the loss passed to ``wrap`` as a callable skips your SSL loss
+(one view through the backbone and the transport head), so it costs a fraction of a plain step, while a step that
+mixes both losses pays the full price. Measured at equal compute (the docs' "What it buys, by budget"), the cheap
+phase held to late in the run ended at or near the top at every budget; the budget study's schedules are compared
+there.
 """
 
 from __future__ import annotations
@@ -199,6 +205,11 @@ class Decay(Schedule):
             self.value, self.finished = 0.0, True
 
 
+#: the latest hand-over of a planned ``Switch`` (the default schedule): lambda 1 for at most this fraction of the run,
+#: then your loss for the rest (the docs' "Schedules" gives the measurements it was chosen from)
+SWITCH_END_FRACTION = 0.9
+
+
 class Switch(Schedule):
     """Two-stage switch, ReLA v1 App. J, Algorithm 1: lambda = 1 (ReLA only), then 0 for good (SSL only).
 
@@ -220,11 +231,12 @@ class Switch(Schedule):
     ``fast_momentum = 1 - (1 - slow_momentum) / 10`` (the paper's 10:1 ratio of rates). Explicit
     momenta win.
 
-    A planned run also has a latest switch: at ``end_fraction * total_steps`` (default 0.5) lambda goes to 0
-    whatever the losses say (``end_step``), so the run hands over inside itself. Measured on the budget study's
-    short CPU runs, the rule alone never fired within 100-1000 steps (the ReLA loss kept falling slowly), and those
-    runs stopped as pure regression toward the prior (``docs/concepts/schedules.md``). An explicit ``end_step`` wins;
-    ``end_fraction=None`` leaves the losses alone to decide.
+    A planned run also has a latest switch: at ``end_fraction * total_steps`` (default :data:`SWITCH_END_FRACTION`)
+    lambda goes to 0 whatever the losses say (``end_step``), so the run hands over inside itself (the spec
+    ``"switch:<end fraction>"`` sets it). The rule alone seldom fires inside a planned run: ``l_f`` starts at 1.0 and
+    approaches a ReLA loss that settles well below it over ~0.5 of the run, so the gap to ``l_s`` closes after the run
+    would have ended; on the budget study's runs the switch came at the planned end on every run. An explicit
+    ``end_step`` wins; ``end_fraction=None`` leaves the losses alone to decide.
     """
 
     _state_keys = Schedule._state_keys + ("loss_slow", "loss_fast")
@@ -234,7 +246,7 @@ class Switch(Schedule):
         *,
         total_steps: Optional[int] = None,
         min_switch_fraction: float = 0.25,
-        end_fraction: Optional[float] = 0.5,
+        end_fraction: Optional[float] = SWITCH_END_FRACTION,
         fast_momentum: Optional[float] = None,
         slow_momentum: Optional[float] = None,
         threshold: float = 0.995,
@@ -348,14 +360,13 @@ class Epochs(Schedule):
 
 
 SCHEDULES = {"decay": Decay, "switch": Switch, "constant": Constant, "epochs": Epochs}
-#: the schedule ReLA uses when none is given: ``Decay`` planned for the run (lambda from 0.8, falling as the ReLA loss
-#: plateaus, 0 for good by half the run), so a run told its length hands over inside it. In the budget study it ended
-#: highest of the schedules at every length measured on the ViT and with the best on the ConvNet; a switch from lambda 1
-#: saves the SSL loss's compute early but ended lower (docs: "Schedules")
-DEFAULT_SCHEDULE = "decay"
+#: the schedule ReLA uses when none is given: ``Switch`` planned for the run (lambda 1, the cheap phase: your loss
+#: skipped when passed as a callable; then 0 for good by :data:`SWITCH_END_FRACTION` of the run, your loss carrying the
+#: rest), chosen at equal compute (docs: "Schedules")
+DEFAULT_SCHEDULE = "switch"
 #: the one grammar of a schedule spec, for Python, every CLI verb and the solo-learn ``cfg.rela.schedule``
-SPEC_GRAMMAR = "'decay', 'switch', 'constant:<lambda>' or 'epochs:<fraction>'"
-_VALUE = {"constant": "lam", "epochs": "fraction"}  # what ':<value>' sets
+SPEC_GRAMMAR = "'switch', 'switch:<end fraction>', 'decay', 'constant:<lambda>' or 'epochs:<fraction>'"
+_VALUE = {"constant": "lam", "epochs": "fraction", "switch": "end_fraction"}  # what ':<value>' sets
 
 
 def list_schedules() -> list[str]:
@@ -379,8 +390,9 @@ def needs_run_length(spec: str | None) -> bool:
 
 
 def create_schedule(spec: str | Schedule | None = None, *, total_steps: Optional[int] = None, **kwargs) -> Schedule:
-    """Build a controller from a spec: ``"decay"`` (default, :data:`DEFAULT_SCHEDULE`), ``"switch"``, ``"constant:<lambda>"`` (0.5 without a
-    value) or ``"epochs:<fraction>"``; ``total_steps`` plans those that take the run length (ignored by
+    """Build a controller from a spec: ``"switch"`` (default, :data:`DEFAULT_SCHEDULE`; ``"switch:<f>"``: the planned
+    hand-over at fraction f of the run), ``"decay"``, ``"constant:<lambda>"`` (0.5 without a value) or
+    ``"epochs:<fraction>"``; ``total_steps`` plans those that take the run length (ignored by
     ``Constant``); other keyword arguments go to the class (``end_step=`` to every one). A :class:`Schedule` instance
     is returned as is."""
     if isinstance(spec, Schedule):

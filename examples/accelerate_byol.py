@@ -10,7 +10,9 @@ What is distributed and how (see accelerate_ssl/integrations/accelerate.py):
 - ``accelerator.prepare`` wraps model, optimiser and loader; ``rela.track(...)`` around the loader each epoch iterates
   gives ReLA the indices of each process's batches; with ``--fraction`` each epoch trains on a fresh subset (ReLA v2
   Eq. 43), identical on every process and split into per-process batches by accelerate;
-- ReLA averages its head's gradients and its loss across processes: every process has the same lambda;
+- ReLA averages its head's gradients and its loss across processes: every process has the same lambda; the BYOL
+  loss is a callable that ``wrap`` skips while lambda is 1, when ReLA runs the backbone on one view itself (outside
+  the DDP wrapper) and averages the backbone's gradients of that step across the processes too;
 - ``accelerator.save_state`` / ``load_state`` checkpoint ReLA (registered with ``register_for_checkpointing``); a
   resume in the middle of an epoch skips the batches already trained with ``accelerator.skip_first_batches``.
 ``--log-json DIR`` writes one JSON per process (per step: lambda, losses, process-averaged loss, indices).
@@ -65,7 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--prior", default="shipped:digits-byol",
                    help="prior spec for create_prior (default: the shipped BYOL ConvNet trained on other data, scikit-learn digits: measured to save steps on Fashion-MNIST; an untrained network saves nothing)")
     p.add_argument("--targets", default="rela-targets", help="folder caching the precomputed targets")
-    p.add_argument("--schedule", default="decay", help="decay | switch | constant:<lambda> | epochs:<fraction>")
+    p.add_argument("--schedule", default=None,
+                   help="lambda schedule spec (default: the library's; decay | switch | constant:<lambda> | "
+                        "epochs:<fraction>)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
@@ -80,7 +84,8 @@ def rela_snapshot(rela) -> dict:
     """ReLA's state as JSON (exact: head weights as lists of floats)."""
     state = rela.state_dict()
     return {"steps": state["steps"], "lambda": rela.lam, "schedule": state["schedule"], "head_mode": state["head_mode"],
-            "head": {k: v.tolist() for k, v in state["head"].items()}}
+            "head": {k: v.tolist() for k, v in state["head"].items()},
+            "backbone": [float(p.double().sum()) for p in rela.backbone.parameters()]}
 
 
 def main(argv=None):
@@ -130,9 +135,13 @@ def main(argv=None):
             momentum = cosine_schedule(step, args.steps, 0.99, 1.0)
             update_momentum(byol.backbone, byol.backbone_momentum, m=momentum)
             update_momentum(byol.projection_head, byol.projection_head_momentum, m=momentum)
-            p0, p1 = model(x0), model(x1)
-            z0, z1 = byol.forward_momentum(x0), byol.forward_momentum(x1)
-            loss = rela.wrap(0.5 * (criterion(p0, z1) + criterion(p1, z0)))
+
+            def byol_loss():  # skipped while lambda is 1: then ReLA runs the backbone on x0 alone
+                p0, p1 = model(x0), model(x1)
+                z0, z1 = byol.forward_momentum(x0), byol.forward_momentum(x1)
+                return 0.5 * (criterion(p0, z1) + criterion(p1, z0))
+
+            loss = rela.wrap(byol_loss, inputs=x0)
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()

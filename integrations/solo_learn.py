@@ -34,7 +34,7 @@ Use with a solo-learn checkout (its PyPI release pins torch 1.9; install the rep
     # then solo-learn's main_pretrain.py as usual (swap METHODS["byol"] for BYOLReLA)
 
 Options (keyword arguments, or a ``rela`` section of solo-learn's ``cfg``): ``targets`` (store path,
-TargetStore or Tensor, required), ``schedule`` (a spec: ``"decay"``, ``"switch"``, ``"constant:<lambda>"``,
+TargetStore or Tensor, required), ``schedule`` (a spec: ``"switch"`` the default, ``"decay"``, ``"constant:<lambda>"``,
 ``"epochs:<fraction>"``, planned for the trainer's run length; or a Schedule), ``n_components``, ``head_lr`` / ``head_weight_decay`` (put in the head's
 ``learnable_params`` entry; default: the method's own lr / weight decay).
 

@@ -114,16 +114,28 @@ def marked(source: str) -> tuple[list[str], list[tuple[str, str]]]:
     return added, changed
 
 
+def indentation(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
 def plain_script(source: str) -> str:
     """The host's script: the added and test lines removed, each changed line given back its host line (indentation
-    kept)."""
-    out = []
+    kept). An added line that opens a block (``def ssl_loss():``, the recipe's loss moved into a function) takes the
+    host's lines indented under it: they go back to the block's own indentation."""
+    out, block = [], None  # block: (the added line's indentation, the extra indentation of the lines under it)
     for line in source.splitlines():
+        if block is not None and line.strip() and indentation(line) <= block[0]:
+            block = None
+        if kind(line) == "added" and code(line).endswith(":"):
+            block = (indentation(line), None)
         if kind(line) in ("added", "test"):
             continue
+        if block is not None and line.strip():
+            if block[1] is None:
+                block = (block[0], indentation(line) - block[0])
+            line = line[block[1]:]
         if kind(line) == "changed":
-            indent = line[: len(line) - len(line.lstrip())]
-            line = indent + comment(line)[len(CHANGED):].strip()
+            line = line[: indentation(line)] + comment(line)[len(CHANGED):].strip()
         out.append(line)
     return "\n".join(out) + "\n"
 
@@ -207,6 +219,16 @@ class RecipeLog:
         self.steps: list[dict] = []
         self.spy: Optional[ReadSpy] = None
         self._seen = 0
+        self._calls = 0  # forward calls of the modules given to count_calls since the last step
+
+    def count_calls(self, *modules) -> None:
+        """Count the forward calls of ``modules`` (e.g. the SSL side: a momentum network, a prediction head) made in
+        each step; :meth:`step` records them as ``"ssl_calls"``."""
+        def hook(module, args, output):
+            self._calls += 1
+
+        for m in modules:
+            m.register_forward_hook(hook)
 
     def watch(self, rela) -> None:
         if not isinstance(rela.targets.store, ReadSpy):
@@ -225,8 +247,9 @@ class RecipeLog:
         views = len(reads[0]) // max(len(own), 1) if len(reads) == 1 else 0  # per-view reads: the batch once per view
         same = torch.equal if views == 1 else lambda a, b: torch.allclose(a, b, rtol=0, atol=1e-5)
         over = rela.stats["loss_rela"] is None and rela.stats["finished"]  # handed over: no row is needed, none read
+        calls, self._calls = self._calls, 0
         self.steps.append({"own": own.tolist(), "reads": len(reads), "views": views, "lambda": float(rela.stats["lambda"]),
-                           "handed_over": over,
+                           "handed_over": over, "ssl_calls": calls,
                            "own_rows": not reads if over else views >= 1 and len(reads[0]) == views * len(own)
                            and same(reads[0], expected.repeat(views, 1))})
 
@@ -245,12 +268,14 @@ def read_logs(folder: Path, ranks: int = 1) -> list[list[dict]]:
 
 
 def assert_hands_over(lambdas: list[float], planned: int) -> None:
-    """lambda under the default schedule planned for ``planned`` steps (``decay``): 0.8 at the first step, above 0 until
-    it hands over, 0 for good from then on, and handed over by half the run at the latest."""
-    assert lambdas[0] == 0.8 and 0.0 in lambdas, lambdas
+    """lambda under the default schedule planned for ``planned`` steps (``switch``): 1 (the cheap phase: your loss
+    skipped) until it hands over, 0 for good from then on, handed over by its planned end at the latest."""
+    from accelerate_ssl.schedules import SWITCH_END_FRACTION
+
+    assert lambdas[0] == 1.0 and 0.0 in lambdas, lambdas
     end = lambdas.index(0.0)
-    assert all(0.0 < v <= 0.8 for v in lambdas[:end]) and set(lambdas[end:]) == {0.0}, lambdas
-    assert 0 < end <= planned // 2 + 1, (end, planned)
+    assert set(lambdas[:end]) == {1.0} and set(lambdas[end:]) == {0.0}, lambdas
+    assert 0 < end <= round(SWITCH_END_FRACTION * planned), (end, planned)
 
 
 def assert_every_row_is_the_samples_own(steps: list[dict]) -> None:

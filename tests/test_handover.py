@@ -153,14 +153,15 @@ def test_spec_does_what_it_says(spec, expected):
 
 
 def test_the_default_warms_the_heads_when_the_schedule_skipped_them():
-    """A planned run whose schedule skipped your loss before the switch (lambda 1: switch, epochs) warms your heads for
-    5 % of it; one that mixed your loss in all along (decay, the default) has warm heads already: no warm-up."""
+    """A planned run whose schedule skipped your loss before the switch (lambda 1: switch, the default, and epochs)
+    warms your heads for 5 % of it; one that mixed your loss in all along (decay) has warm heads already: no warm-up."""
     net = Net()
     rows = torch.randn(N, D_T)
     make = lambda **kw: ReLA(rows, net.backbone, feature_dim=4, witness=False, **kw)  # noqa: E731
     assert make(schedule="switch", total_steps=400).handover.warm_heads == 20
     assert make(schedule="epochs:0.3", total_steps=400).handover.warm_heads == 20
-    assert make(total_steps=400).handover.warm_heads == 0  # decay: lambda <= 0.8, your loss trained the heads
+    assert make(total_steps=400).handover.warm_heads == 20  # the default, switch
+    assert make(schedule="decay", total_steps=400).handover.warm_heads == 0  # lambda <= 0.8: your loss trained the heads
     assert make(schedule="switch").handover.warm_heads == 0  # no run length: none
     rela = make(schedule="switch")
     rela.set_total_steps(1000)  # (Lightning's callback plans the run this way)

@@ -372,7 +372,9 @@ def test_two_process_training_and_resume(tmp_path):
         assert not set(x["index"]) & set(y["index"])
         assert set(x["index"]) | set(y["index"]) <= subset
     assert logs[0]["epoch_subsets"] == logs[1]["epoch_subsets"]
-    # head gradients averaged + controller fed the averaged loss: identical ReLA state on both processes
+    # head gradients averaged + controller fed the averaged loss: identical ReLA state on both processes, and the same
+    # backbone, bitwise, after steps where lambda was 1 and ReLA ran the backbone itself, outside the DDP wrapper
+    assert a[0]["lambda"] == 1.0 and a[-1]["lambda"] < 1.0
     assert logs[0]["final"] == logs[1]["final"]
     assert logs[0]["final"]["steps"] == 6 and logs[0]["saved"]["steps"] == 3
 

@@ -34,8 +34,8 @@ def recipe_env(log: Path) -> dict:
 
 @pytest.mark.parametrize("page", [ROOT / "README.md", ROOT / "docs" / "index.md", ROOT / "docs" / "hosts" / "lightly.md"],
                          ids=["README", "docs-index", "docs-lightly"])
-def test_the_quick_start_is_lightlys_byol_example_with_two_added_and_one_changed_line(page):
-    assert check_recipe(SCRIPT, "## Quick start", page) == (2, 1)
+def test_the_quick_start_is_lightlys_byol_example_with_four_added_and_one_changed_line(page):
+    assert check_recipe(SCRIPT, "## Quick start", page) == (4, 1)
 
 
 def test_the_quick_start_runs_as_written_and_every_row_is_the_samples_own(tmp_path, fashion_mnist_available):
@@ -48,6 +48,13 @@ def test_the_quick_start_runs_as_written_and_every_row_is_the_samples_own(tmp_pa
     assert_every_row_is_the_samples_own(steps)
     for epoch in (0, 1):  # each epoch the shuffled loader visits every sample once
         assert sorted(i for s in steps[4 * epoch:4 * epoch + 4] for i in s["own"]) == list(range(256))
+    # while lambda is 1 byol_loss is never called: no momentum network, no prediction head (the SSL side); after the
+    # hand-over it runs in full: the prediction head on both views, the momentum backbone on both
+    cheap = [s for s in steps if s["lambda"] >= 1.0]
+    assert cheap and [s["ssl_calls"] for s in cheap] == [0] * len(cheap)
+    full = [s for s in steps if s["lambda"] < 1.0]
+    assert full and [s["ssl_calls"] for s in full] == [4] * len(full)
+    assert steps.index(full[0]) == len(cheap)  # lambda 1 first, then your loss
     assert len(list((tmp_path / "rela-targets").glob("shipped-digits-byol-256-*/metadata.json"))) == 1
 
 

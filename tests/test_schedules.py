@@ -113,13 +113,16 @@ def test_bad_inputs():
 def test_one_spec_grammar():
     from accelerate_ssl.schedules import Constant, Decay, Epochs, Switch, create_schedule
 
-    assert isinstance(create_schedule(None), Decay) and create_schedule("Decay", total_steps=100).loss_momentum < 0.999
+    assert isinstance(create_schedule(None), Switch) and create_schedule("Decay", total_steps=100).loss_momentum < 0.999
+    assert create_schedule("switch:0.75", total_steps=100).ends_by == 75  # ':<value>' sets the planned hand-over
     assert create_schedule("constant:0.3").value == pytest.approx(0.3) and create_schedule("constant").value == 0.5
     assert isinstance(create_schedule("constant:0.3", total_steps=10), Constant)  # the run length is not its business
     e = create_schedule("epochs:0.25", total_steps=40)
     assert isinstance(e, Epochs) and e.switch_step == 10
-    for bad, words in [("cosine", "Unknown schedule 'cosine'; use 'decay', 'switch', 'constant:<lambda>'"),
-                       ("switch:3", "takes no ':<value>'"), ("constant:high", "'high' is not a number"),
+    for bad, words in [("cosine", "Unknown schedule 'cosine'; use 'switch', 'switch:<end fraction>', 'decay', "
+                                  "'constant:<lambda>'"),
+                       ("decay:3", "takes no ':<value>'"), ("switch:3", "end_fraction must be in"),
+                       ("constant:high", "'high' is not a number"),
                        ("epochs", "needs the fraction.*'epochs:<fraction>'")]:
         with pytest.raises(ValueError, match=words):
             create_schedule(bad, total_steps=10)
@@ -162,13 +165,18 @@ def test_end_step_ends_every_schedule_at_that_step(make, before):
     assert "end_step=7" in repr(ended)
 
 
-def test_a_planned_switch_hands_over_by_half_the_run_whatever_the_losses():
+def test_a_planned_switch_hands_over_by_its_end_fraction_whatever_the_losses():
     """The rule alone may never fire in a short run (a ReLA loss still falling); planned for total_steps, the switch
-    comes at the latest at end_fraction of it (default 0.5). An explicit end_step wins; None: the rule only."""
+    comes at the latest at end_fraction of it (default SWITCH_END_FRACTION). An explicit end_step wins; None: the rule
+    only."""
+    from accelerate_ssl.schedules import SWITCH_END_FRACTION
+
     falling = [1.0 - 0.004 * t for t in range(120)]  # never flat enough for the rule
     s = Switch(total_steps=100)
-    lams = [s.step(l) for l in falling[:60]]
-    assert lams[:49] == [1.0] * 49 and lams[49:] == [0.0] * 11 and s.finished and s.ends_by == 50
+    end = round(SWITCH_END_FRACTION * 100)
+    lams = [s.step(l) for l in falling[:100]]
+    assert lams[:end - 1] == [1.0] * (end - 1) and lams[end - 1:] == [0.0] * (101 - end) and s.finished
+    assert s.ends_by == end
     assert Switch(total_steps=100, end_fraction=0.8).ends_by == 80
     assert Switch(total_steps=100, end_step=30).ends_by == 30
     rule_only = Switch(total_steps=100, end_fraction=None)
@@ -208,7 +216,7 @@ def test_rela_end_step_under_the_default_schedule_and_the_mixing_policy():
     rows = torch.randn(32, 4)
     backbone = nn.Linear(3, 4)
     rela = ReLA(rows, backbone, feature_dim=4, n_components=None, total_steps=40, end_step=3, witness=False)
-    assert type(rela.schedule).__name__ == "Decay" and rela.end_step == 3 and rela.mixing_policy() == "hold"
+    assert type(rela.schedule).__name__ == "Switch" and rela.end_step == 3 and rela.mixing_policy() == "hold"
     opt = torch.optim.SGD(backbone.parameters(), lr=0.1)
     for s in range(5):
         out = backbone(torch.randn(4, 3))
@@ -220,7 +228,7 @@ def test_rela_end_step_under_the_default_schedule_and_the_mixing_policy():
     assert rela.mixing_policy() == "allow" and rela.steps == 5
     rela.set_total_steps(80)  # a later plan keeps the end
     assert rela.schedule.end_step == 3 and rela.schedule.finished
-    assert ReLA(rows, nn.Linear(3, 4), feature_dim=4, total_steps=40, witness=False).mixing_policy() == "hold"  # by 20
+    assert ReLA(rows, nn.Linear(3, 4), feature_dim=4, total_steps=40, witness=False).mixing_policy() == "hold"  # by 36
     assert ReLA(rows, nn.Linear(3, 4), feature_dim=4, witness=False).mixing_policy() == "refuse"  # no planned end
     assert ReLA(rows, nn.Linear(3, 4), feature_dim=4, schedule=Decay(total_steps=40, end_fraction=None),
                 witness=False).mixing_policy() == "refuse"  # the paper's decay: never 0 by itself

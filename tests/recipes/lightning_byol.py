@@ -58,11 +58,15 @@ class BYOL(pl.LightningModule):
         update_momentum(self.backbone, self.backbone_momentum, m=momentum)
         update_momentum(self.projection_head, self.projection_head_momentum, m=momentum)
         (x0, x1) = batch[0]
-        p0 = self.forward(x0)
-        z0 = self.forward_momentum(x0)
-        p1 = self.forward(x1)
-        z1 = self.forward_momentum(x1)
-        loss = self.rela.wrap(0.5 * (self.criterion(p0, z1) + self.criterion(p1, z0)))  # ReLA: changed, was: loss = 0.5 * (self.criterion(p0, z1) + self.criterion(p1, z0))
+
+        def byol_loss():  # ReLA: added
+            p0 = self.forward(x0)
+            z0 = self.forward_momentum(x0)
+            p1 = self.forward(x1)
+            z1 = self.forward_momentum(x1)
+            return 0.5 * (self.criterion(p0, z1) + self.criterion(p1, z0))  # ReLA: changed, was: loss = 0.5 * (self.criterion(p0, z1) + self.criterion(p1, z0))
+
+        loss = self.rela.wrap(byol_loss, inputs=x0)  # ReLA: added
         log.step(self.rela, batch[1])  # test
         return loss
 

@@ -81,6 +81,7 @@ epochs = 2
 rela = ReLA.from_prior("shipped:digits-byol", model.backbone, dataloader, total_steps=epochs * len(dataloader))  # ReLA: added
 log = RecipeLog()  # test
 log.watch(rela)  # test
+log.count_calls(model.backbone_momentum, model.prediction_head)  # test: the SSL side, skipped while lambda is 1
 
 print("Starting Training")
 for epoch in range(epochs):
@@ -94,11 +95,15 @@ for epoch in range(epochs):
         )
         x0 = x0.to(device)
         x1 = x1.to(device)
-        p0 = model(x0)
-        z0 = model.forward_momentum(x0)
-        p1 = model(x1)
-        z1 = model.forward_momentum(x1)
-        loss = rela.wrap(0.5 * (criterion(p0, z1) + criterion(p1, z0)))  # ReLA: changed, was: loss = 0.5 * (criterion(p0, z1) + criterion(p1, z0))
+
+        def byol_loss():  # ReLA: added
+            p0 = model(x0)
+            z0 = model.forward_momentum(x0)
+            p1 = model(x1)
+            z1 = model.forward_momentum(x1)
+            return 0.5 * (criterion(p0, z1) + criterion(p1, z0))  # ReLA: changed, was: loss = 0.5 * (criterion(p0, z1) + criterion(p1, z0))
+
+        loss = rela.wrap(byol_loss, inputs=x0)  # ReLA: added
         log.step(rela, batch[1])  # test
         total_loss += loss.detach()
         loss.backward()
