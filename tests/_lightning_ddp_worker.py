@@ -110,7 +110,10 @@ def run_lightning(out: Path) -> None:
     real_all_reduce = dist.all_reduce
 
     def counting_all_reduce(tensor, *args, **kwargs):
-        if any(tensor is g for g in head_grads):
+        # the head's gradients, averaged in one flattened all-reduce (weight and bias together)
+        if head_grads and all(g is not None for g in head_grads) and \
+                tensor.numel() == sum(g.numel() for g in head_grads) and \
+                torch.equal(tensor, torch.cat([g.flatten() for g in head_grads])):
             counts["head_all_reduce"] += 1
         return real_all_reduce(tensor, *args, **kwargs)
 

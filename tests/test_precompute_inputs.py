@@ -204,13 +204,15 @@ def test_the_new_pipeline_writes_the_earlier_rows_and_resumes_its_interrupted_ru
     earlier = TargetStore.open(old / "store")
     fresh = precompute_targets(_fixture_prior(), ImageFiles(old / "images"), tmp_path / "fresh", batch_size=8,
                                chunk_size=8, progress=False)
-    np.testing.assert_array_equal(fresh.array[:], earlier.array[:])
+    # the fixture's rows were computed on another CPU, whose kernels may round the last bit differently: equal to
+    # float32 rounding; the identities (hashes of the decoded images) are exact
+    np.testing.assert_allclose(fresh.array[:], earlier.array[:], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.load(fresh.path / "identity.npy"), np.load(earlier.path / "identity.npy"))
     first_chunk = np.load(old / "unfinished" / "chunks" / "chunk-00000.npy")
     resumed = precompute_targets(_fixture_prior(), ImageFiles(old / "images"), old / "unfinished", batch_size=8,
                                  chunk_size=8, progress=False)
-    np.testing.assert_array_equal(resumed.array[:8], first_chunk)  # the earlier run's chunk kept
-    np.testing.assert_array_equal(resumed.array[:], earlier.array[:])
+    np.testing.assert_array_equal(resumed.array[:8], first_chunk)  # the earlier run's chunk kept, not recomputed
+    np.testing.assert_array_equal(resumed.array[8:], fresh.array[8:])  # the rest computed here, as a fresh run does
 
 
 # ---------------------------------------------------------------------------------------------- reading, once
