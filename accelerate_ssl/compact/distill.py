@@ -313,7 +313,9 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
             raise ValueError(f"Cannot resume from checkpoint {str(path)!r}: {err}. Pass checkpoint= a file this "
                              "distillation wrote, or a path that does not exist yet to start a new run.") from None
     try:  # an earlier version's torch.save file: tensors and plain containers only, nothing executed
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # (torch's notes on the pickle's protocol: the outcome is said below)
+            warnings.filterwarnings("ignore", message=r"Detected pickle protocol", category=UserWarning)
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         raise ValueError(
             f"Cannot resume from checkpoint {str(path)!r}: it is a pickle (torch.save) that cannot be read without "
