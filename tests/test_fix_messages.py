@@ -52,8 +52,9 @@ def follow(message: str, folder: Path, dataset=None) -> list:
     for command in commands(message):
         if command.startswith(("precompute_targets(", "precompute_sidecars(")):
             call = re.sub(r"<[^<>]+>", "dataset", command)  # the data set the message names by its <name>
-            done.append(eval(call, {"precompute_targets": precompute_targets, "precompute_sidecars": precompute_sidecars,
-                                    "create_prior": create_prior, "open_stream": open_stream, "dataset": dataset}))
+            names = {"precompute_targets": precompute_targets, "precompute_sidecars": precompute_sidecars,
+                     "create_prior": create_prior, "open_stream": open_stream, "dataset": dataset}
+            done.append(eval(call, names))
             continue
         words = shlex.split(command)
         if words[0] == "rm":
@@ -74,8 +75,33 @@ def follow(message: str, folder: Path, dataset=None) -> list:
     return done
 
 
+class Interrupted(Exception):
+    """A run stopped half-way (a job preempted, a ctrl-C) by the test."""
+
+
+def interrupted_at(monkeypatch, module, name: str, *command: str) -> None:
+    """Run the CLI ``command`` with ``module.name`` (the step that finishes its folder) stopping it: the folder is left
+    as an interrupted run leaves it."""
+    def stop(*args, **kwargs):
+        raise Interrupted
+
+    with monkeypatch.context() as m:
+        m.setattr(module, name, stop)
+        with pytest.raises(Interrupted):
+            main(list(command))
+
+
+def _copy_says_resume(original: Path, copy: Path, error, match: str, opener) -> tuple[str, dict]:
+    """The copy of an interrupted folder: the error opening it (which must name ``match``), and what lies outside
+    it."""
+    shutil.copytree(original, copy)
+    with pytest.raises(error, match=match) as err:
+        opener(copy)
+    return str(err.value), snapshot(copy.parent, copy)
+
+
 def snapshot(root: Path, but: Path) -> dict:
-    """Every file and folder under ``root`` except ``but`` and what it holds: bytes (sha256), size, modification time."""
+    """Every file and folder under ``root`` except ``but``, with its bytes (sha256), size and modification time."""
     out = {}
     for p in sorted(root.rglob("*")):
         if p.resolve().is_relative_to(but.resolve()):
@@ -168,8 +194,10 @@ STORE_DAMAGE = {
     "NaN rows": (lambda f: _nan_row(f / "targets.npy"), "train", r"NaN/Inf values in row"),
     "metadata not JSON": (lambda f: (f / "metadata.json").write_text("{"), "open", r"is not valid JSON"),
     "metadata of something else": (lambda f: (f / "metadata.json").write_text(json.dumps(
-        {**json.loads((f / "metadata.json").read_text()), "format": "other"})), "open", r"not accelerate-ssl target-store"),
-    "keys unreadable": (lambda f: (f / "keys-sorted.npy").write_bytes(b"broken"), "open", r"sample keys .* are unreadable"),
+        {**json.loads((f / "metadata.json").read_text()), "format": "other"})), "open",
+        r"not accelerate-ssl target-store"),
+    "keys unreadable": (lambda f: (f / "keys-sorted.npy").write_bytes(b"broken"), "open",
+                        r"sample keys .* are unreadable"),
     "contents record gone": (lambda f: (f / "contents.npy").unlink(), "train", r"recorded contents .* is missing"),
     "identity record gone": (lambda f: (f / "identity.npy").unlink(), "verify rows", r"records no per-row identity"),
 }
@@ -264,24 +292,13 @@ def test_an_interrupted_precompute_resumes_into_the_folder_at_hand(tmp_path, mon
     """A copy of an interrupted precompute: the command it names resumes that copy (the original stays unfinished)."""
     import accelerate_ssl.targets.precompute as precompute
 
-    class Interrupted(Exception):
-        pass
-
-    def interrupted(*args, **kwargs):
-        raise Interrupted
-
     images = tmp_path / "images"
     write_images(images, range(N))
-    with monkeypatch.context() as m:
-        m.setattr(precompute, "_consolidate", interrupted)
-        with pytest.raises(Interrupted):
-            main(precompute_command(images, tmp_path / "original"))
-    shutil.copytree(tmp_path / "original", tmp_path / "copy")
+    interrupted_at(monkeypatch, precompute, "_consolidate", *precompute_command(images, tmp_path / "original"))
     folder = tmp_path / "copy"
-    with pytest.raises(TargetStoreCorruptError, match="holds an unfinished precompute") as err:
-        TargetStore.open(folder)
-    before = snapshot(tmp_path, folder)
-    assert follow(str(err.value), folder) == [0]
+    message, before = _copy_says_resume(tmp_path / "original", folder, TargetStoreCorruptError,
+                                        "holds an unfinished precompute", TargetStore.open)
+    assert follow(message, folder) == [0]
     assert snapshot(tmp_path, folder) == before
     assert main(precompute_command(images, tmp_path / "fresh")) == 0
     train_reads_own_rows(folder, images, rows_by_number(tmp_path / "fresh", images))
@@ -387,25 +404,14 @@ def test_a_damaged_sidecars_fix_followed_as_written_rewrites_that_folder(sidecar
 def test_an_interrupted_sidecar_precompute_resumes_into_the_folder_at_hand(tmp_path, monkeypatch, capsys):
     import accelerate_ssl.targets.sidecar as sidecar
 
-    class Interrupted(Exception):
-        pass
-
-    def interrupted(*args, **kwargs):
-        raise Interrupted
-
     urls = ts.write_shards(tmp_path / "data")
     spec = f"wds:{tmp_path}/data/shard-{{000000..000002}}.tar"
-    with monkeypatch.context() as m:
-        m.setattr(sidecar, "_finish", interrupted)
-        with pytest.raises(Interrupted):
-            main(["precompute", "--prior", "random:convnet", "--data", spec, "--out", str(tmp_path / "original"),
-                  "--no-progress"])
-    shutil.copytree(tmp_path / "original", tmp_path / "copy")
+    interrupted_at(monkeypatch, sidecar, "_finish", "precompute", "--prior", "random:convnet", "--data", spec, "--out",
+                   str(tmp_path / "original"), "--no-progress")
     folder = tmp_path / "copy"
-    with pytest.raises(SidecarError, match="holds an unfinished sidecar precompute") as err:
-        ShardedTargets.open(folder)
-    before = snapshot(tmp_path, folder)
-    assert follow(str(err.value), folder) == [0]
+    message, before = _copy_says_resume(tmp_path / "original", folder, SidecarError,
+                                        "holds an unfinished sidecar precompute", ShardedTargets.open)
+    assert follow(message, folder) == [0]
     assert snapshot(tmp_path, folder) == before
     train_reads_own_carried_rows(folder, urls)
 
@@ -442,7 +448,8 @@ def fill(message: str, **values: str) -> str:
     the user would type: the rest of each command is run as written."""
     def one(command: re.Match) -> str:
         words = [values.get(w, w) for w in shlex.split(command.group(1))]
-        return "`" + shlex.join(re.sub(r"<[^<>]+>", lambda m: values.get(m.group(0), m.group(0)), w) for w in words) + "`"
+        filled = (re.sub(r"<[^<>]+>", lambda m: values.get(m.group(0), m.group(0)), w) for w in words)
+        return "`" + shlex.join(filled) + "`"
 
     return re.sub(r"`([^`]+)`", one, message)
 
@@ -523,6 +530,8 @@ def test_a_distilled_sets_folder_of_other_settings_is_replaced_by_the_commands_n
 
 
 def test_an_unfinished_distilled_set_resumes_by_running_again(tmp_path):
+    """Before: an interrupted synthesis was told "No manifest.json ...; pass the output folder of `accelerate-ssl
+    distill`", the folder it had passed."""
     from accelerate_ssl.distill import DistilledSet
 
     def stop(batch, images, history):
@@ -531,8 +540,8 @@ def test_an_unfinished_distilled_set_resumes_by_running_again(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         _synthesize(tmp_path / "set", callback=stop)
-    with pytest.raises(ValueError, match=r"holds an unfinished synthesis; run synthesize\(\) / `accelerate-ssl distill` "
-                                         "again to resume it"):
+    with pytest.raises(ValueError, match=r"holds an unfinished synthesis .*: run synthesize\(\) / `accelerate-ssl "
+                                         "distill` again with the same settings and out_dir / --out to resume it"):
         DistilledSet.load(tmp_path / "set")
     resumed = _synthesize(tmp_path / "set")  # the fix: the same call again
     assert torch.equal(DistilledSet.load(tmp_path / "set").images, resumed.images)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..atomic import atomic_torch_save
-from .dataset import MANIFEST, DistilledSet, atomic_write_json
+from .dataset import MANIFEST, PARTIAL, DistilledSet, atomic_write_json
 from .dwa import DWAConfig, dwa_batch
 from .fadrm import FADRMConfig, fadrm_batch
 from .recover import RecoverConfig, frozen_teacher, recover_batch
@@ -256,7 +256,7 @@ def synthesize(
                 return DistilledSet.load(out)
             raise ValueError(f"{out} already holds a different distilled set ({existing.get('method')}); pass a new out_dir, "
                              f"or replace it with this one: `rm -r {shlex.quote(str(out))}`, then run this again.")
-        partial = out / ".partial"
+        partial = out / PARTIAL
         partial.mkdir(parents=True, exist_ok=True)
         run_file = partial / "run.json"
         if run_file.exists():
