@@ -1,11 +1,12 @@
 """Which process of a launch this is: ``accelerate launch`` and ``torchrun`` start one process per rank, each running
-the same code, so a message that is the same on every rank is printed by the main one (rank 0) only."""
+the same code, so a message that is the same on every rank is printed by the main one (rank 0) only. And what a
+process warns once (:func:`warn_once`), however many paths meet the same cause."""
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["launch_rank", "is_main_process"]
+__all__ = ["launch_rank", "is_main_process", "warn_once"]
 
 
 def launch_rank() -> int:
@@ -22,3 +23,19 @@ def launch_rank() -> int:
 def is_main_process() -> bool:
     """Whether this process prints what every rank would print alike (rank 0)."""
     return launch_rank() == 0
+
+
+_WARNED: set = set()
+
+
+def warn_once(message: str, category: type = UserWarning, stacklevel: int = 2, key=None) -> None:
+    """``warnings.warn(message, category)`` once per process for ``key`` (default: the message). Python's own filter
+    says a warning once per line that raises it, so one cause met on two paths (the precompute's and the witness's
+    preprocessing of the same prior) would be said twice."""
+    import warnings
+
+    key = (category, message) if key is None else key
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    warnings.warn(message, category, stacklevel=stacklevel + 1)

@@ -263,7 +263,7 @@ def test_nan_rows_name_the_store_not_the_student(tmp_path):
     rows[[5, 900]] = np.nan
     rows.flush()
     del rows
-    with pytest.raises(ValueError, match="Target store .* NaN/Inf values in row\\(s\\) \\[5, 900\\].*recompute the store"):
+    with pytest.raises(ValueError, match="Target store .* NaN/Inf values in row\\(s\\) \\[5, 900\\].*Recompute it: `rm -r "):
         ReLA(store.path, Backbone(), dataset=_digits())
     from accelerate_ssl.targets.pca import TargetPCA
 

@@ -31,6 +31,7 @@ EXAMPLE = ROOT / "examples" / "accelerate_byol.py"
 RECIPES = ROOT / "tests" / "recipes"
 RESUME_RECIPE = RECIPES / "accelerate_checkpointing.py"
 CV_RECIPE = RECIPES / "accelerate_cv.py"
+COMPLETE_RECIPE = RECIPES / "accelerate_complete_cv.py"
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 HAVE_FMNIST = any((fashion_mnist_dir() / f).exists() for f in ("train-images-idx3-ubyte.gz", "train-images-idx3-ubyte"))
 needs_fmnist = pytest.mark.skipif(not HAVE_FMNIST, reason="Fashion-MNIST idx files not installed")
@@ -309,6 +310,13 @@ def test_the_accelerate_resume_recipe_is_four_added_and_two_changed_lines_of_acc
                         HOSTS / "accelerate.md") == (4, 2)
 
 
+def test_the_two_accelerate_recipes_together_are_five_added_and_three_changed_lines_of_accelerates_complete_cv():
+    """The cv_example recipe (timm's model: its pooled features at the classifier's input) and the resume recipe
+    (register_for_checkpointing, the loader each epoch iterates tracked) in one script, on that same timm model."""
+    assert check_recipe(COMPLETE_RECIPE, "In Accelerate's `examples/complete_cv_example.py`",
+                        HOSTS / "accelerate.md") == (5, 3)
+
+
 def test_from_prior_on_a_prepared_loader_and_a_clean_set_in_another_order(accelerator, tmp_path):
     """ReLA.from_prior on the loader accelerator.prepare returned (it reads ahead: checked now, iterated through
     rela.track): the targets of its dict-item data set's clean view, each batch's rows its own; given a clean set listing
@@ -424,6 +432,25 @@ def _worker_steps(folder: Path) -> list[list[dict]]:
     return [[json.loads(line) for line in (folder / f"steps-{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
 
 
+def _kill_after_its_checkpoint(argv: list, cwd: Path, out: Path, timeout: int = 240, **env) -> None:
+    """Run a recipe under ``accelerate launch`` with ``--hold`` and kill every process (SIGKILL) once it has written its
+    first checkpoint and ``out/saved``: a job preempted right after it saved. Each process wrote ``out/pid-<rank>``."""
+    with open(out.parent / f"{out.name}.log", "w") as log:
+        run = subprocess.Popen(argv, cwd=cwd, env=_env(**env), stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + timeout
+            while not (out / "saved").exists():
+                assert run.poll() is None and time.monotonic() < deadline, \
+                    (out.parent / f"{out.name}.log").read_text()[-4000:]
+                time.sleep(0.2)
+            for rank in (0, 1):
+                os.kill(int((out / f"pid-{rank}").read_text()), signal.SIGKILL)
+            assert run.wait(timeout=120) != 0  # the launcher saw its processes killed
+        finally:
+            if run.poll() is None:
+                run.kill()
+
+
 def test_killed_after_a_checkpoint_and_resumed_with_skip_first_batches_trains_the_uninterrupted_rows(tmp_path):
     """The README's Accelerate resume lines in a script written like Accelerate's checkpointing example, 2 gloo
     processes: killed right after the checkpoint of step 4 (mid-epoch), resumed with load_state and skip_first_batches.
@@ -436,20 +463,8 @@ def test_killed_after_a_checkpoint_and_resumed_with_skip_first_batches_trains_th
         (tmp_path / name).mkdir()
     _run_argv(launch + ["whole"], tmp_path)
 
-    with open(tmp_path / "killed.log", "w") as out:
-        run = subprocess.Popen(launch + ["killed", "--checkpointing_steps", "4", "--hold"], cwd=tmp_path, env=_env(),
-                               stdout=out, stderr=subprocess.STDOUT, text=True)
-        try:
-            deadline = time.monotonic() + 240
-            while not (tmp_path / "killed" / "saved").exists():
-                assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-4000:]
-                time.sleep(0.2)
-            for rank in (0, 1):
-                os.kill(int((tmp_path / "killed" / f"pid-{rank}").read_text()), signal.SIGKILL)
-            assert run.wait(timeout=120) != 0  # the launcher saw its processes killed
-        finally:
-            if run.poll() is None:
-                run.kill()
+    _kill_after_its_checkpoint(launch + ["killed", "--checkpointing_steps", "4", "--hold"], tmp_path,
+                               tmp_path / "killed")
     assert (tmp_path / "killed" / "saved").read_text() == "step_4"
     _run_argv(launch + ["resumed", "--resume_from_checkpoint", "killed/ckpt/step_4"], tmp_path)
 
@@ -469,3 +484,32 @@ def test_killed_after_a_checkpoint_and_resumed_with_skip_first_batches_trains_th
         own = [i for rank in (0, 1) for s in whole[rank] if s["epoch"] == epoch for i in s["own"]]
         assert sorted(own) == list(range(48))
     assert len(list((tmp_path / "rela-targets").glob("*/metadata.json"))) == 1
+
+
+def test_the_combined_accelerate_recipe_killed_mid_epoch_and_resumed_reads_every_samples_own_row(tmp_path):
+    """The two Accelerate recipes in one script written as Accelerate's complete_cv_example.py (timm's resnet50d, no
+    .backbone), 2 gloo processes: killed right after the checkpoint of step 4 (mid-epoch), resumed with the example's
+    own --resume_from_checkpoint (load_state, skip_first_batches). Every row ReLA reads, before the kill and after the
+    resume, belongs to the image it is read for (by the image's own colour), on both processes; the resumed run
+    continues at step 5 with ReLA's state (checked in the script) and the two processes' lambdas agree."""
+    from pets import make_pet_images
+
+    make_pet_images(tmp_path / "images", 48)
+    launch = _argv(LAUNCH) + [str(COMPLETE_RECIPE), "--data_dir", str(tmp_path / "images"), "--cpu",
+                              "--checkpointing_steps", "4"]
+    for name in ("killed", "resumed"):
+        (tmp_path / name).mkdir()
+    _kill_after_its_checkpoint(launch + ["--output_dir", "killed", "--hold"], tmp_path, tmp_path / "killed",
+                               timeout=300, RECIPE_LOG=str(tmp_path / "log-killed"))
+    assert (tmp_path / "killed" / "saved").read_text() == "killed/step_4"
+    done = subprocess.run(launch + ["--output_dir", "resumed", "--resume_from_checkpoint", "killed/step_4"],
+                          cwd=tmp_path, env=_env(RECIPE_LOG=str(tmp_path / "log-resumed")), text=True,
+                          capture_output=True, timeout=300)
+    assert_exited_cleanly(done.returncode, done.stderr)
+    killed, resumed = read_logs(tmp_path / "log-killed", ranks=2), read_logs(tmp_path / "log-resumed", ranks=2)
+    for rank in (0, 1):
+        assert [s["step"] for s in killed[rank]] == [1, 2, 3, 4]  # 19 images a process, batches of 8: 3 a epoch
+        assert [s["step"] for s in resumed[rank]] == [5, 6, 7, 8, 9]  # from mid-epoch 2 to the end of epoch 3
+        assert_every_row_is_the_samples_own(killed[rank] + resumed[rank])
+    assert [s["lambda"] for s in killed[0] + resumed[0]] == [s["lambda"] for s in killed[1] + resumed[1]]
+    assert len(list((tmp_path / "rela-targets").glob("*/metadata.json"))) == 1  # made once, reopened on resume

@@ -499,7 +499,7 @@ def test_folders_written_before_datasets_rows_had_digests_are_refused_with_the_r
     (tmp_path / "old" / "sidecars.json").write_text(json.dumps(meta))
     old = ShardedTargets.open(tmp_path / "old")
     with pytest.raises(SidecarError, match=r"recorded no image digest for datasets rows, so column\(\) cannot check .* "
-                                           r"Rebuild them into a new folder: `precompute_sidecars\("):
+                                           r"Recompute it: `rm -r .*`, then `precompute_sidecars\("):
         old.column(ds)
     with pytest.raises(SidecarError, match=r"so store verify --data cannot check"):
         old.verify_stream(ds)

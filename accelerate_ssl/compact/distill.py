@@ -17,7 +17,10 @@ of all real images and views are computed once at start (deterministic; recomput
 Resuming: ``checkpoint=path`` saves ``Distiller.state_dict()`` atomically every
 ``checkpoint_every`` steps and at the end; a run started with an existing checkpoint continues
 from it. All randomness comes from one seeded generator that is part of the state, so an
-interrupted-and-resumed run equals an uninterrupted one.
+interrupted-and-resumed run equals an uninterrupted one. The checkpoint is a safetensors file with
+the plain state as JSON in its header (:mod:`accelerate_ssl.statefile`): reading it runs no code.
+A checkpoint of an earlier version (a ``torch.save`` pickle) is read with ``weights_only=True``
+(tensors and plain containers only), and refused, untouched, when it holds anything else.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ from .budget import pixel_images_for_budget, pixel_storage_floats, plan_storage
 from .codec import CompactDataset
 from .krr import ModelPool, default_pool_factory, outer_loss
 from .synthetic import BasisSynthetic, PixelSynthetic, batched
-from ..atomic import atomic_path
+from ..statefile import StateFileError, is_pickle_file, read_state, write_state
+
+CHECKPOINT_KIND = "compact-distill"
 
 
 @dataclass
@@ -205,10 +210,12 @@ class Distiller:
         return self
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            torch.save(self.state_dict(), tmp)
+        """Write :meth:`state_dict` to ``path`` (safetensors + JSON, atomic)."""
+        write_state(path, self.state_dict(), CHECKPOINT_KIND)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Resume from the checkpoint at ``path`` (:func:`read_checkpoint`)."""
+        self.load_state_dict(read_checkpoint(path))
 
     def state_dict(self) -> dict:
         return {
@@ -288,6 +295,35 @@ def distill_compact(real_images: torch.Tensor, teacher: Callable[[torch.Tensor],
         config = DistillConfig(**{**asdict(config), **overrides})
     distiller = Distiller(real_images, teacher, config, teacher_description, progress)
     if checkpoint is not None and Path(checkpoint).exists():
-        distiller.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=False))
+        distiller.load_checkpoint(checkpoint)
     distiller.run(checkpoint, checkpoint_every, progress)
     return distiller.result()
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict:
+    """The state a distillation checkpoint holds, read without running anything from the file: a safetensors state
+    file (what :meth:`Distiller.save_checkpoint` writes), or a ``torch.save`` file of an earlier version, read with
+    ``weights_only=True``. Anything else, a pickle that would need to run code to load included, raises ValueError and
+    leaves the file as it is."""
+    path = Path(path)
+    try:
+        return read_state(path, CHECKPOINT_KIND)
+    except StateFileError as err:
+        if not is_pickle_file(path):
+            raise ValueError(f"Cannot resume from checkpoint {str(path)!r}: {err}. Pass checkpoint= a file this "
+                             "distillation wrote, or a path that does not exist yet to start a new run.") from None
+    try:  # an earlier version's torch.save file: tensors and plain containers only, nothing executed
+        with warnings.catch_warnings():  # (torch's notes on the pickle's protocol: the outcome is said below)
+            warnings.filterwarnings("ignore", message=r"Detected pickle protocol", category=UserWarning)
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ValueError(
+            f"Cannot resume from checkpoint {str(path)!r}: it is a pickle (torch.save) that cannot be read without "
+            f"running code from it ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}), so nothing "
+            "was read from it and it was left as it is. If you did not write it, do not load it by other means. To "
+            f"start over, pass checkpoint= a new path (or delete {str(path)!r}); the run then writes a safetensors "
+            "checkpoint, which reading never runs code from.") from None
+    if not isinstance(state, dict) or "config" not in state:
+        raise ValueError(f"Cannot resume from checkpoint {str(path)!r}: it holds no distillation state. Pass "
+                         "checkpoint= a file this distillation wrote, or a new path to start over.")
+    return state

@@ -77,7 +77,7 @@ def open_data(spec: str, split: str = "train", *, root: Optional[str] = None, li
         raise ValueError(str(err)) from None
     if spec.startswith(("wds:", "hf:")):
         raise ValueError(f"{spec!r} is a streamed data set: it has no dataset[i]. Its targets are sidecars "
-                         f"(`accelerate-ssl precompute --data {spec} --out DIR`) joined to the samples by key "
+                         f"(`accelerate-ssl precompute --prior SPEC --data {spec} --out DIR`) joined to the samples by key "
                          "(accelerate_ssl.ShardedTargets); open it with accelerate_ssl.data.streams.open_stream.")
     if fraction is not None and not spec.startswith(("solo:", "solo-no-labels:")):
         raise ValueError("fraction (--fraction) reproduces solo-learn's data.fraction and needs the data spec "

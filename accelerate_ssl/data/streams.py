@@ -108,12 +108,29 @@ class StreamSource:
     :meth:`samples` iterates one shard."""
 
     def __init__(self, spec: str, shards: list[str], kind: str, image_field: Optional[str], key_field: Optional[str],
-                 paths: Optional[list[str]] = None, hf=None, shard_rows: int = DEFAULT_HF_SHARD_ROWS):
+                 paths: Optional[list[str]] = None, hf=None, shard_rows: int = DEFAULT_HF_SHARD_ROWS,
+                 from_object: bool = False):
         self.spec, self.shards, self.kind = spec, shards, kind
         self.image_field, self.key_field = image_field, key_field
         self._paths = dict(zip(shards, paths)) if paths is not None else {}
         self._hf, self.shard_rows = hf, shard_rows
         self.name = spec
+        self.from_object = from_object  # a datasets.Dataset given as an object: ``spec`` names it, but opens nothing
+
+    def reopen(self) -> str:
+        """This source as Python, for a recorded ``precompute_sidecars(...)`` call: its spec, or ``<Dataset ...>`` for
+        a Dataset given as an object (no string opens it: the caller puts theirs there), inside ``open_stream(...)``
+        with the options it was opened with when they are not the defaults (the shards and keys depend on them)."""
+        what = f"<Dataset {self.spec}>" if self.from_object else repr(self.spec)
+        options = []
+        auto = None if self._hf is None else next((f for f in IMAGE_FIELDS if f in self._hf.column_names), None)
+        if self.image_field is not None and self.image_field != auto:
+            options.append(f"image_field={self.image_field!r}")
+        if self.key_field is not None:
+            options.append(f"key_field={self.key_field!r}")
+        if self.kind == "hf" and self.shard_rows != DEFAULT_HF_SHARD_ROWS:
+            options.append(f"shard_rows={self.shard_rows}")
+        return f"open_stream({', '.join([what, *options])})" if options or self.from_object else what
 
     def describe(self) -> dict:
         return {"spec": self.spec, "kind": self.kind, "image_field": self.image_field, "key_field": self.key_field,
@@ -213,7 +230,7 @@ def open_stream(spec, split: str = "train", *, image_field: Optional[str] = None
     if not isinstance(spec, str):
         if type(spec).__module__.startswith("datasets"):
             return _hf_source(spec, getattr(spec, "info", None) and f"hf:{spec.info.dataset_name or 'dataset'}",
-                              image_field, key_field, shard_rows)
+                              image_field, key_field, shard_rows, from_object=True)
         raise TypeError(f"open_stream takes a 'wds:<shard pattern>' / 'hf:<path>' spec or a datasets.Dataset, got "
                         f"{type(spec).__name__}.")
     kind, _, rest = spec.partition(":")
@@ -235,7 +252,7 @@ def open_stream(spec, split: str = "train", *, image_field: Optional[str] = None
     return _hf_source(load_hf(rest, split), spec, image_field, key_field, shard_rows)
 
 
-def _hf_source(ds, spec, image_field, key_field, shard_rows) -> StreamSource:
+def _hf_source(ds, spec, image_field, key_field, shard_rows, from_object: bool = False) -> StreamSource:
     if not hasattr(ds, "__len__"):
         raise TypeError(f"{spec}: a streaming datasets.IterableDataset has no row count to cut into sidecar shards; "
                         "precompute over the same data as a Dataset (load_dataset without streaming=True, or "
@@ -254,4 +271,5 @@ def _hf_source(ds, spec, image_field, key_field, shard_rows) -> StreamSource:
         raise ValueError(f"shard_rows must be an int >= 1, got {shard_rows!r}.")
     n = len(ds)
     shards = [f"rows-{a:09d}-{min(a + shard_rows, n):09d}" for a in range(0, n, shard_rows)]
-    return StreamSource(spec, shards, "hf", image_field, key_field, hf=ds, shard_rows=shard_rows)
+    return StreamSource(spec, shards, "hf", image_field, key_field, hf=ds, shard_rows=shard_rows,
+                        from_object=from_object)

@@ -8,7 +8,8 @@ Example::
 Teachers are classifiers named in the prior grammar (:func:`create_teacher`): ``random:<arch>`` (one of
 accelerate_ssl.backbones or a torchvision architecture, ``--teacher-kwargs`` JSON for its arguments) with
 ``--weights`` the state_dict you trained; ``torchvision:<arch>[/<weights>]`` (torchvision's trained weights,
-offline-first); ``checkpoint:<file>`` (TorchScript). Repeat ``--teacher`` (and ``--weights``) for FADRM+.
+offline-first); ``checkpoint:<file>`` (TorchScript, read while the installed PyTorch reads it). Repeat ``--teacher``
+(and ``--weights``) for FADRM+.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--teacher", action="append", required=True,
                         help="a classifier in the prior grammar: random:<arch> (accelerate_ssl.backbones or torchvision; "
-                             "with --weights), torchvision:<arch>[/<weights>] or checkpoint:<TorchScript file>; "
+                             "with --weights), torchvision:<arch>[/<weights>] or checkpoint:<TorchScript file> (read while "
+                             "the installed PyTorch reads TorchScript); "
                              "repeat for several teachers (fadrm+)")
     parser.add_argument("--weights", "--teacher-weights", dest="teacher_weights", action="append", default=[],
                         help="local state_dict file per teacher (same order; wins over torchvision's cache)")
@@ -54,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 TEACHER_FAMILIES = ("random", "torchvision", "checkpoint")
+#: the teacher file to use instead of TorchScript: a state_dict (safetensors) of a named architecture
+SAFE_TEACHER = ("save its state_dict with safetensors (save_file(model.state_dict(), 'teacher.safetensors')) and pass "
+                "--teacher random:<arch> --weights teacher.safetensors (arch: an accelerate_ssl.backbones name or a "
+                "torchvision architecture)")
 
 
 def create_teacher(spec: str, weights: str | None = None, kwargs: dict | None = None,
@@ -64,7 +70,8 @@ def create_teacher(spec: str, weights: str | None = None, kwargs: dict | None = 
       architecture, built with ``kwargs``; ``weights`` is the state_dict you trained it to.
     - ``torchvision:<arch>[/<weights member>]``: torchvision's trained weights (default ``DEFAULT``) from
       the torch hub cache, downloaded only when missing and not ``offline``; ``weights`` wins over the cache.
-    - ``checkpoint:<file>``: a TorchScript classifier (its weights inside).
+    - ``checkpoint:<file>``: a TorchScript classifier (its weights inside), read only while the installed PyTorch
+      reads TorchScript (it deprecates ``torch.jit.load``); a state_dict with ``random:<arch>`` is the lasting way.
     """
     kwargs = dict(kwargs or {})
     family, sep, name = spec.partition(":")
@@ -80,7 +87,9 @@ def create_teacher(spec: str, weights: str | None = None, kwargs: dict | None = 
             raise ValueError(f"{spec} already holds its weights (TorchScript); drop --weights.")
         if not Path(name).is_file():
             raise FileNotFoundError(f"TorchScript teacher {name} not found; pass an existing file.")
-        return torch.jit.load(name, map_location="cpu")
+        from ..priors.registry import load_torchscript
+
+        return load_torchscript(name, "TorchScript teacher", instead=SAFE_TEACHER)
     from ..priors.registry import load_state_dict_file, torchvision_model
 
     if family == "random":

@@ -25,6 +25,7 @@ from ..atomic import atomic_path, atomic_torch_save
 
 MANIFEST = "manifest.json"
 TENSORS = "images.pt"
+PARTIAL = ".partial"  # an unfinished synthesis: its settings and finished batches, until the set is written
 FORMAT_VERSION = 1
 
 
@@ -115,9 +116,13 @@ class DistilledSet(Dataset):
     def load(cls, path: str | os.PathLike) -> "DistilledSet":
         """Load a saved set: the exact tensors when ``images.pt`` is there, else the PNGs (re-normalised)."""
         path = Path(path)
-        if not (path / MANIFEST).exists():
+        manifest = json.loads((path / MANIFEST).read_text()) if (path / MANIFEST).exists() else None
+        if manifest is None and (path / PARTIAL).is_dir():
+            raise ValueError(f"{path} holds an unfinished synthesis (its {PARTIAL} folder, no {MANIFEST} yet): run "
+                             "synthesize() / `accelerate-ssl distill` again with the same settings and out_dir / --out "
+                             "to resume it.")
+        if manifest is None:
             raise FileNotFoundError(f"No {MANIFEST} in {path}; pass the output folder of `accelerate-ssl distill` / synthesize().")
-        manifest = json.loads((path / MANIFEST).read_text())
         if manifest.get("status", "complete") != "complete":
             raise ValueError(f"{path} holds an unfinished synthesis; run synthesize() / `accelerate-ssl distill` again to resume it.")
         if (path / TENSORS).exists():

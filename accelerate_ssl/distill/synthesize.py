@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 import shutil
 import time
 from dataclasses import fields
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from ..atomic import atomic_torch_save
-from .dataset import MANIFEST, DistilledSet, atomic_write_json
+from .dataset import MANIFEST, PARTIAL, DistilledSet, atomic_write_json
 from .dwa import DWAConfig, dwa_batch
 from .fadrm import FADRMConfig, fadrm_batch
 from .recover import RecoverConfig, frozen_teacher, recover_batch
@@ -253,15 +254,17 @@ def synthesize(
             existing = json.loads((out / MANIFEST).read_text())
             if {k: existing.get(k) for k in run} == run and existing.get("status") == "complete":
                 return DistilledSet.load(out)
-            raise ValueError(f"{out} already holds a different distilled set ({existing.get('method')}); pass a new out_dir or delete it.")
-        partial = out / ".partial"
+            raise ValueError(f"{out} already holds a different distilled set ({existing.get('method')}); pass a new out_dir, "
+                             f"or replace it with this one: `rm -r {shlex.quote(str(out))}`, then run this again.")
+        partial = out / PARTIAL
         partial.mkdir(parents=True, exist_ok=True)
         run_file = partial / "run.json"
         if run_file.exists():
             previous = json.loads(run_file.read_text())
             if previous != run:
                 diff = sorted(k for k in run if previous.get(k) != run[k])
-                raise ValueError(f"{out} holds an unfinished run with different settings ({diff}); pass a new out_dir or delete {partial}.")
+                raise ValueError(f"{out} holds an unfinished run with different settings ({diff}); pass a new out_dir, or "
+                                 f"start this one over there: `rm -r {shlex.quote(str(partial))}`, then run this again.")
         else:
             atomic_write_json(run_file, run)
 

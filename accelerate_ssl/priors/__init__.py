@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from . import zoo as _zoo  # noqa: F401  (registers the timm / open_clip / torchvision families)
 from .registry import (SHIPPED_PRIORS, WEIGHT_DIGESTS, Preprocess, Prior, create_prior, list_priors, load_state_dict_file,
-                       rebuild_prior, register_prior, save_prior_checkpoint, shipped_prior_file)
+                       rebuild_prior, register_architecture, register_prior, save_prior_checkpoint, shipped_prior_file)
 
 __all__ = ["Prior", "Preprocess", "create_prior", "list_priors", "register_prior", "rebuild_prior", "WEIGHT_DIGESTS",
-           "SHIPPED_PRIORS", "shipped_prior_file", "save_prior_checkpoint", "load_state_dict_file"]
+           "SHIPPED_PRIORS", "shipped_prior_file", "save_prior_checkpoint", "register_architecture", "load_state_dict_file"]

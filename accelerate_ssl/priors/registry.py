@@ -18,8 +18,10 @@ and every CLI verb (``--prior SPEC [--weights FILE]``):
                                            size**: a random network has no training resolution to match.
                                            Normalised with the **data set's own** mean/std
                                            (``precompute_targets`` takes them from ``dataset.mean``/``.std``).
-``checkpoint:<path>``                      a TorchScript file, or a safetensors state_dict written by
-                                           :func:`save_prior_checkpoint` whose metadata names the arch.
+``checkpoint:<path>``                      a safetensors state_dict written by :func:`save_prior_checkpoint`
+                                           whose metadata names the arch (your own class through
+                                           :func:`register_architecture`); a TorchScript file only while the
+                                           installed PyTorch reads them (:func:`load_torchscript`).
 =========================================  ===================================================================
 
 The zoo families (timm, open_clip, torchvision) load through each zoo's own mechanism and caches,
@@ -46,6 +48,7 @@ from torch import nn
 
 from ..optional import require
 from ..atomic import atomic_path
+from ..launch import warn_once
 from ..checksum import file_sha256
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -157,7 +160,7 @@ class Preprocess:
         c = x.shape[1]
         if c != self.channels:
             if c == 3 and self.channels == 1:
-                warnings.warn(
+                warn_once(
                     "This prior takes 1-channel (grayscale) images: your RGB images are converted to luminance "
                     "(ITU-R 601, as PIL's convert('L')) before it embeds them, so its targets ignore colour. Use a "
                     "3-channel prior for colour data (accelerate-ssl priors list).", UserWarning, stacklevel=2)
@@ -591,9 +594,31 @@ def torchvision_model(arch: str, spec: str, **kwargs) -> nn.Module:
     return torchvision.models.get_model(arch, weights=None, **kwargs)
 
 
+#: architectures of your own that a checkpoint may name (:func:`register_architecture`): name -> builder
+_ARCHITECTURES: dict[str, Callable[..., nn.Module]] = {}
+
+
+def register_architecture(name: str, builder: Callable[..., nn.Module]) -> None:
+    """Let prior checkpoints name ``name`` as their architecture: ``builder(**arch_kwargs)`` builds the network that
+    :func:`save_prior_checkpoint` saved (your own class, or a function returning one). Register it in every process
+    that loads such a checkpoint, before ``create_prior("checkpoint:<file>")``. A checkpoint names one of the
+    architectures this process knows; it never names code to import, so loading one runs none."""
+    from .. import backbones
+
+    if not isinstance(name, str) or not name or ":" in name or name in backbones.BACKBONES:
+        raise ValueError(f"register_architecture: the name must be a non-empty string without ':' and not one of "
+                         f"{sorted(backbones.BACKBONES)}, got {name!r}.")
+    if not callable(builder):
+        raise TypeError(f"register_architecture({name!r}, ...): the builder must be callable (a class or a function "
+                        f"returning an nn.Module), got {type(builder).__name__}.")
+    _ARCHITECTURES[name] = builder
+
+
 def _build_arch(arch: str, arch_kwargs: dict) -> nn.Module:
     from .. import backbones
 
+    if arch in _ARCHITECTURES:
+        return _ARCHITECTURES[arch](**arch_kwargs)
     if arch in backbones.BACKBONES:
         return backbones.create_backbone(arch, **arch_kwargs)
     if arch.startswith("torchvision:"):
@@ -606,7 +631,9 @@ def _build_arch(arch: str, arch_kwargs: dict) -> nn.Module:
 
         return timm.create_model(arch.split(":", 1)[1], pretrained=False, **arch_kwargs)
     raise ValueError(f"Unknown checkpoint arch {arch!r}; use one of {sorted(backbones.BACKBONES)}, "
-                     "'torchvision:<arch>' or 'timm:<name>'.")
+                     "'torchvision:<arch>', 'timm:<name>', or a class of yours registered first with "
+                     f"register_architecture({arch!r}, YourClass)" + (f" (registered here: {sorted(_ARCHITECTURES)})"
+                                                                       if _ARCHITECTURES else "") + ".")
 
 
 def save_prior_checkpoint(model: nn.Module, path, arch: str, arch_kwargs: Optional[dict] = None,
@@ -614,9 +641,10 @@ def save_prior_checkpoint(model: nn.Module, path, arch: str, arch_kwargs: Option
     """Save ``model`` as a prior loadable by ``create_prior("checkpoint:<path>")`` (safetensors, atomic).
 
     The safetensors header metadata holds JSON ``{"arch", "arch_kwargs", "preprocess_config"}``;
-    ``arch`` is a :mod:`accelerate_ssl.backbones` name or ``"torchvision:<arch>"``/``"timm:<name>"``,
-    rebuilt with ``arch_kwargs``. ``preprocess_config`` holds :class:`Preprocess` keys (default:
-    native size, 1 channel for backbones else 3, mean/std 0.5).
+    ``arch`` is a :mod:`accelerate_ssl.backbones` name, ``"torchvision:<arch>"``/``"timm:<name>"``, or a name given
+    to :func:`register_architecture` (a network of your own), rebuilt with ``arch_kwargs``. ``preprocess_config``
+    holds :class:`Preprocess` keys (default: native size, 1 channel for backbones else 3, mean/std 0.5). The file
+    holds tensors and JSON only: loading it runs no code (the way to save a prior that replaces TorchScript).
     """
     from safetensors.torch import save_file
 
@@ -633,6 +661,38 @@ def save_prior_checkpoint(model: nn.Module, path, arch: str, arch_kwargs: Option
     with atomic_path(path) as tmp:
         save_file(state, str(tmp), metadata={_CHECKPOINT_META_KEY: json.dumps(meta)})
     return path
+
+
+#: how to save a prior instead of as TorchScript (named by :func:`load_torchscript`'s notice and errors)
+SAFE_PRIOR_FILE = ("save_prior_checkpoint(model, 'prior.safetensors', arch) (arch: an accelerate_ssl.backbones name, "
+                   "'torchvision:<arch>', 'timm:<name>', or your own class after register_architecture(name, "
+                   "YourClass)), then 'checkpoint:prior.safetensors'")
+
+
+def load_torchscript(path, what: str = "prior", instead: str = SAFE_PRIOR_FILE) -> nn.Module:
+    """A TorchScript file (``torch.jit.save``), on the CPU, read only while the installed PyTorch reads them (it
+    deprecates ``torch.jit.load``). Its deprecation notice is replaced by one that names the replacement, ``instead``
+    (weights and a named architecture, whose file holds tensors and JSON only), said once per process. Raises
+    ValueError when the file is not TorchScript, or when this PyTorch no longer reads TorchScript."""
+    path = Path(path)
+    if not hasattr(torch.jit, "load"):
+        raise ValueError(f"{what} {str(path)!r} is not a safetensors checkpoint, and this PyTorch "
+                         f"({torch.__version__}) no longer reads TorchScript files. Save the network as weights and a "
+                         f"named architecture instead: {instead}.")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*torch\.jit\.load.*deprecated", category=FutureWarning)
+            model = torch.jit.load(str(path), map_location="cpu")
+    except Exception as err:
+        raise ValueError(f"{what} {str(path)!r} is neither a safetensors checkpoint nor a TorchScript file "
+                         f"({str(err).splitlines()[0] if str(err) else type(err).__name__}). Save the network as "
+                         f"weights and a named architecture: {instead}.") from err
+    warn_once(f"{what} {str(path)!r} is TorchScript, read with torch.jit.load, which PyTorch deprecates: "
+              "accelerate-ssl reads TorchScript files only as long as the installed PyTorch does. Save the network as "
+              f"weights and a named architecture instead: {instead}. That file holds tensors and JSON only, so "
+              "loading it runs no code; a TorchScript file is a program: load only those you trust.",
+              FutureWarning, stacklevel=3, key="torchscript")
+    return model
 
 
 @register_prior("checkpoint")
@@ -664,11 +724,7 @@ def _load_checkpoint(path: Path, spec: str, weights: Optional[str], overrides: d
         model: nn.Module = _Features(net)
         arch_name = meta["arch"]
     else:
-        try:
-            model = torch.jit.load(str(path), map_location="cpu")
-        except Exception as err:
-            raise ValueError(f"{str(path)!r} is neither a safetensors prior checkpoint nor a TorchScript file ({err}); "
-                             "write one with save_prior_checkpoint(...) or torch.jit.save(...).") from err
+        model = load_torchscript(path, "TorchScript prior")
         arch_name = "torchscript"
         if meta is None and not {"mean", "std"} <= set(overrides):
             raise ValueError(f"TorchScript prior {str(path)!r} has no preprocessing: pass mean=, std= (and size=) or "

@@ -107,8 +107,8 @@ def check_trained_dataset(store, dataset, which: str, checked: Sequence = ()) ->
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         raise TypeError(
             f"A {type(dataset).__name__} streams samples without positions, so ReLA cannot look rows up by index. Let "
-            "the targets ride in the batch: precompute sidecars (`accelerate-ssl precompute --data wds:<shards> / "
-            "hf:<path>`), join them in the pipeline (ShardedTargets.join / .column), create ReLA without dataset= / "
+            "the targets ride in the batch: precompute sidecars (`accelerate-ssl precompute --prior SPEC --data "
+            "wds:<shards> / hf:<path> --out DIR`), join them in the pipeline (ShardedTargets.join / .column), create ReLA without dataset= / "
             "dataloader=, and pass rela.wrap(loss, targets=batch_targets) (docs/hosts/webdataset.md, 'At scale').")
     if hasattr(store, "check_dataset"):
         try:

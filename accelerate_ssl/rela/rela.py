@@ -420,8 +420,8 @@ class ReLA:
                 or type(source).__module__.split(".")[0] in ("datasets", "webdataset")):
             raise TypeError(
                 f"The loader's data set is a {type(source).__name__}: streamed data, whose rows are found by sample key "
-                "rather than by position. Precompute sidecars (`accelerate-ssl precompute --data wds:<shards> / "
-                "hf:<path>`), let the rows ride in the batch (ShardedTargets.open(folder).join() / .column(dataset)) "
+                "rather than by position. Precompute sidecars (`accelerate-ssl precompute --prior SPEC --data "
+                "wds:<shards> / hf:<path> --out DIR`), let the rows ride in the batch (ShardedTargets.open(folder).join() / .column(dataset)) "
                 "and create ReLA(targets, backbone, ...) with rela.wrap(loss, targets=...) "
                 "(docs/hosts/webdataset.md, 'At scale').")
         if dataset is not None and transform_attr is not None:

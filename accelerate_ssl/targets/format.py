@@ -10,7 +10,10 @@ policy: the readers and the writers sit above it.
 from __future__ import annotations
 
 import json
+import re
+import shlex
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -101,14 +104,58 @@ class TargetStoreIncompleteError(TargetStoreCorruptError):
     """The folder holds an interrupted precompute (chunks, no metadata.json)."""
 
 
+#: the recorded command of a Python precompute: ``precompute_targets(<prior>, <data>, '<path>'[, image_key=...])``
+_PYTHON_COMMAND = re.compile(r"^(?P<head>precompute_(?:targets|sidecars)\(.*, )(?P<path>'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")"
+                             r"(?P<tail>(?:, image_key=.*)?\))$")
+
+
+def rerun_command(command: Optional[str], folder) -> Optional[str]:
+    """The command a target folder recorded (``accelerate-ssl precompute ... --out X`` or ``precompute_targets(...,
+    'X')``), writing into ``folder`` instead of ``X``: the folder at hand, which may be a copy or a move of the one the
+    command wrote. Followed as written, it acts on that folder and no other. None for a command in neither form."""
+    if not command:
+        return None
+    folder = str(folder)
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        words = []
+    if words[:1] == ["accelerate-ssl"] and "--out" in words[:-1]:
+        words[words.index("--out") + 1] = folder
+        return shlex.join(words)
+    found = _PYTHON_COMMAND.match(command)
+    if found:
+        return found["head"] + repr(folder) + found["tail"]
+    return None
+
+
+def recompute_fix(folder, command: Optional[str] = None) -> str:
+    """How to recompute a damaged target folder, as commands to run: delete it, then rerun the command that wrote it,
+    writing into this very folder (:func:`rerun_command`), never into the one it was copied from."""
+    folder = str(folder)
+    again = rerun_command(command, folder)
+    how = f"`{again}`" if again else f"the precompute that wrote it, with its output (--out / path) {shlex.quote(folder)}"
+    return f"Recompute it: `rm -r {shlex.quote(folder)}`, then {how}."
+
+
+def npy_problem(err: Exception) -> str:
+    """What a failed ``np.load(..., allow_pickle=False)`` found, said without numpy's advice to load the file with
+    pickle (which would run code from it): a file that is not a plain array is damaged, never unpickled."""
+    text = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if "pickle" in text:
+        return "not a plain .npy array (reading it would take unpickling, which is never done)"
+    return text
+
+
 def read_json(path: Path) -> dict:
     try:
         value = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise TargetStoreCorruptError(f"{path} is not valid JSON ({err}); the store is damaged: recompute it "
-                                      "(delete the folder and rerun the precompute).") from err
+        raise TargetStoreCorruptError(f"{path} is not valid JSON ({err}); the store is damaged. "
+                                      + recompute_fix(Path(path).parent)) from err
     if not isinstance(value, dict):
-        raise TargetStoreCorruptError(f"{path} does not hold a JSON object; recompute the store.")
+        raise TargetStoreCorruptError(f"{path} does not hold a JSON object; the store is damaged. "
+                                      + recompute_fix(Path(path).parent))
     return value
 
 

@@ -152,19 +152,20 @@ class TargetKeys:
                 "sha256": self.digest(self.in_row_order())}
 
     @classmethod
-    def load(cls, folder: Path, entry: dict, num_rows: int) -> "TargetKeys":
-        from .format import TargetStoreCorruptError
+    def load(cls, folder: Path, entry: dict, num_rows: int, command: Optional[str] = None) -> "TargetKeys":
+        """The keys a store recorded (``command``: the one that wrote it, named in the fix of a damaged key list)."""
+        from .format import TargetStoreCorruptError, npy_problem, recompute_fix
 
         try:
             keys = np.load(Path(folder) / entry["sorted_file"], mmap_mode="r", allow_pickle=False)
             rows = np.load(Path(folder) / entry["rows_file"], mmap_mode="r", allow_pickle=False)
         except (KeyError, ValueError, OSError) as err:
-            raise TargetStoreCorruptError(f"The sample keys of the target store {str(folder)!r} are unreadable ({err}); "
-                                          "recompute the store.") from err
+            raise TargetStoreCorruptError(f"The sample keys of the target store {str(folder)!r} are unreadable "
+                                          f"({npy_problem(err)}). " + recompute_fix(folder, command)) from None
         if (keys.dtype.kind != "S" or rows.dtype != np.int64 or keys.shape != rows.shape
                 or len(keys) != entry.get("count") or len(keys) != num_rows):
             raise TargetStoreCorruptError(f"The sample keys of the target store {str(folder)!r} do not match its metadata "
-                                          f"({len(keys)} keys, {num_rows} rows); recompute the store.")
+                                          f"({len(keys)} keys, {num_rows} rows). " + recompute_fix(folder, command))
         return cls(keys, rows, entry.get("kind", "user"), str(folder))
 
     # ------------------------------------------------------------------ lookups

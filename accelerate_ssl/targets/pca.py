@@ -33,6 +33,10 @@ IDENTICAL_ROWS = ("Every target row is the same, so the targets carry no informa
                   "prior, then recompute the targets.")
 
 
+class NonFiniteRowsError(ValueError):
+    """Target rows with NaN/Inf values: the targets are broken (a store names itself and its fix around it)."""
+
+
 def _blocks(n: int, block_size: int):
     for start in range(0, n, block_size):
         yield start, min(start + block_size, n)
@@ -104,10 +108,9 @@ class TargetPCA:
             finite = torch.isfinite(block).all(1)
             if not bool(finite.all()):
                 bad = (a + (~finite).nonzero().flatten()).tolist()
-                raise ValueError(
+                raise NonFiniteRowsError(
                     f"The targets have NaN/Inf values in row(s) {bad[:10]}{'...' if len(bad) > 10 else ''}: the target store "
-                    "is broken (not the student). Recompute it (delete the folder and rerun its precompute command); "
-                    "`accelerate-ssl store verify PATH` lists every such row.")
+                    "is broken (not the student); recompute it.")
             total += block.sum(0)
             if bar:
                 bar.update()

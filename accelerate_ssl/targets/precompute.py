@@ -221,7 +221,7 @@ def precompute_targets(prior, dataset, path, batch_size: Optional[int] = None, n
         raise TypeError(f"A {type(dataset).__name__} is streamed data: its targets are sidecars joined by sample key, not "
                         "rows by position. Use accelerate_ssl.precompute_sidecars(prior, "
                         + ("open_stream(dataset, image_field='image')" if module == "datasets" else "'wds:<shard pattern>'")
-                        + f", path) or `accelerate-ssl precompute --data {spec} --out PATH`, then train with "
+                        + f", path) or `accelerate-ssl precompute --prior SPEC --data {spec} --out PATH`, then train with "
                         "rela.wrap(loss, targets=batch['target']) (docs/hosts/webdataset.md, 'At scale').")
     if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
         raise TypeError(f"precompute_targets needs a map-style dataset (len() and dataset[i]): target row i belongs to "
@@ -373,7 +373,8 @@ def _plan(name, prior, path: Path, *, dataset, n, given, image_key, state, batch
         recorded = (store.metadata.get("keys") or {}).get("sha256")
         if recorded != wanted_keys and (key_kind == "user" or recorded is not None):
             raise ValueError(f"{str(path)!r} holds a finished store with {'other' if recorded else 'no'} sample keys than "
-                             f"the ones given now. Use another --out / path, or delete {str(path)!r} to recompute it.")
+                             f"the ones given now. Use another --out / path, or replace it with this computation: "
+                             f"`rm -r {shlex.quote(str(path))}`, then run this precompute again.")
         return store
 
     # ---- manifest: every process checks it, the main process writes it
@@ -509,11 +510,11 @@ class _ChunkRows:
 
     def __init__(self, path: Path, ranges):
         self.path, self.ranges = path, ranges
-        self.shape = (ranges[-1][1], int(np.load(chunk_path(path, 0), mmap_mode="r").shape[1]))
+        self.shape = (ranges[-1][1], int(np.load(chunk_path(path, 0), mmap_mode="r", allow_pickle=False).shape[1]))
 
     def __getitem__(self, rows: slice) -> np.ndarray:
         a, b, _ = rows.indices(self.shape[0])
-        parts = [np.load(chunk_path(self.path, k), mmap_mode="r")[max(a, s) - s : min(b, e) - s]
+        parts = [np.load(chunk_path(self.path, k), mmap_mode="r", allow_pickle=False)[max(a, s) - s : min(b, e) - s]
                  for k, (s, e) in enumerate(self.ranges) if s < b and e > a]
         return np.concatenate(parts) if parts else np.empty((0, self.shape[1]), np.float32)
 
@@ -532,7 +533,7 @@ def _file_contents(paths_of_jobs: list[Path], dataset, ranges, progress: bool) -
     for k, (a, b) in enumerate(ranges):
         made = [f for f in (contents_path(p, k) for p in paths_of_jobs)
                 if _complete_array(f, (b - a, len(CONTENT_FIELDS)), np.int64)]
-        parts.append(np.load(made[0]) if made else record_contents(paths[a:b], progress=progress))
+        parts.append(np.load(made[0], allow_pickle=False) if made else record_contents(paths[a:b], progress=progress))
     return np.concatenate(parts) if parts else np.empty((0, len(CONTENT_FIELDS)), np.int64)
 
 
@@ -559,7 +560,7 @@ def _consolidate(path: Path, ranges, dim: int, metadata: dict, dtype: str = "flo
     with atomic_path(final) as tmp:
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=DTYPES[dtype], shape=(n, width))
         for k, (a, b) in enumerate(ranges):
-            rows = np.load(chunk_path(path, k), mmap_mode="r")
+            rows = np.load(chunk_path(path, k), mmap_mode="r", allow_pickle=False)
             if reduce is not None:
                 rows = reduce.transform(torch.from_numpy(np.array(rows))).numpy()
             out[a:b] = encode_rows(rows, dtype, first_row=a)  # float16 overflow refused here, chunks kept
@@ -568,7 +569,7 @@ def _consolidate(path: Path, ranges, dim: int, metadata: dict, dtype: str = "flo
     if keys is not None:
         metadata["keys"] = keys.save(path)
     with atomic_path(path / IDENTITY, suffix=".npy") as tmp:
-        np.save(tmp, np.concatenate([np.load(ids_path(path, k)) for k in range(len(ranges))]), allow_pickle=False)
+        np.save(tmp, np.concatenate([np.load(ids_path(path, k), allow_pickle=False) for k in range(len(ranges))]), allow_pickle=False)
     if contents is not None:  # each row's file: size, mtime, digest of its bytes (checked at open and by verify)
         from ..data.fingerprint import CONTENT_FIELDS
 

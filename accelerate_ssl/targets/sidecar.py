@@ -69,6 +69,7 @@ import functools
 import hashlib
 import json
 import random
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
@@ -81,7 +82,8 @@ from ..data.fingerprint import content_digest
 from ..data.views import StoredViews, apply_view
 from .pca import TargetPCA
 from ..checksum import file_sha256
-from .format import TORCH_DTYPES, MapRows, SidecarError, cast_rows, refuse_float16_overflow
+from .format import (TORCH_DTYPES, MapRows, SidecarError, cast_rows, recompute_fix, refuse_float16_overflow,
+                     rerun_command)
 
 __all__ = ["precompute_sidecars", "ShardedTargets", "key_index", "SIDECARS"]
 
@@ -107,13 +109,15 @@ def sidecar_name(shard: str) -> str:
 
 
 def _recompute_shard(file: Path, command: Optional[str]) -> str:
-    """The fix of one damaged sidecar: delete it and the folder's record, rerun the precompute (which then writes that
-    shard's sidecar again and keeps the others); ``store verify`` first names any other damaged one."""
-    import shlex
-
-    rm = f"rm {shlex.quote(str(file))} {shlex.quote(str(file.parent / SIDECARS))}"
-    again = f"`{command}`" if command else "the precompute that wrote the folder (the same --data, --prior and --out)"
-    return (f"Recompute that shard: `accelerate-ssl store verify {shlex.quote(str(file.parent))}` names any other "
+    """The fix of one damaged (or missing) sidecar: delete it and the folder's record, rerun the precompute into this
+    folder (:func:`~accelerate_ssl.targets.format.rerun_command`: the folder at hand, even when it is a copy), which
+    then writes that shard's sidecar again and keeps the others; ``store verify`` first names any other damaged one."""
+    folder = file.parent
+    rm = shlex.join(["rm", "-f", str(file), str(folder / SIDECARS)])
+    again = rerun_command(command, folder)
+    again = f"`{again}`" if again else f"the precompute that wrote the folder (the same --data and --prior) with --out " \
+                                       f"{shlex.quote(str(folder))}"
+    return (f"Recompute that shard: `accelerate-ssl store verify {shlex.quote(str(folder))}` names any other "
             f"damaged sidecar; then delete them and the folder's record (`{rm}`) and rerun {again}: it writes the "
             "missing sidecars again and keeps the others.")
 
@@ -145,7 +149,7 @@ def _read_sidecar(file: Path, sha256: Optional[str] = None, shard: Optional[str]
     except Exception as err:  # safetensors raises its own error types
         raise SidecarError(f"sidecar {str(file)!r} is unreadable ({err}). " + _recompute_shard(file, command)) from err
     if meta.get("format") != FORMAT:
-        raise SidecarError(f"{str(file)!r} is not an accelerate-ssl sidecar; recompute it.")
+        raise SidecarError(f"{str(file)!r} is not an accelerate-ssl sidecar. " + _recompute_shard(file, command))
     return meta, tensors
 
 
@@ -238,7 +242,7 @@ def precompute_sidecars(prior, source, path, *, batch_size: Optional[int] = None
            {"spatial": {k: v for k, v in geometry.items() if k not in ("components", "fit_images")}}),
     }))
     settings_sha = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
-    command = command or f"precompute_sidecars(create_prior({prior.spec!r}), {source.spec!r}, {str(path)!r})"
+    command = command or f"precompute_sidecars(create_prior({prior.spec!r}), {source.reopen()}, {str(path)!r})"
 
     for marker in (path / SIDECARS, path / MANIFEST):
         if marker.is_file():
@@ -478,11 +482,13 @@ class ShardedTargets(MapRows):
         meta_file = path / SIDECARS
         if not meta_file.is_file():
             if (path / MANIFEST).is_file():
-                cmd = json.loads((path / MANIFEST).read_text()).get("command")
+                cmd = rerun_command(json.loads((path / MANIFEST).read_text()).get("command"), path)
+                how = f"`{cmd}`" if cmd else f"its precompute with --out {shlex.quote(str(path))}"
                 raise SidecarError(f"{str(path)!r} holds an unfinished sidecar precompute (no {SIDECARS}): it was "
-                                   f"interrupted. Resume it by rerunning `{cmd}`; finished shards are kept.")
+                                   f"interrupted. Resume it by rerunning {how}; finished shards are kept.")
             raise FileNotFoundError(f"No sidecar folder at {str(path)!r} (no {SIDECARS}); write one with "
-                                    "`accelerate-ssl precompute --data wds:<shards> --out PATH` (or hf:<path>).")
+                                    "`accelerate-ssl precompute --prior SPEC --data wds:<shards> --out "
+                                    f"{shlex.quote(str(path))}` (or --data hf:<path>).")
         metadata = json.loads(meta_file.read_text())
         if metadata.get("format") != FORMAT:
             raise SidecarError(f"{meta_file} is not accelerate-ssl sidecar metadata.")
@@ -490,10 +496,11 @@ class ShardedTargets(MapRows):
             file = path / s["file"]
             if not file.is_file():
                 raise SidecarError(f"the sidecar of shard {s['shard']!r} ({file.name}) is missing from {str(path)!r}; "
-                                   f"copy it back or rerun `{metadata.get('command')}` into a new folder.")
+                                   "copy it back, or: " + _recompute_shard(file, metadata.get("command")))
             if file.stat().st_size != s["bytes"]:
                 raise SidecarError(f"the sidecar of shard {s['shard']!r} has {file.stat().st_size} bytes but "
-                                   f"{SIDECARS} recorded {s['bytes']} (truncated or replaced); recompute it.")
+                                   f"{SIDECARS} recorded {s['bytes']} (truncated or replaced). "
+                                   + _recompute_shard(file, metadata.get("command")))
         return cls(path, metadata)
 
     # ---------------------------------------------------------------- the store interface ReLA uses
@@ -543,13 +550,18 @@ class ShardedTargets(MapRows):
             recorded = (self.spatial or {}).get("pca_sha256")
             if recorded is not None and file.is_file() and file_sha256(file) != recorded:
                 raise SidecarError(f"{file} is not the PCA the maps were reduced with (its sha256 differs from the one "
-                                   f"{SIDECARS} recorded): a replaced file; recompute the sidecars.")
+                                   f"{SIDECARS} recorded): a replaced file. " + self._fix())
             try:
                 self._written_pca = _load_pca(file)
             except Exception as err:
-                raise SidecarError(f"{file} (the PCA the rows were reduced with) is unreadable ({err}); recompute the "
-                                   "sidecars.") from err
+                raise SidecarError(f"{file} (the PCA the rows were reduced with) is unreadable ({err}). "
+                                   + self._fix()) from err
         return self._written_pca
+
+    def _fix(self) -> str:
+        """How to recompute this folder, as commands (:func:`~accelerate_ssl.targets.format.recompute_fix`): into this
+        folder, whichever folder its command first wrote."""
+        return recompute_fix(self.path, self.metadata.get("command"))
 
     def identity(self) -> dict:
         """What a ReLA checkpoint records of these targets (compared when it is loaded)."""
@@ -629,24 +641,27 @@ class ShardedTargets(MapRows):
                                f"shards, e.g. {self.shards[:3]}): these targets were computed for other shards; "
                                "precompute them for this data.")
         file = self.path / record["file"]
+        command = self.metadata.get("command")
         if not file.is_file():
-            raise SidecarError(f"the sidecar of shard {name!r} ({file.name}) is missing from {str(self.path)!r}.")
-        meta, tensors = _read_sidecar(file, record.get("sha256"), name, self.metadata.get("command"))
+            raise SidecarError(f"the sidecar of shard {name!r} ({file.name}) is missing from {str(self.path)!r}; copy it "
+                               "back, or: " + _recompute_shard(file, command))
+        meta, tensors = _read_sidecar(file, record.get("sha256"), name, command)
         keys = meta["keys"]
         rows = tensors["targets"].float()
         if "keys_sha256" in record and (meta["keys_sha256"] != record["keys_sha256"] or _keys_sha256(keys) != record["keys_sha256"]):
             raise SidecarError(f"the sidecar of shard {name!r} holds another key list than {SIDECARS} recorded (a stale "
-                               "or replaced file); recompute the folder.")
+                               "or replaced file). " + _recompute_shard(file, command))
         if len(rows) != len(keys):
-            raise SidecarError(f"the sidecar of shard {name!r} holds {len(rows)} rows for {len(keys)} keys; recompute it.")
+            raise SidecarError(f"the sidecar of shard {name!r} holds {len(rows)} rows for {len(keys)} keys. "
+                               + _recompute_shard(file, command))
         if rows.shape[-1] != self.width:
             raise SidecarError(f"the sidecar of shard {name!r} holds rows of {rows.shape[-1]} values but {SIDECARS} says "
                                f"{self.width} ({'a ' + 'x'.join(map(str, self.grid)) + ' map of ' if self.spatial else ''}"
-                               f"{self.dim} values); the folder's files do not belong together: recompute it.")
+                               f"{self.dim} values); the folder's files do not belong together. " + self._fix())
         if not bool(torch.isfinite(rows).all()):
             bad = (~torch.isfinite(rows.reshape(len(rows), -1)).all(1)).nonzero().flatten()[:5].tolist()
-            raise SidecarError(f"the sidecar of shard {name!r} has NaN/Inf rows for keys {[keys[i] for i in bad]}; "
-                               "recompute it.")
+            raise SidecarError(f"the sidecar of shard {name!r} has NaN/Inf rows for keys {[keys[i] for i in bad]}. "
+                               + _recompute_shard(file, command))
         self._cache = {name: (keys, rows, tensors["digests"].numpy())} if len(self._cache) >= 2 else {
             **self._cache, name: (keys, rows, tensors["digests"].numpy())}
         return self._cache[name]
@@ -753,7 +768,7 @@ class ShardedTargets(MapRows):
             raise SidecarError(
                 f"the sidecars at {str(self.path)!r} were written by an older accelerate-ssl that recorded no image "
                 f"digest for datasets rows, so {what} cannot check that each row's image is the one its target was "
-                f"computed from. Rebuild them into a new folder: `{self.metadata.get('command')}`.")
+                f"computed from. {self._fix()}")
 
     # ---------------------------------------------------------------- joining
     def join(self, field: str = "target", image_field: Optional[str] = None, view: Any = "random", seed: int = 0,
@@ -816,7 +831,8 @@ class ShardedTargets(MapRows):
                 i += 1
             bar.update(i - bar.n)
         bar.close()
-        fix = f"attach targets computed on this data set (`{self.metadata.get('command')}` with its --data)."
+        fix = ("attach targets computed on this data set: precompute sidecars with --data naming it, into a new "
+               f"folder (these were made by `{self.metadata.get('command')}`).")
         if key_column:
             where = {k: g for g, k in enumerate(keys)}
             found = np.array([where.get(k, -1) for k in have_keys], dtype=np.int64)

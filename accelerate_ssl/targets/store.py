@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import shlex
 from pathlib import Path
 from typing import Any, Optional
 
@@ -54,7 +55,8 @@ from ..atomic import atomic_path
 from ..checksum import file_sha256
 from .format import (AT_WRITE_PCA, CHUNKS, CONTENTS, DTYPES, FORMAT, FORMAT_VERSION, IDENTITY, MANIFEST, METADATA, PCA_DIR,
                      TARGETS, MapRows, TargetStoreCorruptError, TargetStoreIncompleteError, TargetStoreMismatchError,
-                     decode_rows, encode_rows, read_json, refuse_float16_overflow)
+                     decode_rows, encode_rows, npy_problem, read_json, recompute_fix, refuse_float16_overflow,
+                     rerun_command)
 
 #: decoded map values a spatial store's ``store[idx]`` holds at a time (float32: 16 MB)
 MAP_BLOCK_VALUES = 1 << 22
@@ -84,7 +86,7 @@ class TargetStore(MapRows):
         meta_path = path / METADATA
         if not path.is_dir():
             raise FileNotFoundError(f"No target store at {str(path)!r}; create one with `accelerate-ssl precompute "
-                                    f"--prior SPEC --data NAME --out {path}` or precompute_targets(...).")
+                                    f"--prior SPEC --data NAME --out {shlex.quote(str(path))}` or precompute_targets(...).")
         if not meta_path.is_file():
             manifest = path / MANIFEST
             chunks = sorted((path / CHUNKS).glob("chunk-*.npy")) if (path / CHUNKS).is_dir() else []
@@ -95,44 +97,48 @@ class TargetStore(MapRows):
                         command = json.loads(manifest.read_text()).get("command")
                     except (OSError, json.JSONDecodeError):
                         pass
-                how = f"`{command}`" if command else "the same precompute command / precompute_targets(...) call"
+                again = rerun_command(command, path)
+                how = (f"`{again}`" if again else "the same precompute command / precompute_targets(...) call with "
+                       f"its output (--out / path) {shlex.quote(str(path))}")
                 raise TargetStoreIncompleteError(
                     f"{str(path)!r} holds an unfinished precompute ({len(chunks)} chunk file(s), no {METADATA}): it was "
-                    f"interrupted. Resume it by rerunning {how} with the same --out; finished chunks are kept."
+                    f"interrupted. Resume it by rerunning {how}; finished chunks are kept."
                 )
             raise FileNotFoundError(f"{str(path)!r} is not a target store (no {METADATA}); create one with "
-                                    "`accelerate-ssl precompute ... --out` or precompute_targets(...).")
+                                    "`accelerate-ssl precompute --prior SPEC --data NAME --out "
+                                    f"{shlex.quote(str(path))}` or precompute_targets(...).")
         metadata = read_json(meta_path)
+        fix = recompute_fix(path, metadata.get("command"))
         if metadata.get("format") != FORMAT:
-            raise TargetStoreCorruptError(f"{meta_path} is not accelerate-ssl target-store metadata; recompute the store.")
+            raise TargetStoreCorruptError(f"{meta_path} is not accelerate-ssl target-store metadata. {fix}")
         for key in ("num_rows", "dim", "dtype", "file", "file_bytes"):
             if key not in metadata:
-                raise TargetStoreCorruptError(f"{meta_path} lacks {key!r}; the store is damaged: recompute it.")
+                raise TargetStoreCorruptError(f"{meta_path} lacks {key!r}; the store is damaged. {fix}")
         data_path = path / metadata["file"]
         if not data_path.is_file():
-            raise TargetStoreCorruptError(f"{data_path} is missing; the store is damaged: recompute it.")
+            raise TargetStoreCorruptError(f"{data_path} is missing; the store is damaged. {fix}")
         size = data_path.stat().st_size
         if size != metadata["file_bytes"]:
             raise TargetStoreCorruptError(f"{data_path} has {size} bytes but {METADATA} says {metadata['file_bytes']} "
-                                          "(truncated or replaced); recompute the store.")
+                                          f"(truncated or replaced). {fix}")
         try:
             array = np.load(data_path, mmap_mode="r", allow_pickle=False)
         except (ValueError, OSError) as err:
-            raise TargetStoreCorruptError(f"{data_path} is not a readable .npy file ({err}); recompute the store.") from err
+            raise TargetStoreCorruptError(f"{data_path} is not a readable .npy file ({npy_problem(err)}). {fix}") from None
         expected = (int(metadata["num_rows"]), int(metadata["dim"]))
         if metadata["dtype"] not in DTYPES:
-            raise TargetStoreCorruptError(f"{meta_path} names dtype {metadata['dtype']!r}, not one of {sorted(DTYPES)}; "
-                                          "recompute the store (or upgrade accelerate-ssl).")
+            raise TargetStoreCorruptError(f"{meta_path} names dtype {metadata['dtype']!r}, not one of {sorted(DTYPES)} "
+                                          f"(written by a newer accelerate-ssl? upgrade it). {fix}")
         if tuple(array.shape) != expected or array.dtype != DTYPES[metadata["dtype"]]:
             raise TargetStoreCorruptError(f"{data_path} holds {array.dtype} {tuple(array.shape)} but {METADATA} says "
-                                          f"{metadata['dtype']} {expected}; recompute the store.")
+                                          f"{metadata['dtype']} {expected}. {fix}")
         store = cls(path, metadata, array)
         if metadata.get("spatial") is not None:
             store._check_spatial()
         if metadata.get("keys"):
             from .keys import TargetKeys
 
-            store._keys = TargetKeys.load(path, metadata["keys"], expected[0])
+            store._keys = TargetKeys.load(path, metadata["keys"], expected[0], metadata.get("command"))
         if dataset is not None:
             store.check_dataset(dataset)
         return store
@@ -145,18 +151,19 @@ class TargetStore(MapRows):
             h, w = (int(v) for v in meta["grid"])
             channels, layout, reduction = int(meta["channels"]), meta["layout"], meta["reduction"]
         except (KeyError, TypeError, ValueError) as err:
-            raise TargetStoreCorruptError(f"{where}: its 'spatial' entry is incomplete ({err!r}); recompute the store.") from None
+            raise TargetStoreCorruptError(f"{where}: its 'spatial' entry is incomplete ({err!r}). {self._fix()}") from None
         if layout != "hwc" or reduction not in ("pca", "none") or h * w * channels != self._array.shape[1]:
             raise TargetStoreCorruptError(
                 f"{where}: 'spatial' says a {h}x{w} grid of {channels} channels ({layout}, reduction {reduction!r}) but "
-                f"each row holds {self._array.shape[1]} values; recompute the store (or upgrade accelerate-ssl).")
+                f"each row holds {self._array.shape[1]} values (written by a newer accelerate-ssl? upgrade it). "
+                + self._fix())
         if reduction == "pca":
             file = self.path / PCA_DIR / AT_WRITE_PCA
             if not file.is_file() or file_sha256(file) != meta.get("pca_sha256"):
                 raise TargetStoreCorruptError(
                     f"{file} (the PCA every location of the maps was reduced with) is "
                     f"{'missing' if not file.is_file() else 'not the file the rows were written with (sha256 differs)'}: "
-                    "the rows cannot be read without it. Recompute the store.")
+                    "the rows cannot be read without it. " + self._fix())
 
     def verify(self, block_rows: int = 65536, progress: bool = False) -> dict:
         """Read the whole store once: the file's sha256 against the one recorded at precompute, and every row
@@ -174,9 +181,7 @@ class TargetStore(MapRows):
         if recorded is not None and recorded != actual:
             raise TargetStoreCorruptError(
                 f"{data_path} has sha256 {actual[:16]}... but {METADATA} recorded {recorded[:16]}... when the store was "
-                "written: the file changed on disk (a copy error or a disk fault). Recompute the store (delete the folder "
-                "and rerun its precompute command" + (f": `{self.metadata['command']}`" if self.metadata.get("command") else "")
-                + ").")
+                "written: the file changed on disk (a copy error or a disk fault). " + self._fix())
         bad: list[int] = []
         n = len(self)
         block_rows = max(1, min(block_rows, (1 << 24) // max(1, self._array.shape[1])))  # <= 64 MB of float32 a block
@@ -188,21 +193,21 @@ class TargetStore(MapRows):
         if bad:
             raise TargetStoreCorruptError(
                 f"Target store {str(self.path)!r} has NaN/Inf values in {len(bad)} row(s): {bad[:10]}"
-                f"{'...' if len(bad) > 10 else ''} (prior {self.metadata.get('prior', {}).get('spec')!r}). Recompute the "
-                "store (delete the folder and rerun its precompute command).")
+                f"{'...' if len(bad) > 10 else ''} (prior {self.metadata.get('prior', {}).get('spec')!r}). "
+                + self._fix())
         if self._keys is not None:
             from .keys import TargetKeys
 
             if TargetKeys.digest(self._keys.in_row_order()) != self.metadata["keys"].get("sha256"):
                 raise TargetStoreCorruptError(f"The sample keys of {str(self.path)!r} differ from the ones recorded when "
-                                              "the store was written (a copy error or an edited file); recompute it.")
+                                              "the store was written (a copy error or an edited file). " + self._fix())
         if self.spatial is not None:
             self._check_spatial()
         record = self.metadata.get("contents")
         if record and file_sha256(self.path / record["file"]) != record.get("sha256"):
             raise TargetStoreCorruptError(f"{self.path / record['file']} (the files' recorded contents) differs from "
-                                          "the one written with the store (a copy error or an edited file); recompute "
-                                          "the store.")
+                                          "the one written with the store (a copy error or an edited file). "
+                                          + self._fix())
         return {"rows": n, "dim": self.dim, "dtype": self.dtype, "sha256": actual,
                 "checksum": "ok" if recorded else "not recorded", "keys": len(self._keys) if self._keys else 0,
                 **({"grid": list(self.grid)} if self.spatial is not None else {})}
@@ -223,8 +228,7 @@ class TargetStore(MapRows):
         if not name or not (self.path / name).is_file():
             raise TargetStoreCorruptError(
                 f"Target store {str(self.path)!r} records no per-row identity (written by an older accelerate-ssl, or "
-                f"{name or IDENTITY} was deleted), so it cannot be checked item by item; recompute it"
-                + (f" (`{self.metadata['command']}`)." if self.metadata.get("command") else "."))
+                f"{name or IDENTITY} was deleted), so it cannot be checked item by item. " + self._fix())
         stored = np.load(self.path / name, allow_pickle=False)
         identity = RowIdentity(dataset, like=(self.metadata.get("dataset") or {}).get("fingerprint"))
         actual = identity.all(progress=progress)
@@ -304,10 +308,10 @@ class TargetStore(MapRows):
             recorded = np.load(file, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as err:
             raise TargetStoreCorruptError(f"{file} (the recorded contents of the data set's files) is missing or "
-                                          f"unreadable ({err}); recompute the store.") from None
+                                          f"unreadable ({npy_problem(err)}). {self._fix()}") from None
         if recorded.shape != (len(self), len(CONTENT_FIELDS)) or len(paths) != len(self):
             raise TargetStoreCorruptError(f"{file} holds {recorded.shape} records for {len(self)} rows and "
-                                          f"{len(paths)} files; recompute the store.")
+                                          f"{len(paths)} files. {self._fix()}")
         found = check_contents(paths, recorded, full=full, progress=progress)
         if not found.ok:
             def shown(rows, why):
@@ -326,14 +330,12 @@ class TargetStore(MapRows):
                              + shown(found.changed, changed))
             if found.missing:
                 parts.append(f"{len(found.missing)} file(s) are gone: " + shown(found.missing, lambda i: "missing"))
-            command = self.metadata.get("command")
             raise TargetStoreMismatchError(
                 f"Target store {str(self.path)!r} was computed from other contents of this data set's files (same "
                 f"names, {'every file read' if full else 'the stat of every file and the bytes of a sample compared'}"
                 f"): {'; '.join(parts)}. The images were regenerated, resized, re-exported or swapped since the "
-                "precompute, so its rows are the targets of the old images. Recompute the store: delete "
-                f"{str(self.path)!r} and rerun " + (f"`{command}`" if command else "its precompute")
-                + " (ReLA.from_prior / open_or_precompute compute it again once the folder is gone).")
+                "precompute, so its rows are the targets of the old images. " + self._fix()
+                + " (A store ReLA.from_prior / open_or_precompute made: they compute it again once the folder is gone.)")
         if not full and len(found.retouched) > found.retouched_read:
             warnings.warn(
                 f"Target store {str(self.path)!r}: {len(found.retouched)} of this data set's files have another "
@@ -343,6 +345,11 @@ class TargetStore(MapRows):
                 "compares every file's bytes.", UserWarning, stacklevel=4)
         self._contents_checked.add(key)
         return found.read
+
+    def _fix(self) -> str:
+        """How to recompute this store, as commands (:func:`~accelerate_ssl.targets.format.recompute_fix`): into this
+        folder, whichever folder its command first wrote."""
+        return recompute_fix(self.path, self.metadata.get("command"))
 
     def identity(self) -> dict:
         """What identifies these targets (recorded in a ReLA checkpoint, compared when it is loaded)."""
@@ -435,8 +442,8 @@ class TargetStore(MapRows):
             try:
                 self._written_pca = TargetPCA.from_state_dict(load_file(str(file)))
             except Exception as err:
-                raise TargetStoreCorruptError(f"{file} (the PCA the rows were reduced with) is unreadable ({err}); "
-                                              "recompute the store.") from err
+                raise TargetStoreCorruptError(f"{file} (the PCA the rows were reduced with) is unreadable ({err}). "
+                                              + self._fix()) from err
         return self._written_pca
 
     def _random_access(self) -> np.ndarray:
@@ -506,7 +513,7 @@ class TargetStore(MapRows):
             raise TargetStoreCorruptError(
                 f"Target store {str(self.path)!r} has NaN/Inf values in row(s) {bad_rows[:10].tolist()}"
                 f"{'...' if len(bad_rows) > 10 else ''} (prior {self.metadata.get('prior', {}).get('spec')!r}). The stored "
-                "targets are damaged: recompute the store (delete the folder and rerun its precompute command).")
+                "targets are damaged. " + self._fix())
         return rows
 
     # ------------------------------------------------------------------ PCA
@@ -516,7 +523,7 @@ class TargetStore(MapRows):
         before with the same settings, else fitted over the memory-mapped rows and saved there atomically."""
         from safetensors.torch import load_file, save_file
 
-        from .pca import TargetPCA
+        from .pca import NonFiniteRowsError, TargetPCA
 
         if self.components is not None:
             raise ValueError(
@@ -529,9 +536,16 @@ class TargetStore(MapRows):
             try:
                 return TargetPCA.from_state_dict(load_file(str(file)))
             except Exception as err:
-                raise TargetStoreCorruptError(f"{file} is unreadable ({err}); delete it and call store.pca(...) again "
-                                              "to refit.") from err
-        fitted = TargetPCA.fit(self.decoded(), n, standardize=standardize, block_size=block_size, progress=progress)
+                raise TargetStoreCorruptError(
+                    f"{file} (a PCA fitted on this store's rows, kept to be reused) is unreadable ({err}): delete it "
+                    f"(`rm {shlex.quote(str(file))}`); the next store.pca({n_components}) / ReLA(..., n_components=...) "
+                    "fits it again from the rows.") from err
+        try:
+            fitted = TargetPCA.fit(self.decoded(), n, standardize=standardize, block_size=block_size, progress=progress)
+        except NonFiniteRowsError as err:
+            raise TargetStoreCorruptError(
+                f"Target store {str(self.path)!r}: {str(err).removesuffix('; recompute it.')} "
+                f"(`accelerate-ssl store verify {shlex.quote(str(self.path))}` lists every such row). {self._fix()}") from None
         try:
             file.parent.mkdir(exist_ok=True)
             with atomic_path(file) as tmp:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -316,7 +317,7 @@ def check_first_item(dataset, image_key=None):
         raise TypeError(f"{type(dataset).__name__} yields (index, views, label) items like solo-learn's training data "
                         "set: precompute needs the clean images in the same order. Pass "
                         "accelerate_ssl.integrations.solo_learn.precompute_dataset(train_dataset), or use "
-                        "`accelerate-ssl precompute --data solo:<data.train_path>`.")
+                        "`accelerate-ssl precompute --prior SPEC --data solo:<data.train_path> --out DIR`.")
     if isinstance(first, (list, tuple)):
         raise TypeError(f"{type(dataset).__name__} yields a list of {len(first)} images per item (augmented views?); "
                         "precompute needs one clean image per sample: pass the same data set without its multi-view "
@@ -715,7 +716,8 @@ def settings_diff(path: Path, old: dict, new: dict, finished: bool) -> str:
     differ = list(leaves(old, new, ""))
     what = "a finished store" if finished else "an unfinished precompute"
     return (f"{str(path)!r} holds {what} with other settings ({'; '.join(differ[:6])}{'; ...' if len(differ) > 6 else ''}). "
-            f"Use another --out / path, or delete {str(path)!r} to recompute it.")
+            f"Use another --out / path, or replace it with this computation: `rm -r {shlex.quote(str(path))}`, then run "
+            "this precompute again.")
 
 
 def _short(value, limit: int = 80) -> str:

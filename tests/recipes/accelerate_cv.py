@@ -108,7 +108,7 @@ def training_function(config, args):
     # creation otherwise training will not work on TPU (`accelerate` will kindly throw an error to make us aware of that).
     model = model.to(accelerator.device)
 
-    # Freezing the base model
+    # Training the whole model: ReLA pulls the base's pooled features toward the prior (the example froze the base)
     for param in model.parameters():
         param.requires_grad = True  # ReLA: changed, was: param.requires_grad = False
     for param in model.get_classifier().parameters():
