@@ -1,7 +1,9 @@
 """The hand-over, measured: what each part of ``Handover`` buys at the switch, and which schedule hands over when.
 
-Both studies run the budget study's recipe (``budget.py``: its students, data, probes, learning-rate schedule planned
-for each run, one weak view per step while lambda is 1), one prior (``--prior``, default ``other``: digits BYOL).
+Both studies run the harness's recipe (``harness.py``: its students, data, probes, learning-rate schedule planned for
+each run), one prior (``--prior``, default ``other``: digits BYOL), with the student's one view per step while lambda
+is 1 drawn as ``--views`` says (``weak``: ReLA v1's weak views, as these studies were run). They compare runs at equal
+**steps**; the budget study (``budget.py``) compares them at equal compute.
 
 ``--study switch``: lambda 1 for the first ``--switch`` fraction of ``--steps`` then 0 (``epochs:<f>``, so every
 variant switches at the same step), probed at the switch and densely after it. Variants of what happens there:
@@ -21,14 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import budget  # noqa: E402
+import harness  # noqa: E402
+from harness import Run, mean_sd, mean_sd_text, seeds_text  # noqa: E402
 
 from accelerate_ssl.results import save_figure, write_results  # noqa: E402
 
@@ -42,8 +45,8 @@ VARIANTS = {  # name -> (handover spec, views while lambda is 1); W and R from -
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--study", choices=("switch", "schedules"), required=True)
-    p.add_argument("--student", choices=sorted(budget.STUDENTS), default="convnet")
-    p.add_argument("--prior", choices=list(budget.PRIORS), default="other")
+    p.add_argument("--student", choices=sorted(harness.RECIPES), default="convnet")
+    p.add_argument("--prior", choices=list(harness.PRIORS), default="other")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=1000, help="switch study: the run's length")
     p.add_argument("--switch", type=float, default=0.25, help="switch study: the fraction of the run with lambda 1")
@@ -56,21 +59,19 @@ def parse_args(argv=None):
     p.add_argument("--schedules", nargs="+", default=["switch", "decay", "constant:0.5", "epochs:0.25", "epochs:0.5"])
     p.add_argument("--handover", default="momentum,warm-heads=auto",
                    help="schedules study: the hand-over of every run (Handover.from_spec)")
+    p.add_argument("--views", choices=("weak", "byol"), default="weak",
+                   help="the student's one view per step while lambda is 1: ReLA v1's weak views or the SSL views")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--cache", default=str(ROOT / "benchmarks/cache/budget"), help="target stores, the in-domain prior")
     p.add_argument("--worker", default="0/1", metavar="I/N")
     p.add_argument("--gather", action="store_true", help="run nothing: the results of the runs finished so far")
     p.add_argument("--out", help="results JSON (default: benchmarks/results/handover_<study>_<student>_<prior>.json)")
     a = p.parse_args(argv)
     a.worker = tuple(map(int, a.worker.split("/")))
     a.out = a.out or str(ROOT / f"benchmarks/results/handover_{a.study}_{a.student}_{a.prior}.json")
+    a.cache = Path(a.cache)
+    a.recipe = harness.recipe(a.student, threads=a.threads)
     return a
-
-
-def recipe_args(a, schedule: str | None, handover: str | None, views: str = "weak"):
-    """The budget study's settings for this student, with this schedule, hand-over and views."""
-    b = budget.parse_args(["--student", a.student, "--threads", str(a.threads)])
-    b.schedule, b.handover, b.rela_views = schedule, handover, views
-    return b
 
 
 def units(a) -> list[tuple]:
@@ -86,17 +87,17 @@ def units(a) -> list[tuple]:
     return out
 
 
-def recipe_of(a, unit):
-    """(budget.py settings, budget.py unit) of one of this study's runs."""
+def recipe_of(a, unit) -> Run:
+    """The harness's run of one of this study's units."""
     kind, name, steps, seed = unit
+    probes = tuple(checkpoints(a, unit))
     if kind == "plain":
-        return recipe_args(a, None, None), ("plain", None, steps, seed)
+        return Run(None, steps, seed, probes=probes)
     if kind == "variant":
         handover, views = VARIANTS[name]
-        b = recipe_args(a, f"epochs:{a.switch}", handover.format(W=a.warm_heads, R=a.rewarm), views)
-    else:
-        b = recipe_args(a, name, a.handover)
-    return b, ("rela", a.prior, steps, seed)
+        return Run(a.prior, steps, seed, f"epochs:{a.switch}", handover=handover.format(W=a.warm_heads, R=a.rewarm),
+                   views=a.views if views == "weak" else "byol", probes=probes)
+    return Run(a.prior, steps, seed, name, handover=a.handover, views=a.views, probes=probes)
 
 
 def checkpoints(a, unit) -> list[int]:
@@ -112,21 +113,14 @@ def unit_file(a, unit) -> Path:
     kind, name, steps, seed = unit
     tag = {"plain": "", "variant": f"-switch{a.switch}-W{a.warm_heads}-R{a.rewarm}",
            "schedule": f"-{a.handover}"}[kind] + (f"-probed{a.switch}" if kind == "plain" and a.study == "switch" else "")
-    slug = budget.re.sub(r"[^a-z0-9.=,]+", "_", f"{kind}-{name}-{steps}-seed{seed}{tag}".lower())
+    slug = re.sub(r"[^a-z0-9.=,]+", "_", f"{kind}-{name}-{steps}-seed{seed}{tag}".lower())
     return ROOT / "benchmarks/runs/handover" / f"{a.student}-{a.prior}" / f"{slug}.json"
 
 
 def run(a, data, unit) -> dict:
-    """One of this study's runs: budget.py's run of its recipe (:func:`recipe_of`), kept under this study's name."""
-    path = unit_file(a, unit)
-    b, bunit = recipe_of(a, unit)
-    budget.run_unit(b, data, bunit, path, checkpoints(a, unit), label=list(unit))
-    return json.loads(path.read_text())
-
-
-def mean_sd(values: list[float]) -> dict:
-    return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else None,
-            "per_seed": values}
+    """One of this study's runs: the harness's run of its recipe (:func:`recipe_of`), kept under this study's name."""
+    return harness.run_unit(a.recipe, data, recipe_of(a, unit), ROOT / "benchmarks/runs/handover", a.cache,
+                            path=unit_file(a, unit), label=list(unit))
 
 
 def analyse(a, runs: dict) -> dict:
@@ -148,7 +142,7 @@ def analyse(a, runs: dict) -> dict:
 
 def tables(result: dict) -> str:
     an, s = result["analysis"], result["settings"]
-    seeds = budget.seeds_text(len(s["seeds"]))
+    seeds = seeds_text(len(s["seeds"]))
     lines = []
     if s["study"] == "switch":
         at = round(s["switch"] * s["steps"])
@@ -159,7 +153,7 @@ def tables(result: dict) -> str:
                                                              for p in probes) + " |", "|---" * (1 + len(probes)) + "|"]
         for k in v:
             cells = [c for p, c in zip(an[k]["probes"], an[k]["top1"]) if p >= at]
-            lines.append(f"| {k.split(':')[1]} | " + " | ".join(budget.mean_sd_text(c) for c in cells) + " |")
+            lines.append(f"| {k.split(':')[1]} | " + " | ".join(mean_sd_text(c) for c in cells) + " |")
         p = an[f"plain:{s['steps']}"]
         plain = dict(zip(p["probes"], p["top1"]))
         lines.append("| plain SSL, no prior | " + " | ".join(f"{plain[q]['mean']:.2f}" if q in plain else ""
@@ -171,11 +165,11 @@ def tables(result: dict) -> str:
         for k, r in sorted(an.items(), key=lambda kv: (kv[1]["steps"], kv[0])):
             name = "plain SSL" if k.startswith("plain") else k.split(":", 1)[1].rsplit(":", 1)[0]
             n = len(r["handover_step"])
-            name += f" ({budget.seeds_text(n)})" if n < len(s["seeds"]) else ""
+            name += f" ({seeds_text(n)})" if n < len(s["seeds"]) else ""
             hand = "" if k.startswith("plain") else ", ".join("never" if h is None else str(h) for h in r["handover_step"])
             e = r["end"]
             lines.append(f"| {r['steps']} | {name} | {hand} | " + " | ".join(
-                budget.mean_sd_text(e[q]) for q in ("top1", "knn_top1", "few_label_top1")) + " |")
+                mean_sd_text(e[q]) for q in ("top1", "knn_top1", "few_label_top1")) + " |")
     return "\n".join(lines)
 
 
@@ -201,10 +195,7 @@ def figure(result: dict, path: Path) -> None:
 
 def main(argv=None) -> None:
     a = parse_args(argv)
-    import head_to_head as h2h
-
-    b = recipe_args(a, None, None)
-    data = h2h.data(b)
+    data = harness.data(a.recipe)
     todo = units(a)
     runs = {}
     for i, unit in enumerate(todo):
@@ -220,9 +211,10 @@ def main(argv=None) -> None:
     if missing:
         print(f"handover.py: {len(missing)} of {len(todo)} runs not finished: the results hold the others.")
     settings = {k: getattr(a, k) for k in ("study", "student", "prior", "seeds", "steps", "switch", "variants",
-                                           "warm_heads", "rewarm", "after", "budgets", "schedules", "handover", "threads")}
+                                           "warm_heads", "rewarm", "after", "budgets", "schedules", "handover", "views",
+                                           "threads")}
     result = {"command": "python benchmarks/" + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-              "complete": not missing, "settings": settings, "recipe": budget.settings(b), "analysis": analyse(a, runs),
+              "complete": not missing, "settings": settings, "recipe": harness.recipe_settings(a.recipe), "analysis": analyse(a, runs),
               "runs": {"-".join(map(str, u)): r for u, r in runs.items()}}
     write_results(a.out, result, per_seed=["runs.*.curve", "analysis.*.end.top1.per_seed"])
     figure(result, Path(a.out).with_suffix(".png"))
