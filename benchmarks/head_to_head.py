@@ -52,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+import harness  # noqa: E402  (benchmarks/: the studies' one student, shared with budget.py)
 from accelerate_ssl.atomic import atomic_write_json  # noqa: E402
 from accelerate_ssl.demo import prediction_interval  # noqa: E402
 from accelerate_ssl.recipes import steps_to_reach  # noqa: E402
@@ -187,21 +188,6 @@ def prepare_targets(a, train) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- units
-def student(a):
-    """The student network, drawn from the current torch seed (``.feature_dim`` set)."""
-    from accelerate_ssl.backbones import ConvNet
-
-    if a.student == "convnet":
-        return ConvNet(widths=tuple(a.widths))
-    from accelerate_ssl.optional import require
-
-    timm = require("timm", "the ViT student of head_to_head.py")
-    net = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=a.canvas or 28, patch_size=4,
-                            in_chans=1, embed_dim=64, depth=4, num_heads=4, num_classes=0, global_pool="avg")
-    net.feature_dim = net.num_features
-    return net
-
-
 def build(a, kind: str, seed: int, train, xtr, schedule=None):
     """(method, rela, teacher, optimizer) of one run; every kind draws the student first from the same seed."""
     from accelerate_ssl.recipes import create_method, prior_teacher
@@ -211,7 +197,7 @@ def build(a, kind: str, seed: int, train, xtr, schedule=None):
     from accelerate_ssl.targets.store import TargetStore
 
     torch.manual_seed(seed)
-    backbone = student(a)
+    backbone = harness.student(a)
     method = create_method(a.ssl, backbone, backbone.feature_dim).to(a.device)
     rela = teacher = None
     params = [p for p in method.parameters() if p.requires_grad]
@@ -277,7 +263,7 @@ def lightly_train_unit(a, seed: int, train, test, xtr, xte) -> dict:
     record = json.loads((out / "steps.json").read_text())
     probe = Probe(train, test, xtr, xte, seed, untrained_file(a, seed))
     torch.manual_seed(seed)
-    net = student(a)
+    net = harness.student(a)
     curve = [{"step": 0, "top1": probe(net), "seconds": 0.0, "cpu_seconds": 0.0, **probe.last}]
     for c in record["checkpoints"]:
         if c["step"] in a.probes:
