@@ -340,6 +340,50 @@ def test_the_lightning_ddp_recipe_runs_as_written_on_two_processes(tmp_path, fas
     assert len(stores) == 1 and TargetStore.open(stores[0]).metadata["num_processes"] == 2
 
 
+def test_the_cheap_step_under_lightning_ddp_with_find_unused_parameters(tmp_path, fashion_mnist_available):
+    """What the DDP section says keeps the cheap step: the recipe with its loss written as a callable (inputs=x0) and
+    strategy="ddp_find_unused_parameters_true". While lambda is 1 neither process runs the momentum network or the
+    prediction head; after the hand-over both run in full; every row is the sample's own; the two processes' backbones
+    end identical (their gradients averaged whichever forward ran)."""
+    source = (RECIPES / "lightning_ddp_byol.py").read_text()
+    eager = """        p0 = self.forward(x0)
+        z0 = self.forward_momentum(x0)
+        p1 = self.forward(x1)
+        z1 = self.forward_momentum(x1)
+        loss = self.rela.wrap(0.5 * (self.criterion(p0, z1) + self.criterion(p1, z0)))"""
+    callable_form = """        def byol_loss():
+            p0 = self.forward(x0)
+            z0 = self.forward_momentum(x0)
+            p1 = self.forward(x1)
+            z1 = self.forward_momentum(x1)
+            return 0.5 * (self.criterion(p0, z1) + self.criterion(p1, z0))
+
+        loss = self.rela.wrap(byol_loss, inputs=x0)"""
+    assert eager in source and 'strategy="ddp",' in source and "model = BYOL()\n" in source
+    source = source.replace(eager, callable_form).replace('strategy="ddp",', 'strategy="ddp_find_unused_parameters_true",')
+    source = source.replace("model = BYOL()\n", "model = BYOL()\nlog.count_calls(model.backbone_momentum, model.prediction_head)\n")
+    source += ("import os\ntorch.save(model.backbone.state_dict(), "
+               "os.path.join(os.environ['RECIPE_LOG'], f'backbone-{trainer.global_rank}.pt'))\n")
+    script = tmp_path / "lightning_ddp_byol_callable.py"
+    script.write_text(source)
+    root = Path(__file__).resolve().parents[1]
+    env = cpu_process_env(PYTHONPATH=os.pathsep.join([str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")]),
+                          RECIPE_LOG=str(tmp_path / "log"))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    ranks = read_logs(tmp_path / "log", ranks=2)
+    for steps in ranks:
+        assert_every_row_is_the_samples_own(steps)
+        assert_hands_over([s["lambda"] for s in steps], 8)
+        cheap = [s for s in steps if s["lambda"] == 1.0]
+        full = [s for s in steps if s["lambda"] == 0.0]
+        assert cheap and {s["ssl_calls"] for s in cheap} == {0}  # the SSL side never ran while lambda was 1
+        assert full and {s["ssl_calls"] for s in full} == {4}  # both views through both, once handed over
+    b0, b1 = (torch.load(tmp_path / "log" / f"backbone-{r}.pt", weights_only=True) for r in (0, 1))
+    assert all(torch.equal(b0[k], b1[k]) for k in b0)
+
+
 def test_from_prior_makes_the_targets_of_the_loader_lightning_iterates_and_resumes_exactly(tmp_path):
     """ReLACallback.from_prior builds ReLA when Lightning hands over the training loader (the targets of its data set's
     clean view, made once under cache_dir), hands each step its batch's indices, and a checkpoint Lightning restores
