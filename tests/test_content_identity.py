@@ -64,7 +64,7 @@ def test_images_regenerated_under_the_same_names_are_refused_naming_them(tmp_pat
     store = _store(tmp_path, data)
     write_folder(data, seed=1)  # a re-export: the same names, other pixels
     with pytest.raises(TargetStoreMismatchError, match=r"(?s)other contents of this data set's files.*12 file\(s\) hold "
-                                                       r"other bytes.*class0/000\.png.*delete .*store.* and rerun "
+                                                       r"other bytes.*class0/000\.png.*`rm -r .*store`, then "
                                                        r"`precompute_targets"):
         ReLA(TargetStore.open(store.path), _student(), dataset=image_folder(data), feature_dim=4)
     with pytest.raises(TargetStoreMismatchError, match="other bytes"):
