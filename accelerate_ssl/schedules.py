@@ -360,10 +360,15 @@ class Epochs(Schedule):
 
 
 SCHEDULES = {"decay": Decay, "switch": Switch, "constant": Constant, "epochs": Epochs}
-#: the schedule ReLA uses when none is given: ``Switch`` planned for the run (lambda 1, the cheap phase: your loss
-#: skipped when passed as a callable; then 0 for good by :data:`SWITCH_END_FRACTION` of the run, your loss carrying the
+#: the schedule ReLA uses when none is given and your loss is a callable: ``Switch`` planned for the run (lambda 1, the
+#: cheap phase: your loss skipped; then 0 for good by :data:`SWITCH_END_FRACTION` of the run, your loss carrying the
 #: rest), chosen at equal compute (docs: "Schedules")
 DEFAULT_SCHEDULE = "switch"
+#: the schedule ReLA uses when none is given and your loss is computed before ``wrap`` (a tensor): such a step pays the
+#: full price whatever lambda is, so holding lambda at 1 would only throw your loss's gradient away (a supervised
+#: classifier untrained for most of the run); ``Decay`` mixes your loss in from the first step, the better schedule at
+#: equal steps (docs: "Schedules at equal steps")
+EAGER_DEFAULT_SCHEDULE = "decay"
 #: the one grammar of a schedule spec, for Python, every CLI verb and the solo-learn ``cfg.rela.schedule``
 SPEC_GRAMMAR = "'switch', 'switch:<end fraction>', 'decay', 'constant:<lambda>' or 'epochs:<fraction>'"
 _VALUE = {"constant": "lam", "epochs": "fraction", "switch": "end_fraction"}  # what ':<value>' sets

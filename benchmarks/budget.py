@@ -7,8 +7,9 @@ measured **compute**: the CPU seconds of its training (``harness.py``; the prior
 fraction of the full plain run's (the mean over seeds of plain SSL for ``--full`` steps).
 
 Arms (:func:`plan`): plain SSL, and ReLA with a prior (``random``, ``other``, ``indomain``: ``harness.PRIORS``) under a
-schedule (a spec ReLA plans for each run; ``default``: the library's default) with the loss as a callable or computed
-eagerly, each run for several lengths so that every arm's curve spans 10 % to past 100 % of the full plain run's
+schedule (a spec ReLA plans for each run; ``default``: the library's default for a loss passed as a callable) with the
+loss as a callable or computed eagerly (a loss computed before ``wrap`` gets ``decay`` by default, the arm ``decay``:
+under it every step computes the loss, whatever its form), each run for several lengths so that every arm's curve spans 10 % to past 100 % of the full plain run's
 compute; every run probed at a quarter, half and three quarters of it and at its end (``harness.probes_along``).
 
 Analysis (:func:`analyse`): an arm's curve for one seed is the running maximum of the piecewise-linear curve through all
@@ -40,7 +41,7 @@ from harness import PRIOR_LABEL, PROBES, Run, mean_sd  # noqa: E402
 
 from accelerate_ssl.recipes import steps_to_reach, value_at  # noqa: E402
 from accelerate_ssl.results import save_figure, write_results  # noqa: E402
-from accelerate_ssl.schedules import DEFAULT_SCHEDULE, SWITCH_END_FRACTION  # noqa: E402
+from accelerate_ssl.schedules import DEFAULT_SCHEDULE, EAGER_DEFAULT_SCHEDULE, SWITCH_END_FRACTION  # noqa: E402
 
 #: the budgets (fractions of the full plain run's compute) at which every arm is read off
 AT = [0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5]
@@ -60,7 +61,6 @@ PLANS = {
         (2, "random", "default", "callable", [0.15, 0.3, 0.6, 1.0, 2.5], range(3)),
         (2, "other", "switch:0.75", "callable", [0.3, 1.0, 2.5], range(2)),
         (2, "other", "epochs:0.5", "callable", [0.2, 0.5, 1.0], range(2)),
-        (2, "other", "default", "eager", [0.2, 0.5, 1.0], range(2)),
         (2, "indomain", "default", "callable", [0.15, 0.3, 0.6, 1.0, 2.5], range(2)),
         (2, None, None, "callable", [2.0], range(1)),
         (2, "other", "default", "callable", [4.0], range(1)),
@@ -265,7 +265,9 @@ def goals(an: dict) -> dict:
 def arm_label(key: str, arm: dict) -> str:
     if key == "plain":
         return "plain SSL"
-    sched = arm["schedule"] + (" (default)" if key.split(":")[1] == "default" else "")
+    sched = arm["schedule"] + (" (default)" if key.split(":")[1] == "default" else
+                               " (the default for a loss computed before wrap)"
+                               if arm["schedule"] == EAGER_DEFAULT_SCHEDULE else "")
     return f"{PRIOR_LABEL[arm['prior']]}, `{sched}`{LOSS_LABEL[arm['loss']]}"
 
 

@@ -236,3 +236,77 @@ def test_rela_end_step_under_the_default_schedule_and_the_mixing_policy():
                 witness=False).mixing_policy() == "hold"
     with pytest.raises(ValueError, match=r"pass end_step=3 to it instead, e.g. Decay\(..., end_step=3\)"):
         ReLA(rows, nn.Linear(3, 4), feature_dim=4, schedule=Decay(), end_step=3)
+
+
+# ------------------------------------------------------------------------------------------ the default, by loss form
+def _default_rela(**kw):
+    import torch
+    from torch import nn
+
+    from accelerate_ssl import ReLA
+
+    backbone = nn.Linear(3, 4)
+    rows = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))  # the same store for every ReLA
+    return ReLA(rows, backbone, feature_dim=4, n_components=None, witness=False, **kw), backbone
+
+
+def _steps(rela, backbone, n, as_callable, calls, start=0):
+    import torch
+
+    opt = torch.optim.SGD([*backbone.parameters(), *rela.parameters()], lr=0.1)
+    for s in range(start, start + n):
+        x = torch.randn(4, 3)
+
+        def loss():
+            calls.append(s)
+            return backbone(x).pow(2).mean()
+
+        out = rela.wrap(loss if as_callable else loss(), index=torch.arange(4 * s, 4 * s + 4) % 64,
+                        inputs=x if as_callable else None)
+        out.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_the_default_is_settled_by_the_first_wraps_loss_form():
+    """No schedule given: a callable loss gets switch (planned end 0.9 of the run; the loss not called while lambda is
+    1), a loss computed before wrap gets decay planned for the same run (its step costs the same whatever lambda is: the
+    user's loss mixed in from the first step, no warm-up of heads that were trained all along)."""
+    from accelerate_ssl.schedules import SWITCH_END_FRACTION
+
+    rela, backbone = _default_rela(total_steps=20)
+    assert type(rela.schedule).__name__ == "Switch"  # before any wrap: the callable form's
+    calls = []
+    _steps(rela, backbone, 3, True, calls)
+    assert type(rela.schedule).__name__ == "Switch" and rela.schedule.end_step == round(SWITCH_END_FRACTION * 20)
+    assert calls == [] and rela.stats["lambda"] == 1.0  # the cheap step: the loss never called
+
+    rela, backbone = _default_rela(total_steps=20)
+    calls = []
+    _steps(rela, backbone, 3, False, calls)
+    assert type(rela.schedule).__name__ == "Decay" and rela.schedule.end_step == 10  # 0 by half the run
+    assert 0 < rela.stats["lambda"] < 1  # mixed from the first step
+    assert rela.handover.warm_heads == 0
+    # a schedule given by name is kept whatever the loss form
+    rela, backbone = _default_rela(total_steps=20, schedule="switch")
+    _steps(rela, backbone, 2, False, [])
+    assert type(rela.schedule).__name__ == "Switch" and rela.stats["lambda"] == 1.0
+
+
+def test_the_settled_default_resumes_from_a_checkpoint_and_is_planned_by_set_total_steps():
+    """A fresh ReLA without a schedule loads the checkpoint of an eager run (decay) as decay, before any wrap; a run
+    length given later (Lightning's set_total_steps) plans the settled schedule."""
+    rela, backbone = _default_rela(total_steps=20)
+    _steps(rela, backbone, 4, False, [])
+    state = rela.state_dict()
+    again, backbone2 = _default_rela(total_steps=20)
+    backbone2.load_state_dict(backbone.state_dict())
+    again.load_state_dict(state)
+    assert type(again.schedule).__name__ == "Decay" and again.schedule.state_dict() == rela.schedule.state_dict()
+    _steps(again, backbone2, 1, True, [], start=4)  # a callable now does not undo the run's schedule
+    assert type(again.schedule).__name__ == "Decay" and again.steps == 5
+
+    late, backbone = _default_rela()
+    _steps(late, backbone, 1, False, [])  # decay without a run length: the papers' constants, warned
+    late.set_total_steps(30)
+    assert type(late.schedule).__name__ == "Decay" and late.schedule.end_step == 15

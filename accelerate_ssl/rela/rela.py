@@ -98,7 +98,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..data.indexing import IndexTracker, guard_timm_mixers, track_loader, untracked_loader_hint
-from ..schedules import DEFAULT_SCHEDULE, Constant, Schedule, create_schedule, needs_run_length, takes_run_length
+from ..schedules import (DEFAULT_SCHEDULE, EAGER_DEFAULT_SCHEDULE, SCHEDULES, Constant, Schedule, create_schedule,
+                         needs_run_length, takes_run_length)
 from .capture import FeatureCapture, check_hooked_module, flatten_features, infer_feature_dim
 from .distributed import average_gradients, is_distributed, mean_over_processes
 from .guard import AlignmentGuard
@@ -126,11 +127,14 @@ class ReLA:
             gives the feature dim by one dry forward (eval mode, no grad, state restored).
         dataloader: a DataLoader to track indices from (same as calling :meth:`track`); its dataset
             gives the feature dim when ``dataset`` is not given, and its length is checked.
-        schedule: a :class:`~accelerate_ssl.schedules.Schedule` or a spec (``"switch"`` default, ``"switch:<end
+        schedule: a :class:`~accelerate_ssl.schedules.Schedule` or a spec (``"switch"``, ``"switch:<end
             fraction>"``, ``"decay"``, ``"constant:<lambda>"``, ``"epochs:<fraction>"``), planned for ``total_steps``.
             Planned, ``switch`` and ``decay`` hand over inside the run (``switch`` by
             :data:`~accelerate_ssl.schedules.SWITCH_END_FRACTION` of it, ``decay`` by half), so your loss carries the
-            student past the prior (docs: "Schedules" compares them at equal compute).
+            student past the prior (docs: "Schedules" compares them at equal compute). Default (None): settled by the
+            first :meth:`wrap`'s loss: a callable gets ``switch`` (the cheap step while lambda is 1), a loss computed
+            before ``wrap`` gets ``decay`` (its step costs the same whatever lambda is, so your loss is mixed in from
+            the first step).
         n_components: target dim after PCA. ``"auto"`` (default): the student feature dim, capped by the
             target dim; an int: that many; ``None`` or 0: raw targets, no PCA and no z-scoring. (The demo's
             64-d student did better with 16 than with 64 at 250 steps; "auto" is the size-agnostic choice.)
@@ -292,6 +296,9 @@ class ReLA:
             self.check_dataset(dataloader.dataset, "the DataLoader's dataset")
         self.backbone = backbone
         self._schedule_name = None if isinstance(schedule, Schedule) else str(schedule or DEFAULT_SCHEDULE)
+        #: no schedule given: the first wrap settles it by the loss form (:meth:`_settle_default_schedule`)
+        self._default_schedule = schedule is None
+        self._total_steps = None if total_steps is None else int(total_steps)
         self._end_step = end_step
         if self._schedule_name is None:
             if end_step is not None:
@@ -638,12 +645,34 @@ class ReLA:
         if self._schedule_name is None:
             self._plan_handover(total_steps, self.schedule)
             return
+        self._total_steps = total_steps
         planned = self._plan(total_steps)
         self._plan_handover(total_steps, planned)
         if self.schedule.steps:  # a resumed run: its state was planned for this run already, keep it
             planned.load_state_dict(self.schedule.state_dict())
         self.schedule = planned
         self._planned = True
+
+    def _settle_default_schedule(self, loss_is_callable: bool) -> None:
+        """The default schedule, settled by the first :meth:`wrap`'s loss: a callable keeps
+        :data:`~accelerate_ssl.schedules.DEFAULT_SCHEDULE` (``switch``: while lambda is 1 your loss is skipped, a step
+        at a fraction of a plain one's cost); a loss computed before ``wrap`` gets
+        :data:`~accelerate_ssl.schedules.EAGER_DEFAULT_SCHEDULE` (``decay``), planned as the first was."""
+        self._default_schedule = False
+        if not loss_is_callable and not self.schedule.steps:
+            self._use_schedule(EAGER_DEFAULT_SCHEDULE)
+
+    def _use_schedule(self, name: str) -> None:
+        """Plan the schedule ``name`` for the run length known so far (the default settled, or a checkpoint's)."""
+        self._schedule_name = name
+        if self._total_steps is not None:
+            self.schedule = self._plan(self._total_steps)
+            self._plan_handover(self._total_steps, self.schedule)
+            self._planned = True
+        elif needs_run_length(name):
+            self.schedule, self._planned = Constant(1.0, end_step=self._end_step), False
+        else:
+            self.schedule, self._planned = self._plan(None), not takes_run_length(name)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """The transport heads' parameters, every prior's (add them to your optimiser, or leave them to ReLA's own)."""
@@ -751,6 +780,8 @@ class ReLA:
                 or from the maps it carries (``targets=``, spatial sidecars), instead of the whole image's row. Needs
                 spatial stores or sidecars (``precompute_targets(spatial=k)``).
         """
+        if self._default_schedule:
+            self._settle_default_schedule(callable(loss))
         if not self._planned:
             if needs_run_length(self._schedule_name):
                 raise ValueError(f"ReLA: the {self._schedule_name!r} schedule needs the run length: pass "
@@ -1095,10 +1126,17 @@ class ReLA:
         """Restore :meth:`state_dict`'s state; refused, before anything is loaded, when it was trained on another
         set of priors (other names, another store for a name: each prior's store identity is checked) or another
         controller."""
-        if not self._planned and needs_run_length(self._schedule_name):  # the stand-in: the checkpoint has the plan
-            self.schedule, self._planned = self._plan(1), True
         sched = dict(state["schedule"])
         kind = sched.pop("type")
+        if self._default_schedule:  # no schedule given: the default the checkpoint's run settled at its first wrap
+            chosen = {SCHEDULES[n].__name__: n for n in (DEFAULT_SCHEDULE, EAGER_DEFAULT_SCHEDULE)}
+            if kind in chosen and kind != type(self.schedule).__name__ and not self.schedule.steps:
+                self._default_schedule = False
+                self._use_schedule(chosen[kind])
+            elif sched.get("steps"):
+                self._default_schedule = False
+        if not self._planned and needs_run_length(self._schedule_name):  # the stand-in: the checkpoint has the plan
+            self.schedule, self._planned = self._plan(1), True
         if kind != type(self.schedule).__name__:
             raise ValueError(
                 f"This checkpoint's ReLA used the {kind} controller but this ReLA has {type(self.schedule).__name__}; "
