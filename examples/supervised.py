@@ -33,7 +33,9 @@ def main(argv=None) -> float:
     p.add_argument("--prior", default="shipped:digits-byol",
                    help="prior spec for create_prior (default: the shipped BYOL ConvNet trained on other data, scikit-learn digits: measured to save steps on Fashion-MNIST; an untrained network saves nothing)")
     p.add_argument("--store", type=Path, default=None, help="TargetStore folder (default ./rela-targets/<prior>-<limit>)")
-    p.add_argument("--schedule", default="decay", help="decay | switch | constant:<lambda> | epochs:<fraction>")
+    p.add_argument("--schedule", default=None,
+                   help="decay | switch | constant:<lambda> | epochs:<fraction> (default: the library's, decay for a "
+                        "loss computed before wrap, as here)")
     p.add_argument("--no-rela", action="store_true")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -65,7 +67,9 @@ def main(argv=None) -> float:
     while step < args.steps:
         for x, y in loader:
             logits = classifier(backbone(x))
-            loss = rela.wrap(lambda: F.cross_entropy(logits, y)) if rela else F.cross_entropy(logits, y)
+            # the features and the logits come from one forward: the loss is passed as it is (a callable would save
+            # nothing here), so the default schedule mixes it in from the first step
+            loss = rela.wrap(F.cross_entropy(logits, y)) if rela else F.cross_entropy(logits, y)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()

@@ -47,7 +47,7 @@ def test_supervised_example_learns_the_classes(tmp_path, fashion_mnist_available
     # decay keeps some cross-entropy from the first step (lambda <= 0.8), so the classifier trains: 40 steps of
     # batch 32 reach ~37 % on 500 test images (chance: 10 %; the switch run above trains only the ReLA term first)
     out = _run("supervised.py", ["--steps", "40", "--limit", "512", "--test-limit", "500", "--batch-size", "32",
-                                  "--log-every", "10", "--store", str(tmp_path / "store"), "--schedule", "decay"], tmp_path)
+                                  "--log-every", "10", "--store", str(tmp_path / "store")], tmp_path)  # the default: decay
     assert float(re.search(r"test top-1 ([\d.]+)%", out).group(1)) > 25.0
 
 
