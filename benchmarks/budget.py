@@ -360,7 +360,8 @@ def summary(result: dict) -> str:
         if r["mean"] is not None:
             lines.append(f"The default recipe with the prior trained on other data reaches the full plain run's "
                          f"{an['target_top1']:.2f} % at {r['mean']:.2f} ± {r['sd'] or 0:.2f} of its compute (precompute "
-                         f"included): the goal of 0.35 is **{'met' if r['met'] else 'not met'}**.")
+                         f"included): the goal of 0.35 is **{'met' if r['met'] else 'not met'}**"
+                         f"{'' if result.get('complete', True) else ' on the seeds measured so far'}.")
         else:
             lines.append(f"The default recipe with the prior trained on other data does not reach the full plain run's "
                          f"accuracy: {r['reason']}.")
@@ -368,7 +369,8 @@ def summary(result: dict) -> str:
         miss = [x for x in g["front"]["budgets"] if not x["within_sd"]]
         lines.append("At every budget measured it ends within one standard deviation of the best arm there." if not miss
                      else "It ends more than one standard deviation below the best arm at " + ", ".join(
-                         f"{x['budget']:g} ({x['gap']:+.2f} points against {x['best_arm']})" for x in miss) + ".")
+                         f"{x['budget']:g} ({x['gap']:+.2f} points against {arm_label(x['best_arm'], an['arms'][x['best_arm']])})"
+                         for x in miss) + ".")
     if g.get("untrained"):
         lines.append("With an untrained prior, at equal compute against plain SSL: " + ", ".join(
             f"{x['gain']:+.2f} points at {x['budget']:g}" for x in g["untrained"]) + ".")

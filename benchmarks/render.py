@@ -178,66 +178,40 @@ def prior_kind(spec: str) -> str:
 # ---------------------------------------------------------------------------------------------- the demo
 @renders("demo.json")
 def demo(r: Result) -> dict[str, str]:
+    """``accelerate-ssl demo --seeds ...``: each seed's comparison at equal CPU time, and the mean curves'."""
     s, seeds = r["settings"], r["per_seed"]
-    rows = [[str(p["seed"]), f2(p["rela_top1"]), f2(p["plain_top1_at_budget"]), xs(p["speedup_wall"]["speedup"]),
-             xs(p["speedup_cpu"]["speedup"]), xs(p["speedup"]["speedup"])] for p in seeds]
-    rows.append(["**mean curves**", f2(r["rela_top1"]), f2(r["plain_top1_at_budget"]),
-                 f"**{xs(r['speedup_wall']['speedup'])}**", xs(r["speedup_cpu"]["speedup"]), xs(r["speedup"]["speedup"])])
-    rows.append(["95 % interval for one more run", "", "", interval([p["speedup_wall"]["speedup"] for p in seeds]),
-                 interval([p["speedup_cpu"]["speedup"] for p in seeds]), interval([p["speedup"]["speedup"] for p in seeds])])
-    plain_end = r["plain"]["curve"][-1]
-    pre = r["targets"]["precompute"]
-    summary = (f"With the prior `{s['prior']}` ({prior_kind(s['prior'])}), BYOL + ReLA reaches "
-               f"**{f2(r['rela_top1'])} %** after {s['budget']} steps (mean of {len(seeds)} seeds); plain BYOL is at "
-               f"{f2(r['plain_top1_at_budget'])} % then and needs {r['speedup']['steps_plain']:.0f} steps to get there "
-               f"(it ends at {f2(plain_end['top1'])} % after {plain_end['step']}). Counted in what you pay, the prior's "
-               f"loading and the precompute of the targets included ({pre['seconds']:.1f} s, once), that is "
-               f"**{xs(r['speedup_wall']['speedup'])}** of plain BYOL's wall-clock; a ReLA step costs "
-               f"{r['step_time_ratio']:.2f}x a plain step.\n\n" + r.source())
+
+    def frac(x: Optional[float]) -> str:
+        return "not reached" if x is None else f"{x:.2f}"
+
+    def gain(c: dict) -> str:
+        return "–" if c["gain"] is None else f"{c['gain']:+.2f}"
+
+    rows = [[str(p["seed"]), f2(p["cpu"]["rela_top1"]), f2(p["cpu"]["plain_top1_at_equal_compute"]), gain(p["cpu"]),
+             f2(p["cpu"]["plain_top1"]), frac(p["cpu"]["compute_to_plain"]), f"{p['cpu']['compute_fraction']:.2f}"]
+            for p in seeds]
+    c = r["cpu"]
+    rows.append(["**mean curves**", f2(c["rela_top1"]), f2(c["plain_top1_at_equal_compute"]), f"**{gain(c)}**",
+                 f2(c["plain_top1"]), f"**{frac(c['compute_to_plain'])}**", f"{c['compute_fraction']:.2f}"])
+    fractions = [p["cpu"]["compute_to_plain"] for p in seeds]
+    if None not in fractions and len(fractions) > 1:
+        rows.append(["95 % interval for one more run", "", "", "", "", interval(fractions).replace("x", ""), ""])
+    recipe = "the library's default schedule" if r["default"] else "the schedule"
+    summary = (f"With the prior `{s['prior']}` ({prior_kind(s['prior'])}) and {recipe} `{r['schedule']}`, BYOL + ReLA "
+               f"ends at **{f2(c['rela_top1'])} %** after {s['budget']} steps, at {c['compute_fraction']:.2f} of plain "
+               f"BYOL's CPU time (the precompute of the targets included); plain BYOL was at "
+               f"{f2(c['plain_top1_at_equal_compute'])} % at the same CPU time (**{gain(c)} points**) and ends at "
+               f"{f2(c['plain_top1'])} % after its {s['budget']} steps, which ReLA reached at "
+               f"**{frac(c['compute_to_plain'])}** of plain BYOL's CPU time (mean curves of {len(seeds)} seeds).\n\n"
+               + r.source())
     return {
-        "demo.seeds": table(["seed", f"ReLA top-1 % at {s['budget']}", f"plain at {s['budget']} %",
-                             "speed-up: wall-clock", "CPU time", "optimiser steps"], rows, "lrrrrr") + "\n\n" + r.source(),
+        "demo.seeds": table(["seed", "ReLA top-1 % at its end", "plain BYOL at the same CPU time %", "gain, points",
+                             "plain BYOL at its end %", "compute to plain's end accuracy", "ReLA's compute / plain's"],
+                            rows, "lrrrrrr")
+        + "\n\nCompute is CPU seconds of training (ReLA's with its precompute), as a fraction of plain BYOL's for the "
+          "same steps; the interval is where one more seed lands 95 % of the time (Student's t on the logs).\n\n"
+        + r.source(),
         "demo.summary": summary,
-    }
-
-
-@renders("speedup.json")
-def speedup(r: Result) -> dict[str, str]:
-    PRIORS = benchmark("speedup").PRIORS  # the study's own names for its priors
-
-    plain = {p["step"]: p["top1"] for p in r["plain"]["mean_curve"]}
-    rows, headline = [], []
-    for cell in r["cells"].values():
-        spec = PRIORS[cell["prior"]][0]
-        wall = cell["wall"]
-        seeds = [p["wall"]["speedup"] for p in cell["per_seed"]]
-        name = f"`{spec.split('/')[-2]}` (a checkpoint, not shipped)" if spec.startswith("checkpoint:") else f"`{spec}`"
-        row = [name, prior_kind(spec),
-               str(cell["budget"]), cell["rela_step"], pm(cell["top1"], cell["top1_std"]), f2(plain.get(cell["budget"])),
-               f"**{xs(wall['speedup'], wall['lower_bound'])}**",
-               interval(seeds) if not any(p["wall"]["lower_bound"] for p in cell["per_seed"]) else "–",
-               xs(cell["steps"]["speedup"], cell["steps"]["lower_bound"]), f"{cell['step_time_ratio']:.2f}"]
-        rows.append(row)
-        if cell["budget"] == 250 and cell["rela_step"] == "one-view":
-            headline.append([row[0], row[1], row[4], row[5], row[6], row[7]])
-    note = (f"Plain BYOL reaches {f2(r['plain']['full_top1'])} % after {r['settings']['full_steps']} steps. '> ' "
-            "where plain BYOL never got there in its run (a lower bound); the interval is where one more run lands 95 % "
-            "of the time (Student's t on the seeds' log speed-ups).")
-    k = r["timing"]["kinds"]
-    steps = table(["step (interleaved, medians)", "ms", "/ plain BYOL step", "/ online-teacher step"],
-                  [[name, f"{v['median_step_seconds'] * 1e3:.0f}", f"{v['median_step_seconds'] / k['plain']['median_step_seconds']:.2f}",
-                    f"{v['median_step_seconds'] / k['online']['median_step_seconds']:.2f}"] for name, v in k.items()], "lrrr")
-    seeds = r["settings"]["seeds"]
-    return {
-        "speedup.by_prior": table(["prior", "what it is to this benchmark", "ReLA steps", "step", "ReLA top-1 %",
-                                   "plain at equal steps %", "speed-up, wall-clock (precompute incl.)",
-                                   "95 % interval", "speed-up, steps", "step time / plain"], rows, "llrlrrrrrr")
-        + f"\n\n{note} {len(seeds)} seeds.\n\n" + r.source(),
-        "speedup.headline": table(["prior", "what it is to this benchmark", "ReLA top-1 % at 250 steps",
-                                   "plain BYOL at 250 %", "speed-up in wall-clock, precompute included",
-                                   "95 % interval for one more run"], headline, "llrrrr")
-        + f"\n\n{note} Mean of {len(seeds)} seeds; one CPU thread per run.\n\n" + r.source(),
-        "speedup.steps": steps + "\n\n" + r.source(),
     }
 
 
