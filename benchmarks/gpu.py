@@ -516,11 +516,13 @@ BUDGET_SCRIPT = "budget.py"
 #: smoke: a few steps of the ConvNet on 1200 images (100 labels per class for the few-label probe), on the CPU,
 #: to rehearse the section
 BUDGET_ARGV: dict = {
-    "full": {"workers": 4, "argv": ["--student", "vit", "--full", "4000", "--seeds", "0", "1", "2", "3",
-                                    "--longer", "2", "--longer-seeds", "0", "--device", "cuda"]},
-    "smoke": {"workers": 2, "argv": ["--student", "convnet", "--full", "8", "--budgets", "0.5", "--seeds", "0",
-                                     "--longer", "--priors", "random", "--train-size", "1200", "--test-size", "300",
-                                     "--batch-size", "64"]},
+    "full": {"workers": 4, "timing_steps": 30,
+             "argv": ["--student", "vit", "--full", "4000", "--tiers", "1", "--seeds", "0", "1", "2", "3",
+                      "--device", "cuda"]},
+    "smoke": {"workers": 2, "timing_steps": 2,
+              "argv": ["--student", "convnet", "--full", "8", "--tiers", "1", "--seeds", "0", "--arms", "plain",
+                       "other:default:callable", "--lengths", "0.15", "0.3", "1.0", "--train-size", "1200",
+                       "--test-size", "300"]},
 }
 
 
@@ -535,6 +537,10 @@ def budget_study(size: Size, out: Path, seconds: float) -> dict:
     script = ROOT / "benchmarks" / BUDGET_SCRIPT
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     t = time.perf_counter()
+    timing = run_script(BUDGET_SCRIPT, [*argv, "--timing", "--timing-steps", str(plan["timing_steps"])], out,
+                        max(10.0, seconds / 4))  # the cost of each kind of step, side by side, on this device
+    if timing.get("returncode") != 0:
+        return {**timing, "error": timing.get("error") or "budget.py --timing failed"}
     logs = [open(out / f"budget-worker{i}.log", "w") for i in range(plan["workers"])]
     try:
         workers = [subprocess.Popen([sys.executable, str(script), *argv, "--worker", f"{i}/{plan['workers']}"],
@@ -636,19 +642,17 @@ def study(size: Size, device: torch.device, work: Path, out: Path) -> dict:
     result = json.loads((demo_out / "demo.json").read_text())
     shutil.copy(demo_out / "demo.png", out / "demo_gpu.png")
     shutil.copy(demo_out / "demo.json", out / "demo_gpu.json")
-    per_seed = result["per_seed"] or [{"seed": result["settings"]["seeds"][0], **result}]
+    per_seed = result["per_seed"] or [{"seed": result["settings"]["seeds"][0], "wall": result["wall"]}]
 
-    def brief(r):
-        rela_end = next(c for c in r["rela"]["curve"] if c["step"] == result["settings"]["budget"])
-        plain_end = r["plain"]["curve"][-1]
-        return {"seed": r.get("seed"), "rela_top1": r["rela_top1"], "plain_top1_at_budget": r["plain_top1_at_budget"],
-                "plain_final_top1": plain_end["top1"], "plain_final_step": plain_end["step"],
-                "rela_train_seconds": rela_end["train_seconds"], "plain_train_seconds": plain_end["train_seconds"],
-                "plain_seconds_to_rela_accuracy": r["speedup_wall"].get("cost_plain"),
-                "speedup_wall": r["speedup_wall"]["text"], "speedup_steps": r["speedup"]["text"],
-                "step_time_ratio": r["step_time_ratio"]}
+    def brief(r):  # on the wall clock: what a GPU user pays
+        w = r["wall"]
+        return {"seed": r.get("seed"), "rela_top1": w["rela_top1"], "plain_top1": w["plain_top1"],
+                "plain_top1_at_equal_compute": w["plain_top1_at_equal_compute"], "gain": w["gain"],
+                "rela_seconds": w["rela_seconds"], "plain_seconds": w["plain_seconds"],
+                "compute_fraction": w["compute_fraction"], "compute_to_plain": w["compute_to_plain"]}
 
-    return {"argv": argv, "seconds": seconds, "precompute_seconds": result["targets"]["seconds"],
+    return {"argv": argv, "seconds": seconds, "precompute_seconds": result["targets"]["precompute"]["seconds"],
+            "schedule": result["schedule"], "default": result["default"],
             "machine": result["machine"], "mean": brief(result), "per_seed": [brief(r) for r in per_seed],
             "json": "demo_gpu.json", "png": "demo_gpu.png"}
 
@@ -820,10 +824,11 @@ def summary(result: dict) -> str:
     st = result.get("study", {})
     if "mean" in st:
         m = st["mean"]
-        lines.append(f"study ({st['seconds']:.0f} s): ReLA {m['rela_top1']:.2f} % at the budget in "
-                     f"{m['rela_train_seconds']:.1f} s + precompute {st['precompute_seconds']:.1f} s; plain "
-                     f"{m['plain_final_top1']:.2f} % at {m['plain_final_step']} steps in {m['plain_train_seconds']:.1f} s; "
-                     f"speed-up {m['speedup_wall']}")
+        reach = "not reached" if m["compute_to_plain"] is None else f"{m['compute_to_plain']:.2f}"
+        lines.append(f"study ({st['seconds']:.0f} s, the demo's recipe, schedule {st['schedule']}): ReLA "
+                     f"{m['rela_top1']:.2f} % in {m['rela_seconds']:.1f} s (precompute {st['precompute_seconds']:.1f} s "
+                     f"included), plain {m['plain_top1']:.2f} % in {m['plain_seconds']:.1f} s; plain's accuracy reached "
+                     f"at {reach} of its wall-clock")
     comp = result.get("compiled", {})
     for k, v in comp.get("kinds", {}).items():
         lines.append(f"compiled {k}: " + (f"{v['step_s'] * 1000:.1f} ms (compile + 2 steps "

@@ -105,4 +105,5 @@ def test_the_study_is_the_demo_on_that_device(smoke):
     result, out, _ = smoke
     demo = json.loads((out / "demo_gpu.json").read_text())
     assert demo["machine"]["device"] == "cpu" and demo["settings"]["budget"] == 4
-    assert result["study"]["mean"]["rela_train_seconds"] > 0
+    assert demo["default"] is True and result["study"]["default"] is True  # the README's recipe
+    assert result["study"]["mean"]["rela_seconds"] > 0 and result["study"]["mean"]["plain_seconds"] > 0
