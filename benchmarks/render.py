@@ -703,15 +703,30 @@ def alignment(r: Result) -> dict[str, str]:
                                       "median step", "head check warns", "median batch", "own row's rank",
                                       "another view's rank", "closer to its own box", "witness status"],
                                      rows, "lrrrrrrrrrrl")
-            + f"\n\nFalse alarms over the {fa['aligned_runs']} aligned runs: {fa['witness_stops']} witness stops, "
-            f"{fa['head_warnings']} head-check warnings. Cost of both checks, interleaved step by step: "
-            f"{c['ratio_of_means']:.4f}x ({c['steps']} steps). A rank is 0 when a sample's own row comes first among the "
+            + f"\n\nEach run {r['settings']['steps']} optimiser steps at batch {r['settings']['batch']} (student ConvNet "
+            f"{'/'.join(map(str, r['settings']['student_widths']))}) unless its case says. False alarms "
+            f"over the {fa['aligned_runs']} aligned runs ({fa['one_view_runs']} of them one-view loops, "
+            f"{fa['per_view_runs']} per-view, {fa['short_runs']} of 10 steps): {fa['witness_stops']} witness stops, "
+            f"{fa['head_warnings']} head-check warnings. Cost of both checks (the demo's student, ConvNet 16/32/64, "
+            f"batch 128), interleaved step by step: {c['ratio_of_means']:.4f}x ({c['steps']} steps). A rank is 0 when a "
+            "sample's own row comes first among the "
             "batch's rows and 0.5 on average for other samples' rows; \"closer to its own box\" is the share of samples "
-            "whose view is closer to its own box's row than to the other view's (per-view cases).\n\n" + r.source()}
+            "whose view is closer to its own box's row than to the other view's (per-view cases).\n\n" + r.source(),
+            "alignment.detections": table(
+                ["misaligned case", "witness stopped at step (each seed)", "head check warned at batch (each seed)"],
+                [[case, ", ".join("–" if d["witness_step"] is None else str(d["witness_step"]) for d in found),
+                  ", ".join("–" if d["head_batch"] is None else str(d["head_batch"]) for d in found)]
+                 for case, found in r["detections"].items()], "lll")
+            + "\n\n– : not stopped (warned) within the run.\n\n" + r.source()}
 
 
 @renders("folder_identity.json")
 def folder_identity(r: Result) -> dict[str, str]:
+    import statistics
+
+    def cpu(runs) -> float:
+        return statistics.median(x["cpu"] for x in runs)
+
     rows = []
     for x in r["results"]:
         pre, op, full = x["precompute"], x["open"], x["full_check"]
