@@ -40,7 +40,21 @@ there.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Optional
+
+
+def check_steps(value: Any, name: str, minimum: int = 1) -> int:
+    """``value`` as a number of optimiser steps (an int >= ``minimum``), or the error naming ``name`` and the fix: a
+    bool (``total_steps=True`` would be a one-step run) and a non-integer (``40.5``, ``"40"``) are refused, not
+    rounded."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        kind = "a bool" if isinstance(value, bool) else f"a {type(value).__name__}"
+        raise ValueError(f"{name} is a number of optimiser steps, an int >= {minimum}; got {value!r} ({kind}). Pass "
+                         f"the whole number of steps, e.g. {name}=epochs * len(loader) // accumulation_steps.")
+    if value < minimum:
+        raise ValueError(f"{name} is a number of optimiser steps, an int >= {minimum}; got {value}.")
+    return int(value)
 
 
 class Schedule:
@@ -48,14 +62,14 @@ class Schedule:
 
     #: state entries saved by ``state_dict`` (subclasses extend).
     _state_keys: tuple[str, ...] = ("value", "steps", "finished")
+    #: the run's optimiser steps this schedule was planned for (None: not planned for a run length)
+    total_steps: Optional[int] = None
 
     def __init__(self, end_step: Optional[int] = None) -> None:
         self.value: float = 1.0
         self.steps: int = 0
         self.finished: bool = False
-        if end_step is not None and (isinstance(end_step, bool) or not isinstance(end_step, int) or end_step < 0):
-            raise ValueError(f"end_step must be an int >= 0 (the optimiser step after which ReLA's term is over), got "
-                             f"{end_step!r}.")
+        end_step = None if end_step is None else check_steps(end_step, "end_step", 0)
         #: after this many optimiser steps the term is over for good, whatever the rule says (None: the rule decides)
         self.end_step = end_step
         if end_step == 0:
@@ -171,9 +185,9 @@ class Decay(Schedule):
         end_fraction: Optional[float] = 0.5,
         end_step: Optional[int] = None,
     ):
-        if total_steps is not None and total_steps <= 0:
-            raise ValueError(f"total_steps must be positive, got {total_steps}.")
+        total_steps = None if total_steps is None else check_steps(total_steps, "total_steps")
         super().__init__(planned_end(total_steps, end_fraction, end_step))
+        self.total_steps = total_steps
         if not 0.0 < max_lambda <= 1.0:
             raise ValueError(f"max_lambda must be in (0, 1], got {max_lambda}.")
         if not 0.0 < decay_fraction <= 1.0:
@@ -257,8 +271,7 @@ class Switch(Schedule):
     ):
         scaled_slow, scaled_fast = 0.99, 0.999
         if total_steps is not None:
-            if total_steps <= 0:
-                raise ValueError(f"total_steps must be positive, got {total_steps}.")
+            total_steps = check_steps(total_steps, "total_steps")
             if not 0.0 < min_switch_fraction <= 1.0:
                 raise ValueError(f"min_switch_fraction must be in (0, 1], got {min_switch_fraction}.")
             end_step = planned_end(total_steps, end_fraction, end_step, earliest=min_switch_fraction)
@@ -266,6 +279,7 @@ class Switch(Schedule):
             scaled_slow = min(0.99, 0.005 ** (1.0 / t_min))
             scaled_fast = 1.0 - (1.0 - scaled_slow) / 10.0
         super().__init__(end_step)
+        self.total_steps = total_steps
         self.fast_momentum = float(scaled_fast if fast_momentum is None else fast_momentum)
         self.slow_momentum = float(scaled_slow if slow_momentum is None else slow_momentum)
         for name, m in (("fast_momentum", self.fast_momentum), ("slow_momentum", self.slow_momentum)):
@@ -339,10 +353,9 @@ class Epochs(Schedule):
                     "Epochs needs the run length: pass total_steps=, or steps_per_epoch= and epochs= "
                     "(steps_per_epoch = len(dataloader) // accumulation_steps)."
                 )
-            total_steps = steps_per_epoch * epochs
-        if total_steps <= 0:
-            raise ValueError(f"total_steps must be positive, got {total_steps}.")
-        self.switch_step = int(round(fraction * total_steps))
+            total_steps = check_steps(steps_per_epoch, "steps_per_epoch") * check_steps(epochs, "epochs")
+        self.total_steps = check_steps(total_steps, "total_steps")
+        self.switch_step = int(round(fraction * self.total_steps))
         if self.switch_step == 0:
             self.value, self.finished = 0.0, True
 
@@ -419,5 +432,5 @@ def create_schedule(spec: str | Schedule | None = None, *, total_steps: Optional
         raise ValueError(f"The epochs schedule needs the fraction of the run with lambda = 1: 'epochs:<fraction>' "
                          f"(e.g. 'epochs:0.5'), got {text!r}.")
     if total_steps is not None and takes_run_length(base):
-        kwargs["total_steps"] = int(total_steps)
+        kwargs["total_steps"] = check_steps(total_steps, "total_steps")
     return SCHEDULES[base](**kwargs)

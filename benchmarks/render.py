@@ -25,7 +25,7 @@ import re
 import statistics
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -35,7 +35,13 @@ from accelerate_ssl.results import provenance_problems  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-MARKER = re.compile(r"<!-- generated: (?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /generated -->", re.S)
+#: a block's opening and closing markers, whatever their spacing (written back as ``<!-- generated: NAME -->`` and
+#: ``<!-- /generated -->``); anything else that starts like a marker is a marker that matches no block
+OPEN = re.compile(r"<!--\s*generated\s*:\s*(?P<name>[\w.-]+)\s*-->", re.I)
+CLOSE = re.compile(r"<!--\s*/\s*generated\s*-->", re.I)
+LIKE_A_MARKER = re.compile(r"<!--\s*/?\s*generated\b", re.I)
+#: what a page shows verbatim (fenced code, inline code): a marker written there is text about markers, not a block
+CODE = re.compile(r"^[ \t]*(`{3,}|~{3,}).*?^[ \t]*\1|(`+)(?:(?!\2)[^\n]|\n(?!\n))+?\2", re.S | re.M)
 
 #: result file name -> the function rendering its blocks ``{block name: markdown}``
 RENDERERS: dict[str, Callable[["Result"], dict[str, str]]] = {}
@@ -671,32 +677,54 @@ def alignment(r: Result) -> dict[str, str]:
                                       "median step", "head check warns", "median batch", "own row's rank",
                                       "another view's rank", "closer to its own box", "witness status"],
                                      rows, "lrrrrrrrrrrl")
-            + f"\n\nFalse alarms over the {fa['aligned_runs']} aligned runs: {fa['witness_stops']} witness stops, "
-            f"{fa['head_warnings']} head-check warnings. Cost of both checks, interleaved step by step: "
-            f"{c['ratio_of_means']:.4f}x ({c['steps']} steps). A rank is 0 when a sample's own row comes first among the "
+            + f"\n\nEach run {r['settings']['steps']} optimiser steps at batch {r['settings']['batch']} (student ConvNet "
+            f"{'/'.join(map(str, r['settings']['student_widths']))}) unless its case says. False alarms "
+            f"over the {fa['aligned_runs']} aligned runs ({fa['one_view_runs']} of them one-view loops, "
+            f"{fa['per_view_runs']} per-view, {fa['short_runs']} of 10 steps): {fa['witness_stops']} witness stops, "
+            f"{fa['head_warnings']} head-check warnings. Cost of both checks (the demo's student, ConvNet 16/32/64, "
+            f"batch 128), interleaved step by step: {c['ratio_of_means']:.4f}x ({c['steps']} steps). A rank is 0 when a "
+            "sample's own row comes first among the "
             "batch's rows and 0.5 on average for other samples' rows; \"closer to its own box\" is the share of samples "
-            "whose view is closer to its own box's row than to the other view's (per-view cases).\n\n" + r.source()}
+            "whose view is closer to its own box's row than to the other view's (per-view cases).\n\n" + r.source(),
+            "alignment.detections": table(
+                ["misaligned case", "witness stopped at step (each seed)", "head check warned at batch (each seed)"],
+                [[case, ", ".join("–" if d["witness_step"] is None else str(d["witness_step"]) for d in found),
+                  ", ".join("–" if d["head_batch"] is None else str(d["head_batch"]) for d in found)]
+                 for case, found in r["detections"].items()], "lll")
+            + "\n\n– : not stopped (warned) within the run.\n\n" + r.source()}
 
 
 @renders("folder_identity.json")
 def folder_identity(r: Result) -> dict[str, str]:
+    import statistics
+
+    def cpu(runs) -> float:
+        return statistics.median(x["cpu"] for x in runs)
+
     rows = []
     for x in r["results"]:
         pre, op, full = x["precompute"], x["open"], x["full_check"]
-        rows.append([f"{x['files']:,}", f"{pre['wall']:.1f} s",
-                     f"{pre['record_contents_wall']:.2f} s ({100 * pre['record_contents_share']:.1f} %, "
-                     f"{pre['record_contents_us_per_file']:.0f} µs/file)",
-                     f"{op['added_wall']:.2f} s ({op['added_us_per_file']:.1f} µs/file)",
-                     f"{op['median_wall_names_only']:.2f} s", f"{x['copied_folder_open']['wall']:.2f} s",
-                     f"{full['wall']:.2f} s ({full['us_per_file']:.0f} µs/file)"])
+        runs = op["runs"]
+        before, now = cpu(runs["before"]), cpu(runs["contents"])
+        rows.append([f"{x['files']:,}", f"{pre['wall']:.0f} s",
+                     f"{op['median_wall_names_only']:.2f} s ({cpu(runs['names only']):.2f} s)",
+                     f"{op['median_wall_before']:.2f} s ({before:.2f} s)",
+                     f"{op['median_wall_contents']:.2f} s ({now:.2f} s)",
+                     f"{1e6 * (now - before) / x['files']:+.1f} µs/file",
+                     f"{x['copied_folder_open']['wall']:.2f} s ({x['copied_folder_open']['cpu']:.2f} s)",
+                     f"{full['wall']:.2f} s ({full['cpu']:.2f} s)"])
     s = r["settings"]
-    return {"folder_identity.table": table(["files", "precompute", "of which reading + digests",
-                                            f"added at open (stat every file, read {r['results'][0]['open']['files_read_at_open']})",
-                                            "open without it (names only)", "a copied folder's open",
-                                            "every file's bytes (`store verify --data`)"], rows, "rrrrrrr")
-            + f"\n\nFiles of {r['results'][0]['mean_file_bytes']:.0f} bytes on average (Fashion-MNIST images as PNG), "
-            f"the prior `{s['prior']}`, median of {s['repeats']} opens each way, interleaved; warm page cache, 1 thread."
-            "\n\n" + r.source()}
+    read = r["results"][0]["open"]["files_read_at_open"]
+    header = ["files", "precompute", "open, names only",
+              f"open before: size and time of every file, {read} read", f"open now: + change time and inode, {read} read",
+              "now - before (CPU)", "a copied folder's open", "every file's bytes (`store verify --data`)"]
+    return {"folder_identity.table": table(header, rows, "rrrrrrrr")
+            + f"\n\nWall time (CPU time in brackets), median of {s['repeats']} opens each way, interleaved; files of "
+            f"{r['results'][0]['mean_file_bytes']:.0f} bytes on average (Fashion-MNIST images as PNG), the prior "
+            f"`{s['prior']}`; \"before\" is the code at commit `{s['before']}` opening the same store with its record of "
+            "sizes, times and digests, \"now\" this code opening the store that also records change times and inodes; "
+            f"warm page cache, 1 thread. The machine was shared (load average {r['load_average_start'][0]:.1f} at the "
+            "start): the wall times carry the wait for a core, the CPU times are what an open costs.\n\n" + r.source()}
 
 
 # ---------------------------------------------------------------------------------------------- warm-start sets, priors
@@ -775,24 +803,97 @@ def blocks() -> dict[str, str]:
     return out
 
 
+class Block(NamedTuple):
+    """One generated block of a page: its name, where it starts and ends (markers included) and its text."""
+
+    name: str
+    start: int
+    end: int
+    text: str
+
+
+def parse_blocks(text: str) -> tuple[list[Block], list[str]]:
+    """The generated blocks of a page's ``text`` (markers outside code, whatever their spacing), and every marker
+    that cannot be matched to a block: an opening without its closing, a closing without its opening, a comment that
+    starts like a marker but is neither (each named with its line)."""
+    code = [m.span() for m in CODE.finditer(text)]
+
+    def in_code(i: int) -> bool:
+        return any(a <= i < b for a, b in code)
+
+    def line(i: int) -> int:
+        return text.count("\n", 0, i) + 1
+
+    marks = []  # (position, kind, match) outside code, in page order
+    for kind, pattern in (("open", OPEN), ("close", CLOSE)):
+        marks += [(m.start(), kind, m) for m in pattern.finditer(text) if not in_code(m.start())]
+    known = {pos for pos, _, _ in marks}
+    problems = [f"line {line(m.start())}: {text[m.start():text.find('-->', m.start()) + 3 or m.end()]!r} starts like "
+                "a generated-block marker but is neither '<!-- generated: NAME -->' nor '<!-- /generated -->'"
+                for m in LIKE_A_MARKER.finditer(text) if m.start() not in known and not in_code(m.start())]
+    blocks, opened = [], None
+    for pos, kind, m in sorted(marks, key=lambda x: x[0]):
+        if kind == "open":
+            if opened is not None:
+                problems.append(f"line {line(opened.start())}: block {opened.group('name')!r} has no closing "
+                                "'<!-- /generated -->' before the next block opens")
+            opened = m
+        elif opened is None:
+            problems.append(f"line {line(pos)}: '<!-- /generated -->' closes no block")
+        else:
+            blocks.append(Block(opened.group("name"), opened.start(), m.end(), text[opened.start():m.end()]))
+            opened = None
+    if opened is not None:
+        problems.append(f"line {line(opened.start())}: block {opened.group('name')!r} has no closing "
+                        "'<!-- /generated -->'")
+    return blocks, problems
+
+
+def block_text(name: str, rendered: dict[str, str]) -> str:
+    """Block ``name`` as this script writes it: its markers and what the result files give now."""
+    return f"<!-- generated: {name} -->\n\n{rendered[name]}\n\n<!-- /generated -->"
+
+
 def render_page(text: str, rendered: dict[str, str], page: str = "") -> str:
-    def fill(m: re.Match) -> str:
-        if m.group("name") not in rendered:
-            raise KeyError(f"{page}: no renderer makes the block {m.group('name')!r} (benchmarks/render.py)")
-        return f"<!-- generated: {m.group('name')} -->\n\n{rendered[m.group('name')]}\n\n<!-- /generated -->"
-    return MARKER.sub(fill, text)
+    """``text`` with every generated block rewritten from ``rendered``; a marker that matches no block, or a block no
+    renderer makes, raises naming it."""
+    blocks, problems = parse_blocks(text)
+    unknown = [b.name for b in blocks if b.name not in rendered]
+    if problems or unknown:
+        raise KeyError(f"{page}: " + "; ".join(problems + [f"no renderer makes the block {n!r} (benchmarks/render.py)"
+                                                           for n in unknown]))
+    out, last = [], 0
+    for b in blocks:
+        out += [text[last:b.start], block_text(b.name, rendered)]
+        last = b.end
+    return "".join(out + [text[last:]])
+
+
+def strip_blocks(text: str) -> str:
+    """A page's ``text`` without its generated blocks (what was written by hand)."""
+    blocks, _ = parse_blocks(text)
+    out, last = [], 0
+    for b in blocks:
+        out.append(text[last:b.start])
+        last = b.end
+    return "".join(out + [text[last:]])
 
 
 def check() -> list[str]:
-    """What differs: each page whose generated blocks are not what the files give now, blocks placed nowhere."""
+    """What differs: every block of every page that is not what the files give now (a marker's spacing included),
+    every block no renderer makes, every marker that matches no block, blocks placed nowhere."""
     rendered, problems, used = blocks(), [], set()
     for page in PAGES:
-        text = page.read_text()
-        used |= {m.group("name") for m in MARKER.finditer(text)}
-        if render_page(text, rendered, str(page.relative_to(ROOT))) != text:
-            stale = [m.group("name") for m in MARKER.finditer(text)
-                     if render_page(m.group(0), rendered) != m.group(0)]
-            problems.append(f"{page.relative_to(ROOT)}: {', '.join(stale)} differ from the result files "
+        where = str(page.relative_to(ROOT))
+        found, unmatched = parse_blocks(page.read_text())
+        problems += [f"{where}: {p}" for p in unmatched]
+        used |= {b.name for b in found}
+        unknown = [b.name for b in found if b.name not in rendered]
+        problems += [f"{where}: block {n!r} is made by no renderer (benchmarks/render.py); its numbers cannot be "
+                     "checked" for n in unknown]
+        stale = [b.name for b in found if b.name in rendered and b.text != block_text(b.name, rendered)]
+        if stale:
+            problems.append(f"{where}: {', '.join(stale)} differ from the result files "
                             "(run: python benchmarks/render.py)")
     problems += [f"block {name} is rendered but placed on no page" for name in sorted(set(rendered) - used)]
     return problems

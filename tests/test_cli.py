@@ -71,8 +71,9 @@ def test_precompute_under_accelerate_launch_prints_its_result_once(tmp_path):
     cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no", "-m", "accelerate_ssl.cli", "precompute", "--prior", "random:convnet",
            "--data", f"folder:{data}", "--out", str(tmp_path / "store"), "--no-progress"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cpu_process_env(PYTHONPATH=root))
-    assert_exited_cleanly(done.returncode, done.stderr)
+    env = cpu_process_env(PYTHONPATH=root)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert_exited_cleanly(done.returncode, done.stderr, env=env)
     wrote = [line for line in done.stdout.splitlines() if line.startswith("wrote ")]
     assert wrote == [f"wrote {tmp_path / 'store'}: 12 rows x 256 (random:convnet, fp32)"], done.stdout
     assert json.loads((tmp_path / "store" / "metadata.json").read_text())["num_processes"] == 2  # both ran it

@@ -89,8 +89,7 @@ def test_a_number_that_differs_from_its_file_is_caught(tmp_path, monkeypatch):
     rendered = render.blocks()
     text = (ROOT / "README.md").read_text()
     assert render.render_page(text, rendered) == text
-    block = render.MARKER.search(text)
-    body = block.group("body")
+    body = render.parse_blocks(text)[0][0].text
     number = re.search(r"\d+\.\d\d", body).group(0)
     edited = text.replace(body, body.replace(number, f"{float(number) + 0.01:.2f}", 1))
     assert render.render_page(edited, rendered) != edited  # a hand-edited number
@@ -104,6 +103,76 @@ def test_a_number_that_differs_from_its_file_is_caught(tmp_path, monkeypatch):
             (tmp_path / other.name).write_text(other.read_text())
     monkeypatch.setattr(render, "RESULTS", tmp_path)
     assert render.render_page(text, render.blocks()) != text
+
+
+_RENDERED: dict = {}
+
+
+def _page_with(tmp_path, monkeypatch, render, text: str) -> Path:
+    """``text`` as one more page of the docs (the real pages stay, so every block is placed somewhere); the blocks
+    rendered once for these tests."""
+    if not _RENDERED:
+        _RENDERED.update(render.blocks())
+    monkeypatch.setattr(render, "blocks", lambda: dict(_RENDERED))
+    page = tmp_path / "docs" / "extra.md"
+    page.parent.mkdir()
+    page.write_text(text)
+    monkeypatch.setattr(render, "ROOT", tmp_path)
+    monkeypatch.setattr(render, "PAGES", [tmp_path / p.relative_to(ROOT) for p in render.PAGES] + [page])
+    for p in render.PAGES[:-1]:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text((ROOT / p.relative_to(tmp_path)).read_text())
+    return page
+
+
+@pytest.mark.parametrize("opening", ["<!--  generated: {} -->", "<!-- generated:  {} -->", "<!--generated:{}-->",
+                                     "<!-- Generated : {} -->"])
+def test_a_hand_edited_number_is_caught_whatever_the_markers_spacing(tmp_path, monkeypatch, opening):
+    """A block whose opening marker is spaced otherwise is checked all the same, even when the same block sits,
+    correct, on another page (speedup.headline: on the README and on docs/index.md)."""
+    render = _render()
+    name = "speedup.headline"
+    page = _page_with(tmp_path, monkeypatch, render, "")
+    right = render.block_text(name, _RENDERED)
+    assert right in (ROOT / "README.md").read_text() and right in (ROOT / "docs" / "index.md").read_text()
+    number = re.search(r"\d+\.\d\d", _RENDERED[name]).group(0)
+    edited = right.replace(number, f"{float(number) + 0.01:.2f}", 1).replace(f"<!-- generated: {name} -->",
+                                                                            opening.format(name))
+    page.write_text(f"# A page\n\n{edited}\n\nText after.\n")
+    assert [b.name for b in render.parse_blocks(page.read_text())[0]] == [name]
+    stale = [f"docs/extra.md: {name} differ from the result files (run: python benchmarks/render.py)"]
+    assert render.check() == stale
+    render.main([])  # rendering writes the block back, its markers as the script writes them
+    assert page.read_text() == f"# A page\n\n{right}\n\nText after.\n" and render.check() == []
+    # only the marker's spacing differs: still checked, and named, so that rendering normalises it
+    page.write_text(f"# A page\n\n{right.replace(f'<!-- generated: {name} -->', opening.format(name))}\n")
+    assert render.check() == stale
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("<!-- generated: demo.seeds -->\n| 1.00 |\n", "block 'demo.seeds' has no closing '<!-- /generated -->'"),
+    ("| 1.00 |\n<!-- /generated -->\n", "line 2: '<!-- /generated -->' closes no block"),
+    ("<!-- generated: demo.seeds -->\n| 1.00 |\n<!-- generated: demo.wall -->\n| 2 |\n<!-- /generated -->\n",
+     "line 1: block 'demo.seeds' has no closing '<!-- /generated -->' before the next block opens"),
+    ("<!-- generated demo.seeds -->\n| 1.00 |\n<!-- /generated -->\n", "starts like a generated-block marker"),
+    ("<!-- generated: no.such.block -->\n| 1.00 |\n<!-- /generated -->\n",
+     "block 'no.such.block' is made by no renderer"),
+])
+def test_a_block_that_cannot_be_matched_to_its_source_fails_the_check(tmp_path, monkeypatch, text, problem):
+    render = _render()
+    _page_with(tmp_path, monkeypatch, render, text)
+    problems = render.check()
+    assert len(problems) >= 1 and all(p.startswith("docs/extra.md: ") for p in problems), problems
+    assert any(problem in p for p in problems), problems
+    with pytest.raises(KeyError, match="docs/extra.md"):
+        render.main([])  # and rendering refuses the page rather than leave the block as it is
+
+
+def test_markers_shown_as_code_are_text_not_blocks():
+    render = _render()
+    text = ("Tables sit between `<!-- generated: NAME -->` and `<!-- /generated -->`:\n\n```\n<!-- generated: x -->\n"
+            "| 1.00 |\n<!-- /generated -->\n```\n")
+    assert render.parse_blocks(text) == ([], [])
 
 
 def test_every_result_file_has_a_renderer_and_no_file_without_provenance_is_rendered(tmp_path):
@@ -120,7 +189,7 @@ def test_no_table_of_numbers_outside_a_generated_block():
     render = _render()
     pages = [ROOT / "README.md", *sorted((ROOT / "docs" / "benchmarks").glob("*.md"))]
     for page in pages:
-        outside = render.MARKER.sub("", page.read_text())
+        outside = render.strip_blocks(page.read_text())
         outside = re.sub(r"```.*?```", "", outside, flags=re.S)  # commands may hold numbers
         rows = [line for line in outside.splitlines() if line.startswith("|") and not set(line) <= set("|-: ")]
         numeric = [row for row in rows if re.search(r"\d", row)]

@@ -249,5 +249,5 @@ def test_sync_every_follows_the_same_lambda_trajectory_late():
 
 
 def test_bad_sync_every_is_refused():
-    with pytest.raises(ValueError, match="sync_every must be an int >= 1"):
+    with pytest.raises(ValueError, match="sync_every is a number of optimiser steps, an int >= 1"):
         ReLA(targets(), Net().backbone, feature_dim=D, sync_every=0)

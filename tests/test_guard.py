@@ -69,7 +69,9 @@ def test_warns_once_on_a_shuffled_store(seed):
     rela, warned = train(shuffled, index_batches(x, 31, seed))
     assert len(warned) == 1 and "accelerate-ssl store verify" in str(warned[0].message)
     assert warned[0].filename == __file__  # points at the wrap call
-    assert rela.guard.alarm["batch"] == 12  # the first tested window: warm-up 2 + window 10
+    # the first two tested windows: warm-up 2 + two windows of 10. With seeds 0 and 2 the head half-learns the wrong
+    # pairing by the second window (its gap confidently above zero, yet under tau of the spread): confirmed all the same
+    assert rela.guard.alarm["batch"] == 22
     assert abs(rela.guard.alarm["gap"]) < 0.05
 
 
@@ -87,7 +89,7 @@ def test_warns_when_index_is_one_batch_late():
     x, y = data()
     rela, warned = train(y, previous_batch_indices(x, 31))
     assert len(warned) == 1 and "accelerate-ssl store verify" in str(warned[0].message)
-    assert rela.guard.alarm["batch"] == 12
+    assert rela.guard.alarm["batch"] == 22
 
 
 def test_switched_off_it_observes_nothing():
@@ -99,7 +101,7 @@ def test_switched_off_it_observes_nothing():
 def _window_verdict(signal: float, noise: float = 1.0, batch: int = 512):
     """One tested window of synthetic batches: predictions = signal * own target + noise; the guard's alarm."""
     g = torch.Generator().manual_seed(1)
-    guard = AlignmentGuard(warmup=0, window=10)
+    guard = AlignmentGuard(warmup=0, window=10, confirm=1)  # the verdict of one window
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MisalignmentWarning)
         for _ in range(10):
@@ -120,10 +122,35 @@ def test_warns_only_on_a_gap_confidently_near_zero():
     assert alarm is None and last["relative_upper"] > 0.5, last
 
 
+def test_one_suspect_window_then_a_head_that_learns_does_not_warn():
+    """Before: a correct one-view loop warned at batch 12, its first window: the head, fitted on the first batch of a
+    student that had barely trained, predicted next to nothing on the next batches, then learnt. A window like that
+    alone is not enough; two in a row are (other samples' rows never improve)."""
+    g = torch.Generator().manual_seed(2)
+
+    def window(guard, signal):
+        for _ in range(10):
+            t = torch.randn(B, D_T, generator=g)
+            guard.observe(signal * t + torch.randn(B, D_T, generator=g), t, B)
+        guard._poll(wait=True)
+
+    guard = AlignmentGuard(warmup=0, window=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MisalignmentWarning)
+        window(guard, 0.0)  # suspect: nothing predicted yet
+        assert guard.last["relative_upper"] < 0.1 and guard.last["t"] < 3 and guard.alarm is None
+        window(guard, 1.0)  # the head has learnt: the own rows are predicted
+        window(guard, 0.0)
+        assert guard.alarm is None
+    with pytest.warns(MisalignmentWarning, match=r"over 2 windows of 10 batches in a row, up to batch 40"):
+        window(guard, 0.0)
+    assert guard.alarm["batch"] == 40
+
+
 def test_state_round_trips_mid_window():
     """A resumed check continues its open window: the same windows and the same alarm as an uninterrupted one."""
     g = torch.Generator().manual_seed(0)
-    feed = [(torch.randn(2 * B, D_T, generator=g), torch.randn(B, D_T, generator=g)) for _ in range(45)]
+    feed = [(torch.randn(2 * B, D_T, generator=g), torch.randn(B, D_T, generator=g)) for _ in range(55)]
     feed = [(p + (3.0 * t.repeat(2, 1) if i < 25 else 0.0), t.repeat(2, 1)) for i, (p, t) in enumerate(feed)]
     whole = AlignmentGuard(warmup=10)
     with pytest.warns(MisalignmentWarning):
@@ -139,7 +166,7 @@ def test_state_round_trips_mid_window():
     with pytest.warns(MisalignmentWarning):
         for p, t in feed[25:]:
             resumed.observe(p, t, B)
-    assert resumed.alarm == pytest.approx(whole.alarm) and whole.alarm["batch"] == 40  # window 31-40: all misaligned
+    assert resumed.alarm == pytest.approx(whole.alarm) and whole.alarm["batch"] == 50  # windows 31-40, 41-50: wrong
     assert resumed.last == pytest.approx(whole.last)
 
 

@@ -62,8 +62,9 @@ def _run(command: str, cwd: Path, timeout: int = 170) -> subprocess.CompletedPro
 
 
 def _run_argv(argv: list, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
-    done = subprocess.run(argv, cwd=cwd, env=_env(), text=True, capture_output=True, timeout=timeout)
-    assert_exited_cleanly(done.returncode, done.stderr)
+    env = _env()
+    done = subprocess.run(argv, cwd=cwd, env=env, text=True, capture_output=True, timeout=timeout)
+    assert_exited_cleanly(done.returncode, done.stderr, env=env)
     return done
 
 
@@ -405,10 +406,10 @@ def test_the_accelerate_cv_recipe_runs_as_written_and_every_row_is_the_samples_o
     from accelerate_ssl.targets.store import TargetStore
 
     make_pet_images(tmp_path / "images", 48)
+    env = _env(RECIPE_LOG=str(tmp_path / "log"))
     done = subprocess.run(_argv(LAUNCH) + [str(CV_RECIPE), "--data_dir", str(tmp_path / "images"), "--cpu"],
-                          cwd=tmp_path, env=_env(RECIPE_LOG=str(tmp_path / "log")), text=True, capture_output=True,
-                          timeout=300)
-    assert_exited_cleanly(done.returncode, done.stderr)
+                          cwd=tmp_path, env=env, text=True, capture_output=True, timeout=300)
+    assert_exited_cleanly(done.returncode, done.stderr, env=env)
     ranks = read_logs(tmp_path / "log", ranks=2)
     for steps in ranks:
         assert len(steps) == 8 * 3  # 38 training images, 19 per process, batches of 8, eight epochs

@@ -133,9 +133,10 @@ def test_batches_lightning_reads_ahead_are_popped_oldest_first():
 
 def test_two_process_ddp_distributed_sampler_reload_accumulation_clipping(tmp_path):
     # Lightning launches rank 1 itself by re-running the worker script
-    done = subprocess.run([sys.executable, str(WORKER), "lightning", str(tmp_path)], cwd=tmp_path, env=_env(),
+    env = _env()
+    done = subprocess.run([sys.executable, str(WORKER), "lightning", str(tmp_path)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=240)
-    assert_exited_cleanly(done.returncode, done.stderr, done.stdout)
+    assert_exited_cleanly(done.returncode, done.stderr, done.stdout, env=env)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     r0, r1 = ranks
     assert r0["world_size"] == 2
@@ -231,9 +232,10 @@ def test_several_priors_are_logged_each_and_resume_exactly(tmp_path):
 
 
 def test_closure_stepped_ddp_loop_keeps_the_head_identical_on_both_processes(tmp_path):
+    env = _env()
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(WORKER), "closure",
-                           str(tmp_path)], env=_env(), capture_output=True, text=True, timeout=180)
-    assert_exited_cleanly(done.returncode, done.stderr, done.stdout)
+                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=180)
+    assert_exited_cleanly(done.returncode, done.stderr, done.stdout, env=env)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     for mode in ("user", "own"):  # the head in the user's optimiser, or in ReLA's own
         assert len(r0[mode]) == 4

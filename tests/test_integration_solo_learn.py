@@ -604,10 +604,10 @@ def test_a_fraction_of_zero_or_below_is_all_data_and_one_or_more_is_refused(tmp_
 def test_two_process_ddp_without_unused_parameters_runs_past_the_end_of_every_schedule(tmp_path):
     out = tmp_path / "ddp.json"
     worker = Path(__file__).resolve().parent / "_solo_ddp_worker.py"
+    env = cpu_process_env(PYTHONWARNINGS="ignore")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(worker), str(out)],
-                          cwd=tmp_path, env=cpu_process_env(PYTHONWARNINGS="ignore"), text=True, capture_output=True,
-                          timeout=240)
-    assert_exited_cleanly(done.returncode, done.stderr)
+                          cwd=tmp_path, env=env, text=True, capture_output=True, timeout=240)
+    assert_exited_cleanly(done.returncode, done.stderr, env=env)
     result = json.loads(out.read_text())
     for name in ("switch", "decay", "epochs", "constant0"):
         r = result[name]

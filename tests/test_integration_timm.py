@@ -411,10 +411,10 @@ def test_timm_style_ddp_on_the_cpu_under_two_gloo_processes(image_folder, tmp_pa
     folder, store = image_folder
     here = Path(__file__).resolve()
     torchrun = str(Path(sys.executable).with_name("torchrun"))
+    env = cpu_process_env(PYTHONPATH=str(here.parents[1]), RELA_TARGETS=str(store.path))
     done = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(here.with_name("_timm_ddp_worker.py")),
-                           str(folder), str(tmp_path)], capture_output=True, text=True, timeout=300,
-                          env=cpu_process_env(PYTHONPATH=str(here.parents[1]), RELA_TARGETS=str(store.path)))
-    assert_exited_cleanly(done.returncode, done.stderr)
+                           str(folder), str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    assert_exited_cleanly(done.returncode, done.stderr, env=env)
     ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
     for r in ranks:
         assert r["world_size"] == 2 and r["updates_per_epoch"] == 4 and r["rela_steps"] == 8

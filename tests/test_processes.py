@@ -1,105 +1,200 @@
 """How the tests judge a child process's exit (tests/processes.py): PyTorch's gloo teardown abort after a finished
-script is accepted only when the child's own fault handler dump proves the script had returned; every other failure
-still fails. The texts below are trimmed from a real ``accelerate launch`` run that hit the abort."""
+script is accepted only when every process the launcher's report names failed by it (or was terminated by the
+launcher once its script had returned), each judged by its own fault handler dump; every other failure still fails.
+
+Two launcher outputs are captured whole: ``tests/fixtures/launcher/capture.py`` ran ``tests/fixtures/launcher/child.py``
+under ``accelerate launch --multi_gpu --num_processes 2`` (two gloo CPU processes) and kept the run's stderr and every
+process's own dump: ``exit3`` (rank 0 aborted in the teardown, rank 1 exited with status 3 at the same moment) and
+``sigkill`` (rank 1 killed by SIGKILL after the last collective; rank 0 finished without the abort that time). The
+teardown abort is timing-dependent and did not come again on the loaded machine the other cases were tried on, so
+those are *derived* from the ``exit3`` capture, its rank 1 entry rewritten as the launcher writes that exit (the text
+of its other entries and of rank 0's real dump kept): ``both`` (rank 1 aborted too, with a dump of its own),
+``sigkill-beside-abort``, ``terminated-finished`` and ``terminated-running`` (rank 1 sent SIGTERM by the launcher,
+its dump showing no Python frame, or one)."""
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from processes import aborted_after_finishing, assert_exited_cleanly, cpu_process_env
+from processes import (CHILD_SITE, FAULTS_ENV, assert_exited_cleanly, cpu_process_env, fault_dumps, launcher_failures,
+                       teardown_abort_only)
 
-DUMP_FINALISING = """terminate called without an active exception
-Fatal Python error: Aborted
-
-Thread 0x00007fa7d6641b80 (most recent call first):
-  <no Python frame>
-
-Extension modules: numpy._core._multiarray_umath, torch._C, PIL._imaging (total: 3)
-"""
-
-DUMP_RUNNING = """terminate called without an active exception
-Fatal Python error: Aborted
-
-Current thread 0x00007fa7d6641b80 (most recent call first):
-  File "/work/recipes/accelerate_checkpointing.py", line 112 in training_function
-  File "/work/recipes/accelerate_checkpointing.py", line 140 in main
-
-Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)
-"""
+CAPTURED = Path(__file__).parent / "fixtures" / "launcher"
+#: a thread of a fault handler dump: finished (no Python frame) and running (a frame)
+FINISHED = "Thread 0x00007f036a7f2b80 (most recent call first):\n  <no Python frame>\n"
+RUNNING = 'Thread 0x00007f036a7f2b80 (most recent call first):\n  File "/work/train.py", line 112 in training_function\n'
 
 
-#: two ranks aborting at once, their dumps interleaved on one stderr (as captured)
-DUMPS_INTERLEAVED = """terminate called without an active exception
-terminate called without an active exception
-Fatal Python error: Fatal Python error: AbortedAborted
+def _derived(case: str) -> dict:
+    """A run derived from the real ``exit3`` capture: rank 1's report entry (and, for some, its dump and the launcher's
+    SIGTERM line) rewritten as the launcher and the fault handler write them for ``case``."""
+    run = json.loads((CAPTURED / "exit3.json").read_text())
+    rank1 = next(f for f in launcher_failures(run["stderr"]) if f.rank == 1)
+    (rank0_name, rank0_dump), = run["faults"].items()
+    parent = rank0_name.split("-parent-")[1].removesuffix(".txt")
+    entry = re.search(rf"exitcode  : 3 \(pid: {rank1.pid}\) *\n(.*\n)*?  traceback : [^\n]*", run["stderr"]).group(0)
+
+    def signal(number: int, name: str) -> str:
+        return (f"exitcode  : -{number} (pid: {rank1.pid})  ({name})\n  error_file: <N/A>\n"
+                f"  traceback : Signal {number} ({name}) received by PID {rank1.pid}")
+
+    own = f"pid-{rank1.pid}-parent-{parent}.txt"
+    stderr, faults = run["stderr"], dict(run["faults"])
+    if case == "both":
+        stderr = "terminate called without an active exception\n" + stderr.replace(entry, signal(6, "SIGABRT"))
+        faults[own] = rank0_dump  # its own dump: the same abort while finalising
+    elif case == "sigkill-beside-abort":
+        stderr = stderr.replace(entry, signal(9, "SIGKILL"))
+    elif case in ("terminated-finished", "terminated-running"):
+        sent = next(line for line in stderr.splitlines() if "closing signal SIGTERM" in line)
+        stderr = stderr.replace(entry, signal(15, "SIGTERM")).replace(
+            sent, sent + "\n" + re.sub(r"process \d+", f"process {rank1.pid}", sent))
+        faults[own] = FINISHED if case == "terminated-finished" else RUNNING
+    else:
+        raise KeyError(case)
+    return {**run, "stderr": stderr, "faults": faults}
 
 
-
-Thread 0xThread 0x00007f29547edb8000007f4bdfbe1b80 (most recent call first):
- (most recent call first):
-  <no Python frame>
-  <no Python frame>
-
-Extension modules: numpy._core._multiarray_umath
-Extension modules: numpy._core._multiarray_umath, torch._C, torch._C (total: 2)
-"""
-
-
-def _launcher(signal_line: str) -> str:
-    return f"""W1127 17:49:11.839000 19135 api.py:1028] Sending process 19150 closing signal SIGTERM
-E1127 17:49:11.905000 19135 api.py:1002] failed (exitcode: -6) local_rank: 0 (pid: 19149) of binary: python
-Traceback (most recent call last):
-  File "/venv/bin/accelerate", line 6, in <module>
-    sys.exit(main())
-  File "/venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 386, in launch_agent
-    raise ChildFailedError(
-torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
-============================================================
-accelerate_checkpointing.py FAILED
-------------------------------------------------------------
-Root Cause (first observed failure):
-[0]:
-  rank      : 0 (local_rank: 0)
-  {signal_line}
-============================================================
-"""
+def captured(case: str, tmp_path, edit=None, folder: str = "dumps"):
+    """A run (captured, or derived from a capture): its exit status, stderr and a folder (``tmp_path / folder``)
+    holding its processes' dumps, each passed through ``edit(name, text)`` when given, which returns the
+    ``(name, text)`` to write (renamed, rewritten) or None to drop it."""
+    path = CAPTURED / f"{case}.json"
+    run = json.loads(path.read_text()) if path.is_file() else _derived(case)
+    folder = tmp_path / f"{case}-{folder}"
+    folder.mkdir()
+    for name, text in run["faults"].items():
+        out = (name, text) if edit is None else edit(name, text)
+        if out is not None:
+            (folder / out[0]).write_text(out[1])
+    return run["returncode"], run["stderr"], folder
 
 
-ABORT = "traceback : Signal 6 (SIGABRT) received by PID 19149"
+def _pid(name: str) -> int:
+    return int(name.split("-")[1])
 
 
-def test_the_teardown_abort_of_a_finished_script_is_recognised_and_accepted_with_a_warning():
-    stderr = DUMP_FINALISING + _launcher(ABORT)
-    assert aborted_after_finishing(stderr)
-    with pytest.warns(RuntimeWarning, match="gloo teardown"):
-        assert_exited_cleanly(1, stderr)
-    assert aborted_after_finishing(DUMP_FINALISING)  # Lightning: rank 0 is the script itself, no launcher report
-    assert aborted_after_finishing(DUMP_FINALISING + DUMP_FINALISING + _launcher(ABORT))  # both ranks
-    assert aborted_after_finishing(DUMPS_INTERLEAVED + _launcher(ABORT))  # both ranks at once
+def test_the_runs_are_what_their_names_say(tmp_path):
+    """The fixtures themselves: each launcher report lists the processes its case is about, and rank 0's own dump
+    shows the teardown abort where it aborted."""
+    expected = {"exit3": {0: -6, 1: 3}, "sigkill": {1: -9}, "both": {0: -6, 1: -6},
+                "sigkill-beside-abort": {0: -6, 1: -9}, "terminated-finished": {0: -6, 1: -15},
+                "terminated-running": {0: -6, 1: -15}}
+    for case, codes in expected.items():
+        returncode, stderr, folder = captured(case, tmp_path)
+        failures = launcher_failures(stderr)
+        assert returncode == 1 and {f.rank: f.exitcode for f in failures} == codes, case
+        if 0 in codes:
+            assert "terminate called without an active exception" in stderr
+            aborted = next(f for f in failures if f.rank == 0)
+            assert "<no Python frame>" in fault_dumps(folder)[aborted.pid].text  # rank 0 aborted while finalising
+    assert fault_dumps(captured("sigkill", tmp_path, folder="again")[2]) == {}  # a SIGKILL leaves no dump
+
+
+@pytest.mark.parametrize("case, verdict", [
+    ("both", None),  # both ranks aborted in the teardown, each dump without a Python frame
+    ("terminated-finished", None),  # rank 1 terminated by the launcher after its script had returned
+    ("exit3", r"rank 1 \(pid \d+\): exited with status 3"),
+    ("sigkill", r"rank 1 \(pid \d+\): killed by signal 9"),
+    ("sigkill-beside-abort", r"rank 1 \(pid \d+\): killed by signal 9"),
+    ("terminated-running", r"rank 1 \(pid \d+\): its dump shows a Python frame .*its script had not finished"),
+])
+def test_every_failed_process_is_judged_by_its_own_dump(tmp_path, case, verdict):
+    """Before: a rank exiting 3, or killed, beside a teardown abort was accepted: the check only asked that the abort
+    appear somewhere in stderr."""
+    returncode, stderr, folder = captured(case, tmp_path)
+    env = {FAULTS_ENV: str(folder)}
+    if verdict is None:
+        assert teardown_abort_only(returncode, stderr, folder) is None
+        with pytest.warns(RuntimeWarning, match="gloo teardown"):
+            assert_exited_cleanly(returncode, stderr, env=env)
+    else:
+        assert teardown_abort_only(returncode, stderr, folder) is not None
+        with pytest.raises(AssertionError, match=rf"exit status 1: {verdict}"):
+            assert_exited_cleanly(returncode, stderr, env=env)
+
+
+def test_a_python_frame_in_an_aborted_process_s_own_dump_fails(tmp_path):
+    """The "no Python frame" condition decides: the same run, one rank's dump showing its script still running."""
+    returncode, stderr, folder = captured("both", tmp_path)
+    assert teardown_abort_only(returncode, stderr, folder) is None
+    first = sorted(fault_dumps(folder))[0]
+
+    def running(name, text):
+        return name, (text.replace("  <no Python frame>", '  File "/work/train.py", line 112 in training_function', 1)
+                      if _pid(name) == first else text)
+
+    returncode, stderr, folder = captured("both", tmp_path, edit=running, folder="edited")
+    assert teardown_abort_only(returncode, stderr, folder) == (
+        f"rank {next(f.rank for f in launcher_failures(stderr) if f.pid == first)} (pid {first}): its dump shows a "
+        "Python frame (1 frame line(s)): its script had not finished")
+
+
+@pytest.mark.parametrize("edit, verdict", [
+    (lambda pids: lambda name, text: None if _pid(name) == pids[0] else (name, text),
+     r"SIGABRT without a fault handler dump of its own"),
+    (lambda pids: lambda name, text: (name.replace(str(pids[0]), "424242"), text) if _pid(name) == pids[0]
+     else (name, text), r"SIGABRT without a fault handler dump of its own"),  # the dump of another process
+    (lambda pids: lambda name, text: (name, text.replace("Fatal Python error: Aborted",
+                                                         "Fatal Python error: Segmentation fault")),
+     r"its dump holds the fatal error\(s\) \['Segmentation fault'\], not one abort"),
+])
+def test_dumps_are_matched_to_processes_by_pid(tmp_path, edit, verdict):
+    """Two ranks aborting at once interleave their output on one stderr; each dump is its own process's file, found
+    by the pid the launcher reports."""
+    _, stderr, _ = captured("both", tmp_path)
+    pids = [f.pid for f in launcher_failures(stderr)]
+    returncode, stderr, folder = captured("both", tmp_path, edit=edit(pids), folder="edited")
+    assert re.search(verdict, teardown_abort_only(returncode, stderr, folder) or "")
 
 
 @pytest.mark.parametrize("stderr, why", [
-    (DUMP_RUNNING + _launcher(ABORT), "a Python frame was running: the script had not finished"),
-    (DUMP_FINALISING + DUMP_RUNNING + _launcher(ABORT), "one rank was still in its script"),
-    (DUMPS_INTERLEAVED.replace("  <no Python frame>\n", "  File \"t.py\", line 3 in f\n", 1) + _launcher(ABORT),
-     "interleaved, and one rank was still in its script"),
-    ("terminate called without an active exception\n" + _launcher(ABORT), "no fault handler dump proves where"),
-    (DUMP_FINALISING.replace("terminate called without an active exception\n", "") + _launcher(ABORT),
-     "an abort of another kind"),
-    (DUMP_FINALISING + "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\nRuntimeError: boom\n"
-     + _launcher("traceback : Signal 6 (SIGABRT) received by PID 19149"), "the other rank raised"),
-    (DUMP_FINALISING + _launcher("exitcode  : 1 (pid: 19150)\n  traceback : To enable traceback see: ..."),
-     "the launcher reports an exit status, not the abort"),
-    (DUMP_FINALISING + "Fatal Python error: Segmentation fault\n\nThread 0x1 (most recent call first):\n"
-     "  <no Python frame>\n", "another fatal error as well"),
-    ("RuntimeError: the store does not match\n", "an ordinary failure"),
+    ("RuntimeError: the store does not match\n", "exit status 1 and no launcher report"),
+    ("", "exit status 1 and no launcher report"),
 ])
-def test_every_other_failure_still_fails(stderr, why):
-    assert not aborted_after_finishing(stderr), why
+def test_an_ordinary_failure_fails(tmp_path, stderr, why):
+    assert why in teardown_abort_only(1, stderr, tmp_path)
     with pytest.raises(AssertionError, match="exit status 1"):
-        assert_exited_cleanly(1, stderr)
+        assert_exited_cleanly(1, stderr, env={FAULTS_ENV: str(tmp_path)})
+    with pytest.raises(AssertionError, match="no folder of per-process fault handler dumps"):
+        assert_exited_cleanly(1, stderr)  # without the child's environment nothing can be judged
 
 
-def test_success_is_success_and_children_get_a_fault_handler():
+def test_without_a_launcher_the_child_itself_is_judged_by_its_dump(tmp_path):
+    """Lightning's DDP runs the script as rank 0 (no launcher report): the child's own SIGABRT and its dump."""
+    _, stderr, folder = captured("both", tmp_path)
+    aborted = next(f for f in launcher_failures(stderr) if f.rank == 0)
+    dump = fault_dumps(folder)[aborted.pid]
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / f"pid-{aborted.pid}-parent-{dump.parent}.txt").write_text(dump.text)
+    teardown = "terminate called without an active exception\n"
+    assert teardown_abort_only(-6, teardown, lone, parent=dump.parent) is None
+    assert "exit status 3" in teardown_abort_only(3, teardown, lone, parent=dump.parent)
+    assert "no fault handler dump of its own" in teardown_abort_only(-6, teardown, lone, parent=1)
+    assert "an abort of another kind" in teardown_abort_only(-6, "", lone, parent=dump.parent)
+
+
+def test_every_child_writes_its_own_dump_and_success_is_success(tmp_path):
+    """The machinery on real children: cpu_process_env gives each Python process its own dump file (fault handler on
+    SIGABRT and on SIGTERM); os.abort() in a running script is refused by its frame."""
     assert_exited_cleanly(0, "")
-    assert cpu_process_env()["PYTHONFAULTHANDLER"] == "1"  # without its dump no abort is ever accepted
+    env = cpu_process_env()
+    assert env["PYTHONPATH"].split(":")[0] == CHILD_SITE and env["PYTHONFAULTHANDLER"] == "1"
+    done = subprocess.run([sys.executable, "-c", "import os\nos.abort()"], env=env, capture_output=True, text=True)
+    dumps = fault_dumps(env[FAULTS_ENV])
+    assert done.returncode == -6 and len(dumps) == 1
+    (dump,) = dumps.values()
+    assert "Fatal Python error: Aborted" in dump.text and 'File "<string>", line 2' in dump.text
+    assert "its dump shows a Python frame" in teardown_abort_only(done.returncode, done.stderr, env[FAULTS_ENV])
+    env = cpu_process_env()
+    done = subprocess.run([sys.executable, "-c", "import os, signal, time\nos.kill(os.getpid(), signal.SIGTERM)\n"
+                           "time.sleep(5)"], env=env, capture_output=True, text=True)
+    (dump,) = fault_dumps(env[FAULTS_ENV]).values()
+    assert done.returncode == -15 and 'File "<string>"' in dump.text  # terminated, its own dump taken at the SIGTERM

@@ -194,7 +194,7 @@ def test_end_step_edge_cases_spec_and_resume():
     assert Epochs(0.2, 100, end_step=50).ends_by == 20 and Epochs(0.5, 100, end_step=10).ends_by == 10
     assert Constant(0.0).ends_by == 0 and Decay(end_step=0).finished and Decay(end_step=0).value == 0.0
     for bad in (-1, 2.5, True, "10"):
-        with pytest.raises(ValueError, match="end_step must be an int >= 0"):
+        with pytest.raises(ValueError, match="end_step is a number of optimiser steps, an int >= 0"):
             Decay(end_step=bad)
     d = create_schedule("decay", total_steps=100, end_step=5)
     assert isinstance(d, Decay) and d.end_step == 5 and create_schedule("epochs:0.5", total_steps=8, end_step=3).ends_by == 3
@@ -310,3 +310,151 @@ def test_the_settled_default_resumes_from_a_checkpoint_and_is_planned_by_set_tot
     _steps(late, backbone, 1, False, [])  # decay without a run length: the papers' constants, warned
     late.set_total_steps(30)
     assert type(late.schedule).__name__ == "Decay" and late.schedule.end_step == 15
+
+
+# ------------------------------------------------------------------------------------------ the run's plan, checked
+def _rela(**kw):
+    import torch
+    from torch import nn
+
+    from accelerate_ssl import ReLA
+
+    return ReLA(torch.randn(64, 4), nn.Linear(3, 4), feature_dim=4, n_components=None, witness=False,
+                alignment_check=False, **kw)
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda v: _rela(total_steps=v), "total_steps"),
+    (lambda v: _rela(total_steps=40, end_step=v), "end_step"),
+    (lambda v: _rela(sync_every=v), "sync_every"),
+    (lambda v: _rela(schedule="epochs:0.5").set_total_steps(v), "total_steps"),
+    (lambda v: Decay(total_steps=v), "total_steps"),
+    (lambda v: Switch(total_steps=v), "total_steps"),
+    (lambda v: Epochs(0.5, total_steps=v), "total_steps"),
+    (lambda v: Epochs(0.5, steps_per_epoch=v, epochs=3), "steps_per_epoch"),
+    (lambda v: create_schedule("decay", total_steps=v), "total_steps"),
+])
+@pytest.mark.parametrize("bad", [True, False, 40.0, 2.5, "40"])
+def test_bools_and_non_integers_are_refused_as_step_counts(make, name, bad):
+    """Before: total_steps=True was a one-step run (True == 1) and 40.7 was rounded down silently."""
+    with pytest.raises(ValueError, match=rf"{name} is a number of optimiser steps, an int >= [01]; got {bad!r} "
+                                         rf"\(a {type(bad).__name__}\)"):
+        make(bad)
+
+
+def test_whole_step_counts_of_any_integer_type_are_taken():
+    import numpy as np
+
+    rela = _rela(total_steps=np.int64(40), end_step=np.int32(10), sync_every=np.int64(2))
+    assert rela.schedule.end_step == 10 and rela.sync_every == 2 and type(rela.sync_every) is int
+    assert Decay(total_steps=np.int64(100)).total_steps == 100 and Epochs(0.5, 10).total_steps == 10
+
+
+def test_a_schedule_planned_for_another_run_length_than_total_steps_is_refused_with_both_numbers():
+    """Before: Decay(total_steps=1000) passed to ReLA(total_steps=40) silently planned the hand-over of a 1000-step
+    run (lambda ~0.8 at the end of the 40 steps)."""
+    with pytest.raises(ValueError, match=r"ReLA\(total_steps=40\) and your Decay schedule, planned for 1000 optimiser "
+                                         r"steps.*Decay\(total_steps=40, \.\.\.\).*schedule='decay'"):
+        _rela(schedule=Decay(total_steps=1000), total_steps=40)
+    rela = _rela(schedule=Switch(total_steps=1000))
+    with pytest.raises(ValueError, match=r"rela\.set_total_steps\(40\) and your Switch schedule, planned for 1000"):
+        rela.set_total_steps(40)  # as Lightning's callback plans it
+    assert _rela(schedule=Decay(total_steps=40), total_steps=40).schedule.total_steps == 40  # they agree
+    assert _rela(schedule=Decay(), total_steps=40).schedule.total_steps is None  # not planned: nothing to disagree
+    with pytest.raises(ValueError, match=r"ReLA\(total_steps=40\) but your Decay schedule ends ReLA's term after "
+                                         r"optimiser step 100: after the run's last step"):
+        _rela(schedule=Decay(end_step=100), total_steps=40)
+    with pytest.raises(ValueError, match=r"ReLA\(end_step=100\) is after the run's last step \(total_steps=40\)"):
+        _rela(total_steps=40, end_step=100)
+    assert _rela(total_steps=40, end_step=40).end_step == 40
+
+
+def _train(rela, steps: int):
+    import torch
+
+    backbone = rela.backbone
+    opt = torch.optim.SGD([*backbone.parameters(), *rela.parameters()], lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    for s in range(steps):
+        out = backbone(torch.randn(8, 3, generator=g))
+        loss = rela.wrap(out.pow(2).mean(), index=torch.arange(8 * (s % 8), 8 * (s % 8) + 8))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _notices(record) -> list[str]:
+    return [str(w.message) for w in record if type(w.message).__name__ == "HandoverWarning"]
+
+
+def test_a_loop_that_stops_long_before_total_steps_gets_one_notice_at_its_end():
+    """Before: 10 steps of a run planned for 1000 ended at lambda ~0.8 (distillation) without a word. The end of a loop
+    that stops early is when ReLA is closed: rela.close(), its garbage collection, or the interpreter's exit."""
+    import gc
+    import warnings
+
+    rela = _rela(total_steps=1000)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _train(rela, 10)
+        assert _notices(record) == []  # nothing while it trains
+        lam = rela.lam
+        rela.close()
+        rela.close()
+        del rela
+        gc.collect()
+    (notice,) = _notices(record)  # once
+    assert lam > 0.5 and (f"the run ended after 10 of its planned 1000 optimiser steps (total_steps=1000) with lambda "
+                          f"still {lam:.2f}") in notice and "your own loss never took over" in notice
+    with warnings.catch_warnings(record=True) as record:  # garbage collection alone says it too
+        warnings.simplefilter("always")
+        unplanned = _rela()
+        _train(unplanned, 3)
+        del unplanned
+        gc.collect()
+    assert len(_notices(record)) == 1 and "was not told the run length" in _notices(record)[0]
+
+
+def test_a_run_that_reaches_total_steps_with_lambda_high_is_told_at_that_step():
+    import warnings
+
+    rela = _rela(schedule=Decay(total_steps=20, end_fraction=None), total_steps=20)  # the paper's rule: no planned end
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _train(rela, 19)
+        assert _notices(record) == []
+        _train(rela, 1)
+        assert len(_notices(record)) == 1  # at the 20th step, not at close
+        rela.close()
+    (notice,) = _notices(record)
+    assert f"reached its planned end (total_steps=20) with lambda still {rela.lam:.2f}" in notice
+
+
+@pytest.mark.parametrize("kw", [{"total_steps": 20}, {"total_steps": 40, "end_step": 5},
+                                {"schedule": "constant:0.5", "total_steps": 1000}])
+def test_no_notice_for_a_run_that_handed_over_or_a_fixed_lambda(kw):
+    import warnings
+
+    rela = _rela(**kw)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _train(rela, 12)
+        rela.close()
+    assert _notices(record) == []
+
+
+def test_a_script_that_ends_before_its_plan_is_told_once_at_exit(tmp_path):
+    import subprocess
+    import sys
+
+    from processes import cpu_process_env
+
+    script = tmp_path / "short.py"
+    script.write_text("import sys\nsys.path.insert(0, %r)\nfrom test_schedules import _rela, _train\n"
+                      "rela = _rela(total_steps=500)\n_train(rela, 6)\nprint('loop done')\n"
+                      % str(__import__("pathlib").Path(__file__).parent))
+    done = subprocess.run([sys.executable, str(script)], env=cpu_process_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "loop done" and done.stderr.count("HandoverWarning") == 1, done.stderr[-2000:]
+    assert "the run ended after 6 of its planned 500 optimiser steps" in done.stderr

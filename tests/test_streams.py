@@ -26,7 +26,7 @@ from accelerate_ssl import ReLA, ShardedTargets, create_prior, decode_images, pr
 from accelerate_ssl.data.streams import open_stream  # noqa: E402
 from accelerate_ssl.data.views import apply_view  # noqa: E402
 from accelerate_ssl.targets.sidecar import SidecarError, key_index  # noqa: E402
-from processes import cpu_process_env  # noqa: E402
+from processes import assert_exited_cleanly, cpu_process_env, free_port  # noqa: E402
 from recipe_check import HOSTS, check_recipe, page_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,11 +89,33 @@ def as_tensor(sample):
 
 @pytest.fixture(scope="module")
 def stream(tmp_path_factory, prior):
+    """Shards of 10, 7 and 9 samples and their sidecars, computed as the tests' child processes compute (the CPU, one
+    thread), so that the sidecars of a precompute in child processes can be compared with them byte for byte."""
     root = tmp_path_factory.mktemp("wds")
     urls = write_shards(root / "data")
     spec = f"wds:{root}/data/shard-{{000000..000002}}.tar"
-    targets = precompute_sidecars(prior, spec, root / "sidecars", batch_size=4, progress=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            targets = precompute_sidecars(prior, spec, root / "sidecars", batch_size=4, progress=False)
+        finally:
+            torch.set_num_threads(threads)
     return root, urls, spec, targets
+
+
+def _same_sidecar(a: Path, b: Path) -> str:
+    """'' when two sidecar files hold the same bytes, else what differs (the header or the rows, and by how much)."""
+    if a.read_bytes() == b.read_bytes():
+        return ""
+    from safetensors import safe_open
+
+    with safe_open(str(a), framework="pt") as fa, safe_open(str(b), framework="pt") as fb:
+        if fa.metadata() != fb.metadata():
+            return f"{a.name}: headers differ: {fa.metadata()} vs {fb.metadata()}"
+        diffs = {k: float((fa.get_tensor(k).double() - fb.get_tensor(k).double()).abs().max()) for k in fa.keys()}
+    return f"{a.name}: same header, largest differences {diffs}"
 
 
 def joined(urls, targets, **kw):
@@ -172,20 +194,25 @@ def test_a_datasets_loop_trains_with_a_target_column(tmp_path, prior):
 
 # ------------------------------------------------------------------------------------------------ sharding, resuming
 def test_two_processes_write_every_shard_once_identical_to_one(stream, tmp_path):
+    """The sidecars of two gloo processes are the bytes of one process's, both computed on the CPU with one thread
+    (the reference is computed as the children compute, the stream fixture). The launch takes a port of its own: on
+    the default one, another run holding it made the launcher hang until the timeout."""
     root, urls, spec, one = stream
     env = cpu_process_env(PYTHONPATH=str(ROOT))
     cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "accelerate_ssl.cli",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(free_port()), "-m", "accelerate_ssl.cli",
            "precompute", "--prior", "random:convnet", "--data", spec, "--out", str(tmp_path / "two"),
            "--batch-size", "4", "--no-progress"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert_exited_cleanly(out.returncode, out.stderr, env=env)
     meta = json.loads((tmp_path / "two" / "sidecars.json").read_text())
     assert meta["num_processes"] == 2 and [s["shard"] for s in meta["shards"]] == one.shards  # 3 shards on 2 ranks
     for name in one.shards:
-        assert (tmp_path / "two" / f"{name}.safetensors").read_bytes() == (root / "sidecars" / f"{name}.safetensors").read_bytes()
+        assert _same_sidecar(tmp_path / "two" / f"{name}.safetensors", root / "sidecars" / f"{name}.safetensors") == ""
 
 
+@pytest.mark.usefixtures("cpu_one_thread")  # as the reference sidecars were computed, byte for byte
 def test_a_killed_precompute_resumes_shard_by_shard_to_identical_sidecars(stream, prior, tmp_path, monkeypatch):
     root, urls, spec, full = stream
     source = open_stream(spec)

@@ -48,7 +48,12 @@ def _boxes(draw, n: int, height: int, width: int) -> torch.Tensor:
 
 
 WRONG_GEOMETRY = ("one view for all", "some of the views", "more views", "ragged", "same block twice",
-                  "views of other images", "another image size", "not 7 fields")
+                  "same boxes within a pixel", "views of other images", "another image size", "not 7 fields")
+
+
+def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two view blocks whose boxes are within a pixel of each other, flipped alike, for every sample."""
+    return bool((((a[:, :4] - b[:, :4]).abs().amax(1) <= 1) & (a[:, 4:] == b[:, 4:]).all(1)).all())
 
 
 @st.composite
@@ -62,13 +67,18 @@ def batches(draw):
                                                          for _ in range(n)]
     blocks = [torch.cat([_boxes(draw, 1, h, w) for h, w in sizes]) for _ in range(v)]
     for j in range(1, v):  # random crops of several images never coincide all at once: keep the draws apart
-        while any(torch.equal(blocks[j], blocks[k]) for k in range(j)):
-            blocks[j] = torch.cat([_boxes(draw, 1, h, w) for h, w in sizes])
+        if any(_alike(blocks[j], blocks[k]) for k in range(j)):  # sample 0's box moved off the earlier views'
+            h, w = sizes[0]
+            blocks[j][0] = next(box for box in (torch.tensor([x, 0, x + 2, 2, f, h, w], dtype=torch.float32)
+                                                for x in range(0, w - 1, 3) for f in (0, 1))
+                                if not any(_alike(box[None], blocks[k][:1]) for k in range(j)))
     one_call = draw(st.booleans())
     features = [torch.zeros(v * n, 3)] if one_call else [torch.zeros(n, 3) for _ in range(v)]
     possible = [w for w in WRONG_GEOMETRY if not (
-        (w in ("one view for all", "some of the views", "same block twice", "views of other images") and v < 2)
-        or (w == "same block twice" and n < 4) or (w == "ragged" and v * n < 2)
+        (w in ("one view for all", "some of the views", "same block twice", "same boxes within a pixel",
+               "views of other images") and v < 2)
+        or (w in ("same block twice", "same boxes within a pixel") and n < 4)
+        or (w == "ragged" and v * n < 2)
         or (w == "another image size" and store is RESIZES))]
     wrong = draw(st.sampled_from([None, None, *possible]))
     geometry = torch.cat(blocks)
@@ -83,6 +93,14 @@ def batches(draw):
     elif wrong == "same block twice":
         j = draw(st.integers(1, v - 1))
         geometry = torch.cat([*blocks[:j], blocks[0], *blocks[j + 1:]])
+    elif wrong == "same boxes within a pixel":  # view 0's boxes again, each side moved by at most a pixel
+        j = draw(st.integers(1, v - 1))
+        near = blocks[0].clone()
+        near[:, :4] += torch.tensor([[draw(st.sampled_from([-1, 0, 1])) for _ in range(4)] for _ in range(n)])
+        near[:, :4] = torch.minimum(near[:, :4].clamp_min(0), near[:, [6, 5, 6, 5]])
+        if not bool(((near[:, 0] < near[:, 2]) & (near[:, 1] < near[:, 3])).all()):
+            near = blocks[0]
+        geometry = torch.cat([*blocks[:j], near, *blocks[j + 1:]])
     elif wrong == "views of other images":  # view j's rows come from another image (another size) for one sample
         j, i = draw(st.integers(1, v - 1)), draw(st.integers(0, n - 1))
         other = blocks[j].clone()
@@ -221,6 +239,56 @@ def test_the_same_block_twice_is_refused_and_whole_images_pass(store):
     rela.wrap(torch.tensor(0.0), index=idx, geometry=whole)
 
 
+def test_boxes_within_a_pixel_are_refused_from_four_samples_and_warned_below(store):
+    """Before: the same block twice passed silently below 4 samples, and boxes a pixel apart at any batch size."""
+    g0 = _crops(6, 0)
+    near = g0.clone()
+    near[:, 0] = (near[:, 0] + 1).clamp(max=6)  # every box's left edge a pixel further (still inside, still 9 px wide)
+    for n, geometry in ((6, torch.cat([g0, near])), (6, torch.cat([g0, g0]))):
+        idx = torch.arange(n)
+        student, rela = _rela(store)
+        student(images(idx)), student(images(idx))
+        with pytest.raises(ValueError, match=r"views 0 and 1 have (boxes within 1 px of each other|the same geometry, "
+                                             r"box for box), for all 6 sample\(s\).*geometry=torch\.cat\(\[g0, g1\]\)"):
+            rela.wrap(torch.tensor(0.0), index=idx, geometry=geometry)
+    for n in (1, 2, 3):  # two random crops of one image can coincide by chance: said, not refused
+        idx = torch.arange(n)
+        student, rela = _rela(store)
+        student(images(idx)), student(images(idx))
+        with pytest.warns(UserWarning, match=rf"views 0 and 1 have the same geometry, box for box, for all {n} "
+                                             rf"sample\(s\).*not refused; from 4 samples on it is"):
+            rela.wrap(torch.tensor(0.0), index=idx, geometry=torch.cat([g0[:n], g0[:n]]))
+    idx = torch.arange(2)
+    student, rela = _rela(store)
+    student(images(idx)), student(images(idx))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # views of their own: nothing said
+        rela.wrap(torch.tensor(0.0), index=idx, geometry=torch.cat([_crops(2, 0), _crops(2, 1)]))
+
+
+def test_per_view_rows_passed_as_targets_get_the_checks_of_geometry(store):
+    """Before: rows of boxes recorded on images of another size than the store's, made with view_targets and passed as
+    wrap(targets=), skipped the image-size check that wrap(geometry=) makes; so did the same view's boxes twice."""
+    from accelerate_ssl.targets.views import pool_views, view_targets
+
+    idx = torch.arange(6)
+    upscaled = torch.cat([_crops(6, 0), _crops(6, 1)]) * torch.tensor([2, 2, 2, 2, 1, 2, 2])
+    with pytest.raises(ValueError, match=r"view_targets: view row 0's box was recorded on a 32x32 image, but the "
+                                         r"store's prior saw images of 16x16.*create_prior\(spec, size=\.\.\.\)"):
+        view_targets(store, idx.repeat(2), upscaled)
+    with pytest.raises(ValueError, match=r"pool_views: view row 0's box was recorded on a 32x32 image"):
+        pool_views(store.maps(idx.repeat(2)), upscaled, store.spatial, store.preprocess)
+    g0 = _crops(6, 0)
+    with pytest.raises(ValueError, match=r"view_targets: views 0 and 1 have the same geometry, box for box"):
+        view_targets(store, idx.repeat(2), torch.cat([g0, g0]))
+    with pytest.warns(UserWarning, match=r"view_targets: views 0 and 1 have the same geometry.*for all 2 sample"):
+        view_targets(store, idx[:2].repeat(2), torch.cat([g0[:2], g0[:2]]))
+    rows = view_targets(store, idx.repeat(2), torch.cat([g0, _crops(6, 1)]))  # right: rows as before
+    student, rela = _rela(store)
+    student(images(idx)), student(images(idx).flip(-1))
+    assert torch.isfinite(rela.wrap(torch.tensor(0.0), targets=rows))
+
+
 def test_a_list_of_blocks_is_the_views_in_order(store):
     """Before: torch.as_tensor of a list of tensors raised a raw ValueError."""
     idx = torch.arange(6)
@@ -336,7 +404,7 @@ def test_a_one_cell_store_is_refused_for_the_dense_term_and_said_for_geometry(tm
     student(x), student(x.flip(-1))
     g = torch.tensor([[0, 0, 6, 6, 0, 8, 8], [1, 1, 7, 8, 1, 8, 8], [2, 0, 8, 5, 0, 8, 8], [0, 2, 5, 8, 1, 8, 8]] * 2,
                      dtype=torch.float32)
-    g[4:, :2] += 1
+    g[4:, :2] += 2  # view 1: every box 2 px from view 0's (its own crop)
     with pytest.warns(UserWarning, match=r"the store's map is one cell \(1x1\).*as without geometry="):
         rela.wrap(torch.tensor(0.0), index=idx, geometry=g)
 

@@ -261,22 +261,24 @@ def fmnist_maps(fmnist, tmp_path_factory):
                               progress=False)
 
 
-def _per_view_run(train, store, steps, swap: bool, **witness_kwargs):
+def _per_view_run(train, store, steps, swap: bool, batch: int = 32, images=None, seed: int = 0, **witness_kwargs):
     """BYOL's two views per step with their boxes (wrap(geometry=)); ``swap``: the geometry's view blocks in the other
-    order than the features (each view pulled toward the other view's box)."""
+    order than the features (each view pulled toward the other view's box); ``images``: train on these instead of
+    ``train``'s (another data set: no ``dataset=`` given, as a loop that never checks one)."""
     from accelerate_ssl.backbones import ConvNet
     from accelerate_ssl.recipes import BYOL, BYOL_VIEWS, images_to_tensor, random_views
 
-    torch.manual_seed(0)
-    images = images_to_tensor(train.data)
+    torch.manual_seed(seed)
+    other = images is not None
+    images = images_to_tensor(train.data) if images is None else images
     backbone = ConvNet(widths=(8, 16, 32))
     model = BYOL(backbone, backbone.feature_dim, hidden_dim=64, out_dim=32)
-    rela = ReLA(store, backbone, dataset=train, feature_dim=backbone.feature_dim, n_components=16,
+    rela = ReLA(store, backbone, dataset=None if other else train, feature_dim=backbone.feature_dim, n_components=16,
                 schedule="constant:0.5", witness=Witness(**witness_kwargs))
     opt = torch.optim.AdamW([*model.parameters(), *rela.parameters()], lr=1e-3)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed + 1)
     for step in range(steps):
-        index = torch.randperm(N, generator=g)[:32]
+        index = torch.randperm(N, generator=g)[:batch]
         drawn = [random_views(images[index], BYOL_VIEWS, g, geometry=True) for _ in range(2)]
         views, boxes = [v for v, _ in drawn], [b for _, b in drawn]
         features = [backbone(v) for v in views]
@@ -309,3 +311,29 @@ def test_a_one_view_loop_on_other_rows_says_so_within_the_burst(fmnist):
     assert len(said) == 1 and rela.witness.status == "one view" and rela.witness.alarm is None
     assert re.search(r"cannot refute these rows: the backbone sees one view per sample per step.* rank 0\.[4-6]\d \+- "
                      r"0\.\d\d .*that is chance: most likely the rows are not these samples' own", said[0])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_per_view_rows_of_another_data_sets_maps_stop_within_the_first_steps_at_four_samples_a_step(fmnist,
+                                                                                                   fmnist_maps, seed):
+    """Before: at a few samples per step the first burst (4 steps) saw too few views to calibrate, the next witnessed
+    step was step 50, and a loop on digits with Fashion-MNIST's maps (no dataset= given) trained on without a stop.
+    Now the witness goes on witnessing every step until it has a verdict."""
+    from accelerate_ssl.data.datasets import Digits
+    from accelerate_ssl.recipes import images_to_tensor
+
+    train, _ = fmnist
+    digits = images_to_tensor(Digits().data[:N])  # another data set, indexed as if it were the store's
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # (and the "no data set was checked" warning: what this loop ignored)
+        rela = _per_view_run(train, fmnist_maps, 40, swap=False, batch=4, images=digits, seed=seed,
+                             on_misalignment="warn")
+    said = [str(w.message) for w in seen if issubclass(w.category, MisalignmentWarning) and "witness" in str(w.message)]
+    assert rela.witness.status == "misaligned" and rela.witness.alarm["step"] <= 20, rela.witness.last
+    assert re.search(r"their own rows ranked 0\.[3-6]\d .*chance.*index=", said[0])
+
+
+def test_aligned_per_view_rows_at_four_samples_a_step_are_confirmed_and_never_stopped(fmnist, fmnist_maps):
+    train, _ = fmnist
+    rela = _per_view_run(train, fmnist_maps, 40, swap=False, batch=4)
+    assert rela.witness.status == "aligned" and rela.witness.alarm is None

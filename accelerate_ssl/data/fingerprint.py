@@ -313,13 +313,19 @@ def file_paths(dataset) -> Optional[list[str]]:
 
 
 # ---------------------------------------------------------------------------------------------- file contents
-#: what a folder data set's store records of each row's file (``contents.npy``, ``int64 [N, 4]``): its size and
-#: modification time when it was read, and the blake2b-128 digest of its bytes (two int64)
-CONTENT_FIELDS = ("size", "mtime_ns", "digest_hi", "digest_lo")
+#: what a folder data set's store records of each row's file (``contents.npy``, ``int64 [N, 6]``): its size and
+#: modification time when it was read, the blake2b-128 digest of its bytes (two int64), and its change time and inode
+#: number (the file the path led to: a symlink's target). Modification times can be set back (``touch -d``, a copy or
+#: an archive that keeps them, files extracted with one time); a change time cannot (any write, rename or ``utime`` sets
+#: it to now) and a swap or a retargeted link changes the file a path leads to, so neither passes for the recorded file
+CONTENT_FIELDS = ("size", "mtime_ns", "digest_hi", "digest_lo", "ctime_ns", "inode")
+#: the fields of stores written before the change time and inode were recorded (opened with size and time only)
+CONTENT_FIELDS_V1 = CONTENT_FIELDS[:4]
 #: files whose bytes every open reads and compares, evenly spaced from a random start (a different sample each open)
 CONTENT_SAMPLE = 32
-#: at most this many files with a new modification time but their recorded size are read at open to tell a copy or a
-#: touch (same bytes) from an edit; beyond it, a random sample of them (and a warning naming the full check)
+#: at most this many files whose stat differs from the recorded one but not in size are read at open to tell a copy,
+#: a move or a ``touch`` (same bytes) from an edit or a swap; beyond it, a random sample of them (and a warning naming
+#: the full check)
 CONTENT_BUDGET = 256
 
 
@@ -329,25 +335,32 @@ def file_digest(data: bytes) -> tuple[int, int]:
     return int.from_bytes(d[:8], "little", signed=True), int.from_bytes(d[8:], "little", signed=True)
 
 
+def _int64(x: int) -> int:
+    """An unsigned 64-bit stat value (an inode number) as the int64 with the same bits."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
 def read_file(path) -> tuple[bytearray, np.ndarray]:
     """A file's bytes, read once into a writable buffer (decoded in place of a copy), and its record
-    ``[size, mtime_ns, digest_hi, digest_lo]`` (:data:`CONTENT_FIELDS`) computed from those very bytes: the precompute
-    decodes and records a file from one read."""
+    ``[size, mtime_ns, digest_hi, digest_lo, ctime_ns, inode]`` (:data:`CONTENT_FIELDS`) computed from those very bytes
+    and the file they were read from: the precompute decodes and records a file from one read."""
     with open(path, "rb") as f:
         stat = os.fstat(f.fileno())
         data = bytearray(stat.st_size)
         got = f.readinto(data)
     data = data if got == len(data) else data[:got]
-    return data, np.array([len(data), stat.st_mtime_ns, *file_digest(data)], dtype=np.int64)
+    return data, np.array([len(data), stat.st_mtime_ns, *file_digest(data), stat.st_ctime_ns, _int64(stat.st_ino)],
+                          dtype=np.int64)
 
 
 def file_record(path: str) -> np.ndarray:
-    """``[size, mtime_ns, digest_hi, digest_lo]`` of one file (:data:`CONTENT_FIELDS`), its bytes read once."""
+    """``[size, mtime_ns, digest_hi, digest_lo, ctime_ns, inode]`` of one file (:data:`CONTENT_FIELDS`), its bytes
+    read once."""
     return read_file(path)[1]
 
 
 def record_contents(paths: list[str], progress: bool = False) -> np.ndarray:
-    """:func:`file_record` of every path, in order: ``int64 [N, 4]`` (what precompute writes to ``contents.npy``)."""
+    """:func:`file_record` of every path, in order: ``int64 [N, 6]`` (what precompute writes to ``contents.npy``)."""
     from tqdm.auto import tqdm
 
     out = np.empty((len(paths), len(CONTENT_FIELDS)), dtype=np.int64)
@@ -358,8 +371,9 @@ def record_contents(paths: list[str], progress: bool = False) -> np.ndarray:
 
 class ContentCheck:
     """What :func:`check_contents` found: rows whose file is ``missing``, ``changed`` (other bytes than recorded), the
-    rows whose file has a new modification time with its recorded size (``retouched``) and how many of those were read
-    (``retouched_read``: all of them when within the budget), and how many files were read in all (``read``)."""
+    rows whose file's stat differs from the recorded one but not in size (``retouched``: another modification time,
+    change time or inode) and how many of those were read (``retouched_read``: all of them when within the budget),
+    and how many files were read in all (``read``)."""
 
     def __init__(self):
         self.missing: list[int] = []
@@ -375,11 +389,13 @@ class ContentCheck:
 
 def check_contents(paths: list[str], recorded: np.ndarray, full: bool = False, progress: bool = False,
                    rng: Optional[np.random.Generator] = None) -> ContentCheck:
-    """Compare ``paths`` (row order) with ``recorded`` (:func:`record_contents` at precompute).
+    """Compare ``paths`` (row order) with ``recorded`` (:func:`record_contents` at precompute; the 4 columns of
+    :data:`CONTENT_FIELDS_V1` in stores written before change times and inodes were recorded).
 
-    ``full=False`` (at open, cheap on a million files): the size and modification time of every file (one ``stat``
-    each); a file whose size differs has changed; one whose time differs but not its size is read and compared (a
-    copy or ``touch`` keeps the bytes), up to :data:`CONTENT_BUDGET` of them, a random sample beyond; and
+    ``full=False`` (at open, cheap on a million files): one ``stat`` of every file (following links, as a read does);
+    a file whose size differs has changed; one whose modification time, change time or inode differs but not its size
+    is read and compared (a copy, a move or a ``touch`` keeps the bytes; an edit with its time set back, two files
+    swapped, a link pointed at another file do not), up to :data:`CONTENT_BUDGET` of them, a random sample beyond; and
     :data:`CONTENT_SAMPLE` files from a random start are read whatever their stat says. ``full=True``: every file's
     bytes (``accelerate-ssl store verify --data``)."""
     from tqdm.auto import tqdm
@@ -391,16 +407,22 @@ def check_contents(paths: list[str], recorded: np.ndarray, full: bool = False, p
     if full:
         to_read = list(range(n))
     else:
+        evidence = [0, 1, 4, 5] if recorded.shape[1] >= len(CONTENT_FIELDS) else [0, 1]  # size, mtime (ctime, inode)
+        found = np.zeros((n, len(evidence)), dtype=np.int64)
         for i, path in enumerate(tqdm(paths, desc="check file stats", unit="file", disable=not progress)):
             try:
                 st = os.stat(path)
             except OSError:
                 out.missing.append(i)
                 continue
-            if st.st_size != recorded[i, 0]:
-                out.changed.append(i)
-            elif st.st_mtime_ns != recorded[i, 1]:
-                out.retouched.append(i)
+            found[i] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, _int64(st.st_ino))[:len(evidence)]
+        expected = np.asarray(recorded[:, evidence])
+        resized = found[:, 0] != expected[:, 0]
+        other = (found[:, 1:] != expected[:, 1:]).any(1) & ~resized
+        gone = np.zeros(n, dtype=bool)
+        gone[out.missing] = True
+        out.changed = np.flatnonzero(resized & ~gone).tolist()
+        out.retouched = np.flatnonzero(other & ~gone).tolist()
         retouched = out.retouched
         if len(retouched) > CONTENT_BUDGET:
             retouched = sorted(rng.choice(retouched, CONTENT_BUDGET, replace=False).tolist())

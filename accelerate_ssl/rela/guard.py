@@ -13,14 +13,19 @@ When the rows belong to the samples, the prior's targets are predictable from th
 closer to their own rows than to a neighbour's, also on batches the student has not been trained on yet (each batch is
 observed *before* its own optimiser step). When they do not, and the head has not learnt the wrong pairing, the own row
 is just another sample's row and ``E[gap_t] = 0``. After ``warmup`` observed batches (the batch the head is
-least-squares fitted on is never observed: its gap is optimistic), each ``window`` batches are tested: the check warns
-once (:class:`MisalignmentWarning`) when the gap is *confidently* a small part of the spread and not confidently above
-zero, ``mean(gap) + z se(gap) < tau mean(spread)`` and ``mean(gap) < z se(gap)``: the predictions recover less than
-``tau`` of what tells the batch's targets apart, and are consistent with the zero gap of other samples' rows. A gap
-that is positive but uncertain (a batch of near-alike images, a student that cannot see what the prior saw yet) does
-not warn: absence of evidence is not evidence of misalignment. Nor does a gap that is small but confidently positive
-(images of one class, whose targets differ in little the student sees at first): rows of other samples give no gap at
-all, in expectation.
+least-squares fitted on is never observed: its gap is optimistic), each ``window`` batches are tested: a window is
+*suspect* when the gap is *confidently* a small part of the spread and not confidently above zero,
+``mean(gap) + z se(gap) < tau mean(spread)`` and ``mean(gap) < z se(gap)``: the predictions recover less than ``tau``
+of what tells the batch's targets apart, and are consistent with the zero gap of other samples' rows. The check warns
+once (:class:`MisalignmentWarning`) when a suspect window is confirmed by the ``confirm - 1`` next ones: each suspect
+too, or with a gap still below ``tau`` of the spread (``mean(gap) < tau mean(spread)``, even if confidently above
+zero). Other samples' rows keep the gap small window after window (the head may half-learn a wrong pairing it sees
+again, which makes the gap confidently positive but not large); a head fitted on the first batch of a student that
+has barely trained can predict little on the next ones for a window (seen in a correct one-view loop at batch 12)
+and then learns its own rows, which clears the window. A gap that is positive but
+uncertain (a batch of near-alike images, a student that cannot see what the prior saw yet) does not warn: absence of
+evidence is not evidence of misalignment. Nor does a gap that is small but confidently positive (images of one class,
+whose targets differ in little the student sees at first): rows of other samples give no gap at all, in expectation.
 
 What it cannot see: a store with only part of its rows wrong (the right rows keep the gap), and a wrong pairing the
 head has *learnt* (a store of the same images in another order that maps class to class, an epoch or more of training
@@ -85,13 +90,19 @@ class AlignmentGuard:
         warmup: observed batches before the first window (the least-squares-fitted first batch is not observed).
         window: batches per test.
         z: the one-sided confidence of the test (in standard errors of the window's mean gap).
-        tau: the part of the targets' spread below which a confidently measured gap warns.
+        tau: the part of the targets' spread below which a confidently measured gap is suspect.
+        confirm: windows in a row that warn: a suspect one, then each suspect or with its gap still below ``tau``.
     """
 
-    def __init__(self, enabled: bool = True, *, warmup: int = 2, window: int = 10, z: float = 3.0, tau: float = 0.1):
+    def __init__(self, enabled: bool = True, *, warmup: int = 2, window: int = 10, z: float = 3.0, tau: float = 0.1,
+                 confirm: int = 2):
         if not isinstance(window, int) or window < 2 or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"alignment check: window must be an int >= 2 and warmup an int >= 0, got {window!r}, {warmup!r}.")
+        if isinstance(confirm, bool) or not isinstance(confirm, int) or confirm < 1:
+            raise ValueError(f"alignment check: confirm must be an int >= 1, got {confirm!r}.")
         self.enabled, self.warmup, self.window, self.z, self.tau = bool(enabled), warmup, window, float(z), float(tau)
+        self.confirm = confirm
+        self._suspect = 0  # suspect windows in a row, up to the latest tested one
         #: the prior this check watches, named in its warning when ReLA holds several (None: the only one)
         self.label: Optional[str] = None
         self.observed = 0  # batches observed so far (the fitted first batch excluded)
@@ -143,10 +154,17 @@ class AlignmentGuard:
         self.last = {"batch": batch, "gap": mean, "gap_std": sd, "t": t, "spread": spread,
                      "relative_upper": upper / spread if spread > 0 else math.inf}
         self.history.append(self.last)
-        if upper < self.tau * spread and t < self.z and self.alarm is None:
+        suspect = upper < self.tau * spread and t < self.z
+        # after a suspect window, the next one confirms it unless the head has recovered a gap of at least tau of the
+        # spread: a head that learns to predict its own rows clears it; other samples' rows (or a wrong pairing the
+        # head half-learns) keep the gap small, even when it becomes confidently positive
+        still_small = self._suspect > 0 and mean < self.tau * spread
+        self._suspect = self._suspect + 1 if suspect or still_small else 0
+        if self._suspect >= self.confirm and self.alarm is None:
             self.alarm = dict(self.last)
             warnings.warn(MisalignmentWarning(
-                f"ReLA alignment check{'' if self.label is None else f' of prior {self.label!r}'}: over the {count} batches up to batch {batch}, the transport head's predictions "
+                f"ReLA alignment check{'' if self.label is None else f' of prior {self.label!r}'}: over "
+                f"{self._suspect} windows of {count} batches in a row, up to batch {batch}, the transport head's predictions "
                 f"were no closer to each sample's own target than to another sample's of the same batch: mean cosine "
                 f"gap {mean:+.4f} +- {se:.4f}, at most {max(upper, 0.0) / spread:.0%} of what tells the batch's targets "
                 f"apart ({spread:.3f}). The target rows are most likely not this batch's samples. "
@@ -158,13 +176,15 @@ class AlignmentGuard:
     def state_dict(self) -> dict[str, Any]:
         self._poll(wait=True)
         return {"observed": self.observed, "alarm": self.alarm, "last": self.last, "count": self._count,
-                "sums": None if self._sums is None or self._sums.device.type == "meta" else self._sums.tolist()}
+                "sums": None if self._sums is None or self._sums.device.type == "meta" else self._sums.tolist(),
+                "suspect": self._suspect}
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
         """Restore the counters and the open window (``None``: a checkpoint without the check starts it afresh)."""
         state = state or {}
         self.observed = int(state.get("observed", 0))
         self.alarm, self.last = state.get("alarm"), state.get("last")
+        self._suspect = int(state.get("suspect", 0))
         self._reads.clear()
         sums = state.get("sums")
         if sums is not None and len(sums) != 3:  # a checkpoint of the earlier two-sum window: start that window again

@@ -332,7 +332,8 @@ class TargetLookup:
 
         index = torch.as_tensor(index).reshape(-1)
         views = len(geometry) // len(index)  # views stacked as blocks of the batch (rela/validate.py checked it)
-        return self.reduce_raw(view_targets(self.store, index.repeat(views), torch.as_tensor(geometry)), device)
+        return self.reduce_raw(view_targets(self.store, index.repeat(views), torch.as_tensor(geometry), check=False),
+                               device)
 
     def holds_maps(self, rows: torch.Tensor) -> bool:
         """Whether carried ``rows`` (tag dropped) are flat maps of a spatial store: ``h w`` times its dim wide."""

@@ -107,7 +107,7 @@ from .handover import Handover
 from .head import TransportHead
 from .lookup import as_index, check_trained_dataset
 from .term import BALANCES, PriorTerm, combine_losses, term_names
-from .validate import check_batch, check_dense_priors, check_priors, name_prior
+from .validate import RunEnd, check_batch, check_dense_priors, check_plan, check_priors, check_steps, name_prior
 from .witness import Witness, create_witness
 
 __all__ = ["ReLA"]
@@ -295,10 +295,12 @@ class ReLA:
         if getattr(dataloader, "dataset", None) is not None:
             self.check_dataset(dataloader.dataset, "the DataLoader's dataset")
         self.backbone = backbone
+        total_steps = check_plan(schedule, total_steps, end_step)  # whole step counts; your schedule agrees
+        self._total_steps = total_steps
+        self._run_end = RunEnd()  # one notice when the run ends with lambda still well above 0
         self._schedule_name = None if isinstance(schedule, Schedule) else str(schedule or DEFAULT_SCHEDULE)
         #: no schedule given: the first wrap settles it by the loss form (:meth:`_settle_default_schedule`)
         self._default_schedule = schedule is None
-        self._total_steps = None if total_steps is None else int(total_steps)
         self._end_step = end_step
         if self._schedule_name is None:
             if end_step is not None:
@@ -316,9 +318,7 @@ class ReLA:
         self.head_in_ddp = bool(head_in_ddp)
         #: whether a by-name schedule knows the run length (warned about at the first wrap otherwise)
         self._planned = self._schedule_name is None or total_steps is not None or not takes_run_length(self._schedule_name)
-        if not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError(f"sync_every must be an int >= 1 (optimiser steps between host reads of the loss), got {sync_every!r}.")
-        self.sync_every = sync_every
+        self.sync_every = check_steps(sync_every, "sync_every")  # optimiser steps between host reads of the loss
         self._pending_losses: list[torch.Tensor] = []  # per-step mean ReLA losses not yet read on the host
         self.n_components = n_components
         self._current_index: Optional[torch.Tensor] = None  # the indices of the batch the loop holds now
@@ -369,7 +369,8 @@ class ReLA:
             handles.append(self.dense_capture.handle)
         witnesses = [t.witness for t in self.priors.values() if t.witness is not None]
         self._finalizer = weakref.finalize(
-            self, lambda hs, ws: ([h.remove() for h in hs], [w.close() for w in ws]), handles, witnesses)
+            self, lambda hs, ws, end: (end(), [h.remove() for h in hs], [w.close() for w in ws]), handles, witnesses,
+            self._run_end)
         guard_timm_mixers(self)  # timm's mixers follow this ReLA's mixing_policy() (a mixed image has no stored target)
         if dataloader is not None and self.track(dataloader) is not dataloader:
             raise ValueError(
@@ -640,12 +641,12 @@ class ReLA:
         """Plan a schedule given by name for ``total_steps`` optimiser steps (e.g. Lightning's
         ``trainer.estimated_stepping_batches``), keeping the progress it has made (a resumed run stays
         where it was). A :class:`Schedule` instance passed to ``ReLA`` is yours and is left as it is."""
-        if not isinstance(total_steps, int) or total_steps <= 0:
-            raise ValueError(f"total_steps must be a positive int (optimiser steps of the whole run), got {total_steps!r}.")
+        total_steps = check_plan(self.schedule if self._schedule_name is None else self._schedule_name,
+                                 check_steps(total_steps, "total_steps"), self._end_step, "rela.set_total_steps(")
+        self._total_steps = total_steps
         if self._schedule_name is None:
             self._plan_handover(total_steps, self.schedule)
             return
-        self._total_steps = total_steps
         planned = self._plan(total_steps)
         self._plan_handover(total_steps, planned)
         if self.schedule.steps:  # a resumed run: its state was planned for this run already, keep it
@@ -1054,6 +1055,9 @@ class ReLA:
             if len(self._pending_losses) >= self.sync_every:
                 self._feed_schedule()
         self.steps += 1
+        if self._total_steps is not None and self.steps == self._total_steps:
+            self._feed_schedule()  # the run's last step: lambda as the losses left it, for the notice below
+        self._run_end.after_step(self.steps, self.schedule, self._total_steps)
         if self.schedule.finished and self.handover.switched_at is None:
             self.handover.switch(self.steps)
         self._window_sum, self._window_count = None, 0
@@ -1180,7 +1184,8 @@ class ReLA:
         return self.handover.add_callback(fn)
 
     def close(self) -> None:
-        """Remove the forward hook and the optimiser hooks (also done when ReLA is garbage-collected)."""
+        """Remove the forward hook and the optimiser hooks (also done when ReLA is garbage-collected), and say once
+        (:class:`~accelerate_ssl.rela.validate.HandoverWarning`) when the run stopped with lambda still well above 0."""
         self._finalizer()
 
     def __repr__(self) -> str:

@@ -13,10 +13,12 @@ already), and refused with the fix:
   view, stacked as the features are (``view_targets`` of every view);
 - **geometry** (:func:`check_geometry`): ``[V n, 7]`` (or a list of the ``V`` blocks ``[n, 7]``, in the order of the
   features), one row per view and sample: neither one view's boxes for several views nor some of the views; no two
-  view blocks identical (from 4 samples on) unless every box is the whole image; both views of a sample on an image of
-  one size; an image of the size the store's prior saw when that prior keeps the image's size (no resize: a box in
-  another size's pixels would be clamped at the map's edge). A store whose map is one cell gives every box the whole
-  image's row: said once.
+  view blocks the same box for box (within a pixel) unless every box is the whole image: refused from 4 samples on,
+  warned below (``targets.views.check_distinct_views``); both views of a sample on an image of one size; an image of
+  the size the store's prior saw when that prior keeps the image's size (no resize: a box in another size's pixels
+  would be clamped at the map's edge; ``targets.views.check_image_size``, which ``view_targets`` applies to the
+  per-view rows you pass as ``targets=`` too). A store whose map is one cell gives every box the whole image's row:
+  said once.
   Views given in another order than the features cannot be told from shapes: the witness sees it (each view's input
   against its own box and the other view's);
 - **the student's map** (:func:`check_student_maps`): ``[V n, C, h, w]`` channels first (a channels-last map, as Swin or
@@ -24,7 +26,12 @@ already), and refused with the fix:
   (a ``[B, C, 1, 1]`` map is pooled features), the channels the dense head was built for;
 - **the priors** (:func:`check_priors`): no store twice (by identity: the same targets under two names would train two
   heads on one prior), the same prior twice warned, every store as long as the others (unless every store is found by
-  key), a dense term only over maps of more than one cell.
+  key), a dense term only over maps of more than one cell;
+- **the run's plan** (:func:`check_plan`, at construction and :meth:`~accelerate_ssl.ReLA.set_total_steps`): every
+  step count (``total_steps``, ``end_step``, ``sync_every``) a whole number of optimiser steps (a bool or a float is
+  refused, never rounded), a :class:`~accelerate_ssl.schedules.Schedule` instance planned for as many steps as
+  ``total_steps`` says, and no planned end after the run's last step; and, at the end of the run, one notice when
+  lambda is still well above 0 (:class:`RunEnd`).
 
 Every message names the prior when ReLA holds several (:func:`name_prior`).
 """
@@ -37,16 +44,14 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..targets.views import GEOMETRY_FIELDS, as_geometry
+from ..schedules import Constant, Schedule, check_steps
+from ..targets.views import GEOMETRY_FIELDS, as_geometry, check_distinct_views, check_image_size
 
 __all__ = ["Views", "check_batch", "count_views", "geometry_blocks", "check_geometry", "check_student_maps",
-           "check_priors", "check_dense_priors", "name_prior"]
+           "check_priors", "check_dense_priors", "name_prior", "check_steps", "check_plan", "RunEnd", "HandoverWarning",
+           "LAMBDA_LEFT"]
 
 FIELDS = len(GEOMETRY_FIELDS)
-#: samples from which two identical view blocks are refused: two random crops of one small image coincide now and then
-#: (RandomResizedCrop boxes of a 28 px image with a random flip: ~1 in 1,800 pairs at scale (0.5, 1), ~1 in 9,000 at
-#: (0.08, 1), drawn 60,000 times each), of four images all at once never in practice (below 1 in 10^13)
-SAME_BLOCK_SAMPLES = 4
 
 
 @dataclass(frozen=True)
@@ -160,10 +165,6 @@ def geometry_blocks(geometry) -> torch.Tensor:
     return as_geometry(geometry.detach().cpu())
 
 
-def _is_whole(g: torch.Tensor) -> torch.Tensor:
-    return (g[:, 0] == 0) & (g[:, 1] == 0) & (g[:, 2] == g[:, 6]) & (g[:, 3] == g[:, 5])
-
-
 def check_geometry(geometry: torch.Tensor, views: Views, stores: dict, label=None) -> torch.Tensor:
     """``geometry`` (:func:`geometry_blocks`) against the batch's ``views`` and each spatial store of ``stores``
     (``{name: store}``; ``label(name)`` says a prior's name in messages, or ''): the checks of the module docstring.
@@ -194,50 +195,19 @@ def check_geometry(geometry: torch.Tensor, views: Views, stores: dict, label=Non
                 "one: the view blocks are not the views of the same samples in the same order. Pass each view's "
                 "geometry as collated with the batch (rows in the batch's order), views stacked in the order of the "
                 "features.")
-    whole = bool(_is_whole(geometry).all())
-    for j in range(v if n >= SAME_BLOCK_SAMPLES and not whole else 0):
-        for k in range(j + 1, v):
-            if torch.equal(blocks[j], blocks[k]):
-                raise ValueError(
-                    f"ReLA.wrap(geometry=): views {j} and {k} have the same geometry, box for box, for all {n} "
-                    f"samples: the same view's block twice (random crops of {n} images do not all coincide), so one "
-                    "view would be pulled toward the other's box. Pass each view's own geometry: "
-                    "geometry=torch.cat([g0, g1]) with g0 from view 0's RecordGeometry, g1 from view 1's.")
+    check_distinct_views(blocks, "ReLA.wrap(geometry=)")
     for name, store in stores.items():
         spatial = getattr(store, "spatial", None)
         if spatial is None:
             continue
-        _check_image_size(geometry, spatial, getattr(store, "preprocess", None) or {}, label(name) if label else "")
+        check_image_size(geometry, spatial, getattr(store, "preprocess", None) or {},
+                         f"ReLA.wrap(geometry=){label(name) if label else ''}")
         if [int(x) for x in spatial["grid"]] == [1, 1]:
             warnings.warn(f"ReLA.wrap(geometry=){label(name) if label else ''}: the store's map is one cell (1x1), so "
                           "every box pools to that cell: each view's target is its whole image's row, as without "
                           "geometry=. For per-view targets, precompute with a prior whose map has several cells: a "
                           "larger input (create_prior(spec, size=...)) or another prior.", UserWarning, stacklevel=4)
     return geometry
-
-
-def _check_image_size(geometry: torch.Tensor, spatial: dict, preprocess: dict, who: str) -> None:
-    """A prior that keeps the image's size (no resize) saw every image at the store's input size: boxes recorded on
-    images of another size would map past the map (clamped at its edge), so they are refused."""
-    if preprocess.get("resize") is not None or spatial.get("input_size") is None:
-        return  # the prior resized every image: boxes map through that resize, whatever the image's size
-    h, w = (int(x) for x in spatial["input_size"])
-    crop = preprocess.get("crop")
-    if crop is not None:
-        bad = (geometry[:, 5] < crop) | (geometry[:, 6] < crop)
-        expected = f"at least {crop}x{crop} (the prior's centre crop, with no resize)"
-    else:
-        bad = (geometry[:, 5] != h) | (geometry[:, 6] != w)
-        expected = f"{h}x{w} (its images' size: the prior keeps the image's size)"
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise ValueError(
-            f"ReLA.wrap(geometry=){who}: view row {i}'s box was recorded on a {int(geometry[i, 5])}x"
-            f"{int(geometry[i, 6])} image, but the store's prior saw images of {expected}: its map covers that image, "
-            "and a box in another size's pixels would be clamped at the map's edge. Record the geometry on the clean "
-            "image the store was computed on (RecordGeometry first in the view transform, no Resize before it), or "
-            "precompute the store from images of the size you crop from (create_prior(spec, size=...) resizes "
-            "them).")
 
 
 def check_student_maps(maps: torch.Tensor, views: Views, channels: Optional[int] = None) -> None:
@@ -350,3 +320,91 @@ def name_prior(name: str, err: BaseException) -> BaseException:
     except TypeError:  # an error type with other constructor arguments
         return err
     return named
+
+
+# ---------------------------------------------------------------------------------------------- the run's plan
+def check_plan(schedule, total_steps, end_step=None, what: str = "ReLA(total_steps=") -> Optional[int]:
+    """``total_steps`` and ``end_step`` (each None or a whole number of optimiser steps) against ``schedule`` (a spec,
+    or your :class:`~accelerate_ssl.schedules.Schedule` instance): an instance planned for another run length than
+    ``total_steps``, or a term that would end after the run's last step, is refused naming both numbers. Returns
+    ``total_steps`` as an int (or None). ``what`` names the argument in messages."""
+    total_steps = None if total_steps is None else check_steps(total_steps, "total_steps")
+    end_step = None if end_step is None else check_steps(end_step, "end_step", 0)
+    if total_steps is None:
+        return None
+    if isinstance(schedule, Schedule):
+        planned = schedule.total_steps
+        name = type(schedule).__name__
+        if planned is not None and planned != total_steps:
+            raise ValueError(
+                f"{what}{total_steps}) and your {name} schedule, planned for {planned} optimiser steps ("
+                f"{name}(total_steps={planned}, ...)), disagree: the schedule would hand over on the plan of a "
+                f"{planned}-step run inside a {total_steps}-step one. Build the schedule for the run you train "
+                f"({name}(total_steps={total_steps}, ...)), or pass it by name (schedule={name.lower()!r}) and "
+                "ReLA plans it.")
+        ends = schedule.ends_by
+        if ends is not None and ends > total_steps:
+            raise ValueError(
+                f"{what}{total_steps}) but your {name} schedule ends ReLA's term after optimiser step {ends}: after "
+                f"the run's last step, so lambda would never reach 0 and your loss never take over. Give it an end "
+                f"inside the run ({name}(..., end_step=<at most {total_steps}>)).")
+    if end_step is not None and end_step > total_steps:
+        raise ValueError(
+            f"ReLA(end_step={end_step}) is after the run's last step (total_steps={total_steps}): ReLA's term would "
+            "never end inside the run and your loss never take over. Pass an end_step of at most total_steps (or drop "
+            "it: the schedule hands over by half the run).")
+    return total_steps
+
+
+#: lambda at the end of a run from which it is said to have ended before handing over to your loss
+LAMBDA_LEFT = 0.1
+
+
+class HandoverWarning(UserWarning):
+    """A run ended (its planned ``total_steps`` reached, or ReLA closed: :meth:`~accelerate_ssl.ReLA.close`, garbage
+    collection, the interpreter's exit) while lambda was still well above 0: your loss never took over."""
+
+
+class RunEnd:
+    """Watches for the end of a run with lambda still well above 0 (:data:`LAMBDA_LEFT`) and says so once
+    (:class:`HandoverWarning`). ReLA updates it after every optimiser step (:meth:`after_step`: the end is the step
+    that reaches ``total_steps``) and calls it when it is closed or collected (:meth:`__call__`: a loop that stopped
+    before its planned length). Holds no reference to ReLA, so the finaliser can call it. A fixed lambda
+    (:class:`~accelerate_ssl.schedules.Constant`, ``"constant:<lambda>"``: an ablation) never ends and is not said."""
+
+    def __init__(self):
+        self.steps, self.total_steps, self.lam, self.finished = 0, None, 1.0, False
+        self.schedule_name = ""
+        self.fixed = False
+        self.said = False
+
+    def after_step(self, steps: int, schedule: Schedule, total_steps: Optional[int]) -> None:
+        self.steps, self.total_steps = steps, total_steps
+        self.lam, self.finished = float(schedule.value), bool(schedule.finished)
+        self.schedule_name = type(schedule).__name__
+        self.fixed = isinstance(schedule, Constant)
+        if total_steps is not None and steps >= total_steps:
+            self("reached")
+
+    def __call__(self, how: str = "closed") -> None:
+        if self.said or self.steps == 0 or self.finished or self.fixed or self.lam < LAMBDA_LEFT:
+            return
+        self.said = True
+        if how == "reached":
+            where = (f"reached its planned end (total_steps={self.total_steps}) with lambda still {self.lam:.2f}: the "
+                     f"{self.schedule_name} schedule has no end inside the run (no end_step, end_fraction=None, or a "
+                     "schedule built without the run length). Give it one: ReLA(..., total_steps=n) with the schedule "
+                     "by name, or end_step=")
+        elif self.total_steps is not None:
+            where = (f"ended after {self.steps} of its planned {self.total_steps} optimiser steps (total_steps="
+                     f"{self.total_steps}) with lambda still {self.lam:.2f}: the {self.schedule_name} schedule hands "
+                     f"over on the plan of a {self.total_steps}-step run. Pass total_steps= the optimiser steps this "
+                     "loop really takes (epochs * len(loader) // accumulation_steps, in this process), or end the "
+                     "term earlier with end_step=")
+        else:
+            where = (f"ended after {self.steps} optimiser steps with lambda still {self.lam:.2f}: the "
+                     f"{self.schedule_name} schedule was not told the run length. Pass ReLA(..., total_steps="
+                     "<optimiser steps of the whole run>) so it hands over inside the run")
+        warnings.warn(HandoverWarning(
+            f"ReLA: the run {where}. Until lambda reaches 0 the student is pulled toward the prior's targets (a run "
+            "that stops there is distillation), and your own loss never took over."), stacklevel=3)

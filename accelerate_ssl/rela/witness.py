@@ -2,7 +2,8 @@
 
 The bookkeeping (tracked indices, keys, sidecars) says which row belongs to a sample; the alignment check
 (:mod:`.guard`) watches the transport head, which can *learn* a wrong pairing. The witness trusts neither. On the first
-``burst`` optimiser steps of a run (and of a resumed run), then every ``every`` steps, it takes ``samples`` of the
+``burst`` optimiser steps of a run (and of a resumed run), then on every step until it reaches a verdict (within the
+first ``every`` steps: a small batch gives few views per step), then every ``every`` steps, it takes ``samples`` of the
 batch's own training inputs as the student received them (augmented, normalised by your transform), maps them to the
 prior's input (each channel standardised over the witnessed images and given the prior's statistics, then the prior's
 own resize, crop and normalisation), embeds them with the prior the store recorded (rebuilt from its spec, its weights
@@ -93,7 +94,8 @@ class Witness:
             (:func:`~accelerate_ssl.priors.rebuild_prior`); or a ``Prior`` (``create_prior(...)``) whose weights
             must match the recorded ones.
         every: optimiser steps between witnessed steps after the first ``burst``.
-        burst: witnessed steps at the start of a run and after each ``load_state_dict``.
+        burst: witnessed steps at the start of a run and after each ``load_state_dict``; after them every step is
+            witnessed until a verdict, within the first ``every`` steps.
         samples: training inputs witnessed per view per witnessed step.
         on_misalignment: ``"error"`` (default: :class:`MisalignmentError` stops training) or ``"warn"``
             (a :class:`~accelerate_ssl.rela.guard.MisalignmentWarning`, once).
@@ -117,6 +119,7 @@ class Witness:
         self.last: Optional[dict] = None  # the latest verdict's statistics
         self.steps = 0  # optimiser steps seen
         self._burst_left = burst
+        self._burst_start = 0  # the step the current burst began at (0, or a resume's step)
         self._recent: deque = deque(maxlen=RECENT_EVENTS)  # per witnessed step: [n_u, sum u, sum u^2]
         self._boxes: deque = deque(maxlen=RECENT_EVENTS)  # per witnessed step with per-view rows: [n_b, sum b, sum b^2]
         self._views = [0.0, 0.0, 0.0]  # over the run: [n_v, sum v, sum v^2] (a property of prior and augmentation)
@@ -208,8 +211,14 @@ class Witness:
     # ------------------------------------------------------------------ the steps
     @property
     def armed(self) -> bool:
-        """Whether the current optimiser step is witnessed."""
-        return self._on and self.alarm is None and (self._burst_left > 0 or self.steps % self.every == 0)
+        """Whether the current optimiser step is witnessed: the first ``burst`` steps, then every step until a
+        verdict (the rows confirmed or refuted, or said not to be checkable) as long as the run is within its first
+        ``every`` steps (a small batch gives few views per step: the calibration needs several steps of them), then
+        every ``every`` steps."""
+        if not self._on or self.alarm is not None:
+            return False
+        undecided = self.status == "waiting" and self.steps - self._burst_start < self.every
+        return self._burst_left > 0 or undecided or self.steps % self.every == 0
 
     def after_step(self) -> None:
         """One optimiser step counted (ReLA's ``_step``)."""
@@ -391,7 +400,7 @@ class Witness:
         self.alarm = state.get("alarm")
         if self._on:
             self.status = state.get("status", "waiting") if self.alarm is None else "misaligned"
-        self._burst_left = self.burst
+        self._burst_left, self._burst_start = self.burst, self.steps
         self._reads.clear()
         self._inputs = []
 

@@ -6,9 +6,10 @@ A store is a folder::
     targets.npy          [N, dim], row i = dataset index i: float32 (default), float16, or bfloat16 stored as its
                          uint16 bit patterns (``precompute_targets(dtype=)``); rows are read back as float32
     identity.npy         int64 [N], row i's sample digest (file name, array row or image; data.fingerprint.RowIdentity)
-    contents.npy         int64 [N, 4], a folder data set's files: row i's file's size, modification time and the
-                         blake2b-128 digest of its bytes (data.fingerprint.record_contents); absent for other data
-                         and in stores written before it (they keep opening, identified by names)
+    contents.npy         int64 [N, 6], a folder data set's files: row i's file's size, modification time, the
+                         blake2b-128 digest of its bytes, change time and inode (data.fingerprint.record_contents);
+                         [N, 4] without the last two in stores written before them; absent for other data and in
+                         stores written before contents were recorded (they keep opening, identified by names)
     keys-sorted.npy,     optional: one key per row (file names of folder data sets, or ``precompute_targets(keys=)``),
     keys-rows.npy        sorted, and the row of each (:mod:`accelerate_ssl.targets.keys`; ``rela.wrap(keys=)``)
     pca/<key>.safetensors fitted batch-PCA states (``store.pca(...)``); ``pca/at-write.safetensors`` when the rows
@@ -34,8 +35,9 @@ The metadata records the file's byte size (truncation is detected on open) and i
 
 **What meeting a data set checks** (:meth:`TargetStore.check_dataset`): its fingerprint (every file name, every array
 row, or sampled images; :mod:`accelerate_ssl.data.fingerprint`), then, for a folder whose files the store recorded,
-their contents: the size and modification time of every file and the bytes of a sample (a file with a new time but
-its size is read: a copy keeps its bytes), so a folder regenerated under the same names is refused naming the files.
+their contents: the stat of every file (size, modification time, change time, inode) and the bytes of a random sample
+(a file whose stat differs but not its size is read: a copy keeps its bytes, an edit, a swap or a retargeted link
+does not), so a folder regenerated, edited or shuffled under the same names is refused naming the files.
 :meth:`TargetStore.verify_rows` (``store verify --data``) compares every row's identity and every file's bytes.
 """
 
@@ -294,7 +296,7 @@ class TargetStore(MapRows):
         import hashlib
         import warnings
 
-        from ..data.fingerprint import CONTENT_FIELDS, check_contents, file_paths
+        from ..data.fingerprint import CONTENT_FIELDS, CONTENT_FIELDS_V1, check_contents, file_paths
 
         record = self.metadata.get("contents")
         paths = file_paths(dataset) if record else None
@@ -309,7 +311,9 @@ class TargetStore(MapRows):
         except (OSError, ValueError) as err:
             raise TargetStoreCorruptError(f"{file} (the recorded contents of the data set's files) is missing or "
                                           f"unreadable ({npy_problem(err)}). {self._fix()}") from None
-        if recorded.shape != (len(self), len(CONTENT_FIELDS)) or len(paths) != len(self):
+        fields = tuple(record.get("fields") or CONTENT_FIELDS_V1)  # stores written before: size, mtime, digest
+        if fields not in (CONTENT_FIELDS, CONTENT_FIELDS_V1) or recorded.shape != (len(self), len(fields)) \
+                or len(paths) != len(self):
             raise TargetStoreCorruptError(f"{file} holds {recorded.shape} records for {len(self)} rows and "
                                           f"{len(paths)} files. {self._fix()}")
         found = check_contents(paths, recorded, full=full, progress=progress)
@@ -338,11 +342,12 @@ class TargetStore(MapRows):
                 + " (A store ReLA.from_prior / open_or_precompute made: they compute it again once the folder is gone.)")
         if not full and len(found.retouched) > found.retouched_read:
             warnings.warn(
-                f"Target store {str(self.path)!r}: {len(found.retouched)} of this data set's files have another "
-                "modification time than when the targets were computed, with their recorded size (a copied folder, or "
-                f"touched files); {found.retouched_read} of them were read and hold their recorded bytes, the others "
-                f"were not read. `accelerate-ssl store verify {self.path} --data SPEC` (or store.verify_rows(dataset)) "
-                "compares every file's bytes.", UserWarning, stacklevel=4)
+                f"Target store {str(self.path)!r}: {len(found.retouched)} of this data set's files are not the files "
+                "the targets were computed from by their stat (another modification time, change time or inode, with "
+                f"their recorded size: a copied or moved folder, touched files); {found.retouched_read} of them were "
+                "read and hold their recorded bytes, the others were not read. `accelerate-ssl store verify "
+                f"{self.path} --data SPEC` (or store.verify_rows(dataset)) compares every file's bytes.", UserWarning,
+                stacklevel=4)
         self._contents_checked.add(key)
         return found.read
 

@@ -31,11 +31,19 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["GEOMETRY_FIELDS", "RecordGeometry", "RecordViews", "as_geometry", "grid_boxes", "pool_boxes", "pool_views",
-           "record_geometry", "view_targets", "whole_image"]
+__all__ = ["GEOMETRY_FIELDS", "RecordGeometry", "RecordViews", "as_geometry", "check_image_size",
+           "check_distinct_views", "grid_boxes", "pool_boxes", "pool_views", "record_geometry", "view_targets",
+           "whole_image"]
 
 #: the values of a view's geometry, in order (a float32 tensor ``[7]``; ``[B, 7]`` once collated)
 GEOMETRY_FIELDS = ("x1", "y1", "x2", "y2", "flip", "height", "width")
+#: samples from which two views with the same boxes are refused (fewer: warned): two random crops of one small image
+#: coincide now and then (RandomResizedCrop boxes of a 28 px image with a random flip: ~1 in 1,800 pairs at scale
+#: (0.5, 1), ~1 in 9,000 at (0.08, 1), drawn 60,000 times each), of four images all at once never in practice (below 1
+#: in 10^13)
+SAME_BLOCK_SAMPLES = 4
+#: two views' boxes within this many pixels on every side (and flipped alike) are the same box
+SAME_BOX_PIXELS = 1.0
 
 
 def whole_image(height: int, width: int, flip: bool = False) -> torch.Tensor:
@@ -123,6 +131,64 @@ def as_geometry(geometry) -> torch.Tensor:
     return g
 
 
+def _is_whole(g: torch.Tensor) -> torch.Tensor:
+    return (g[:, 0] == 0) & (g[:, 1] == 0) & (g[:, 2] == g[:, 6]) & (g[:, 3] == g[:, 5])
+
+
+def check_image_size(geometry: torch.Tensor, spatial: dict, preprocess: dict, where: str) -> None:
+    """A prior that keeps the image's size (no resize) saw every image at the store's input size (``spatial``, the
+    store's map record, and its ``preprocess``): boxes (``geometry`` ``[B, 7]``) recorded on images of another size
+    would map past the map (clamped at its edge), so they are refused, the message starting with ``where``."""
+    if preprocess.get("resize") is not None or spatial.get("input_size") is None:
+        return  # the prior resized every image: boxes map through that resize, whatever the image's size
+    h, w = (int(x) for x in spatial["input_size"])
+    crop = preprocess.get("crop")
+    if crop is not None:
+        bad = (geometry[:, 5] < crop) | (geometry[:, 6] < crop)
+        expected = f"at least {crop}x{crop} (the prior's centre crop, with no resize)"
+    else:
+        bad = (geometry[:, 5] != h) | (geometry[:, 6] != w)
+        expected = f"{h}x{w} (its images' size: the prior keeps the image's size)"
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(
+            f"{where}: view row {i}'s box was recorded on a {int(geometry[i, 5])}x{int(geometry[i, 6])} image, but the "
+            f"store's prior saw images of {expected}: its map covers that image, and a box in another size's pixels "
+            "would be clamped at the map's edge. Record the geometry on the clean image the store was computed on "
+            "(RecordGeometry first in the view transform, no Resize before it), or precompute the store from images of "
+            "the size you crop from (create_prior(spec, size=...) resizes them).")
+
+
+def check_distinct_views(blocks: torch.Tensor, where: str) -> None:
+    """The geometry of ``V`` views of ``n`` samples (``blocks`` ``[V, n, 7]``, views in the order of the features): no
+    two views with the same boxes (within :data:`SAME_BOX_PIXELS`, flipped alike) for every sample, unless every box is
+    the whole image: the same view's block given twice would pull one view toward the other's box. Refused from
+    :data:`SAME_BLOCK_SAMPLES` samples on; below, where two random crops of an image coincide now and then, warned.
+    Messages start with ``where``."""
+    import warnings
+
+    v, n = blocks.shape[:2]
+    if v < 2 or bool(_is_whole(blocks.reshape(-1, blocks.shape[-1])).all()):
+        return
+    for j in range(v):
+        for k in range(j + 1, v):
+            same = ((blocks[j, :, :4] - blocks[k, :, :4]).abs().amax(1) <= SAME_BOX_PIXELS) & \
+                   (blocks[j, :, 4:] == blocks[k, :, 4:]).all(1)
+            if not bool(same.all()):
+                continue
+            alike = ("the same geometry, box for box" if torch.equal(blocks[j], blocks[k]) else
+                     f"boxes within {SAME_BOX_PIXELS:g} px of each other")
+            what = (f"views {j} and {k} have {alike}, for all {n} sample(s): the same view's block twice, so one "
+                    "view would be pulled toward the other's box. Pass each view's own geometry: "
+                    "geometry=torch.cat([g0, g1]) with g0 from view 0's RecordGeometry, g1 from view 1's")
+            if n >= SAME_BLOCK_SAMPLES:
+                raise ValueError(f"{where}: {what} (random crops of {n} images do not all coincide).")
+            warnings.warn(f"{where}: {what}. With {n} sample(s) per step two random crops can coincide by chance "
+                          f"(about 1 in 1,800 for a 28 px image), so this is not refused; from {SAME_BLOCK_SAMPLES} "
+                          "samples on it is.", UserWarning, stacklevel=3)
+            return
+
+
 def grid_boxes(geometry, spatial: dict, preprocess: dict) -> torch.Tensor:
     """Boxes of views (``geometry`` ``[B, 7]``, :data:`GEOMETRY_FIELDS`) in the cells of a spatial store's map:
     ``[B, 4]`` ``(x1, y1, x2, y2)`` with cell ``(r, c)`` spanning ``[c, c + 1) x [r, r + 1)``.
@@ -177,7 +243,7 @@ def pool_boxes(maps: torch.Tensor, boxes: torch.Tensor, flips=None, output_size=
     return out.flatten(1) if flat else out
 
 
-def view_targets(store, index, geometry, output_size=1) -> torch.Tensor:
+def view_targets(store, index, geometry, output_size=1, check: bool = True) -> torch.Tensor:
     """The targets of the views a batch holds, pooled from a spatial store (module docstring).
 
     Args:
@@ -186,6 +252,10 @@ def view_targets(store, index, geometry, output_size=1) -> torch.Tensor:
         geometry: ``[B, 7]`` views' geometry (:class:`RecordGeometry`, collated).
         output_size: 1 (default): one row per view, ``[B, C]``, for ``rela.wrap(loss, targets=...)``; ``s > 1`` (or
             ``(rows, cols)``): the ``[B, C, s, s]`` grid of the box, mirrored for flipped views (for a dense head).
+        check: the views' geometry checked as ``rela.wrap(geometry=)`` checks it: every box recorded on an image of the
+            size the store's prior saw (:func:`check_image_size`: always, as :func:`pool_views` does) and, for a
+            batch's views (``index.repeat(V)``), no two views with the same boxes (:func:`check_distinct_views`).
+            ReLA, which checked them at ``wrap``, passes False.
 
     Returns float32 rows in the store's row space: what ``store[index]`` returns for whole-image views."""
     spatial = getattr(store, "spatial", None)
@@ -193,10 +263,15 @@ def view_targets(store, index, geometry, output_size=1) -> torch.Tensor:
         raise ValueError("view_targets needs a spatial store (precompute_targets(..., spatial=k), `accelerate-ssl "
                          "precompute --spatial K`): a store of pooled rows has one target per image, whatever the view.")
     index = torch.as_tensor(index).reshape(-1)
-    if len(index) != len(as_geometry(geometry)):
-        raise ValueError(f"view_targets: {len(index)} rows but {len(as_geometry(geometry))} views' geometry; one view "
-                         "per row.")
-    return pool_views(store.maps(index), geometry, spatial, store.preprocess, output_size)
+    g = as_geometry(geometry)
+    if len(index) != len(g):
+        raise ValueError(f"view_targets: {len(index)} rows but {len(g)} views' geometry; one view per row.")
+    if check:  # the views of a batch as ReLA.wrap(geometry=) checks them: index.repeat(V) with V view blocks
+        views = next((v for v in range(2, len(index) + 1) if len(index) % v == 0
+                      and bool((index.reshape(v, -1) == index[: len(index) // v]).all())), 1)
+        check_distinct_views(g.reshape(views, -1, g.shape[1]), "view_targets")
+    check_image_size(g, spatial, store.preprocess, "view_targets")
+    return _pool(store.maps(index), g, spatial, store.preprocess, output_size)
 
 
 def pool_views(maps: torch.Tensor, geometry, spatial: dict, preprocess: dict, output_size=1) -> torch.Tensor:
@@ -206,6 +281,11 @@ def pool_views(maps: torch.Tensor, geometry, spatial: dict, preprocess: dict, ou
     g = as_geometry(geometry)
     if len(maps) != len(g):
         raise ValueError(f"pool_views: {len(maps)} maps but {len(g)} views' geometry; one view per map.")
+    check_image_size(g, spatial, preprocess, "pool_views")
+    return _pool(maps, g, spatial, preprocess, output_size)
+
+
+def _pool(maps: torch.Tensor, g: torch.Tensor, spatial: dict, preprocess: dict, output_size=1) -> torch.Tensor:
     return pool_boxes(maps, grid_boxes(g, spatial, preprocess), g[:, 4] > 0.5, output_size)
 
 
