@@ -12,7 +12,10 @@ budget and seed:
   augmented view, every step (the task's own forward, wrapped as ``DistillationTeacher``);
 * ``cached``: ``rela.wrap(ce_loss)`` with ReLA over the prior's rows precomputed once on the clean training images
   (``precompute_targets``; the store opened as ``ReLA.from_prior`` opens it), ReLA's default schedule planned for the
-  run (``total_steps``) and its default hand-over: no teacher forward during training.
+  run (``total_steps``) and its default hand-over: no teacher forward during training. The default holds lambda at 1
+  (the cross-entropy skipped) for most of the run;
+* ``cached_decay``: the same with ``schedule="decay"``, under which the cross-entropy is computed on every step while
+  lambda decays to 0 by half the run.
 
 Every run has its own learning-rate schedule planned for its own length (AdamW, linear warm-up over 10 %, cosine to 0)
 and is scored once at its end: the student classifier's top-1 on the test images.
@@ -51,9 +54,12 @@ from torch import nn  # noqa: E402
 from accelerate_ssl.atomic import atomic_write_json  # noqa: E402
 from accelerate_ssl.results import code_commit, save_figure, write_results  # noqa: E402
 
-METHODS = ("plain", "timm", "cached")
+METHODS = ("plain", "timm", "cached", "cached_decay")
 LABEL = {"plain": "plain supervised", "timm": "timm FeatureDistillationTask (online teacher)",
-         "cached": "ReLA, cached targets"}
+         "cached": "ReLA, cached targets (default schedule)", "cached_decay": "ReLA, cached targets (decay schedule)"}
+#: the schedule each cached method runs (None: ReLA's default)
+CACHED_SCHEDULES = {"cached": None, "cached_decay": "decay"}
+SHORT = {"cached": "cached, default", "cached_decay": "cached, decay"}
 #: the kinds of step the timing unit measures, and the schedule each ReLA kind runs at
 KINDS = ("plain", "timm", "cached_lambda1", "cached_mixed")
 CLOCKS = {"side_by_side": "side-by-side wall-clock", "cpu": "CPU seconds"}
@@ -84,10 +90,11 @@ def parse_args(argv=None):
 
 
 def settings(a) -> dict:
-    from accelerate_ssl.schedules import DEFAULT_SCHEDULE
+    from accelerate_ssl.schedules import DEFAULT_SCHEDULE, SWITCH_END_FRACTION
 
     keys = ("prior", "budgets", "train_size", "test_size", "batch_size", "lr", "widths", "threads")
-    return {**{k: getattr(a, k) for k in keys}, "schedule": DEFAULT_SCHEDULE, "timm": timm_version()}
+    return {**{k: getattr(a, k) for k in keys}, "schedule": DEFAULT_SCHEDULE, "switch_end_fraction": SWITCH_END_FRACTION,
+            "timm": timm_version()}
 
 
 def timm_version() -> str:
@@ -190,6 +197,7 @@ def build(a, kind: str, seed: int, train, steps: int, schedule=None):
 
     torch.manual_seed(seed)
     net, rela = student(a), None
+    schedule = CACHED_SCHEDULES.get(kind) if schedule is None else schedule
     if kind == "timm":
         from timm.task import FeatureDistillationTask  # train.py --kd-distill-type feature, its default weights
 
@@ -236,7 +244,8 @@ def train_run(a, kind: str, steps: int, seed: int, data_) -> dict:
 
 
 def units(a) -> list[tuple]:
-    return [("timing",)] + [(m, b, s) for s in a.seeds for b in a.budgets for m in a.methods]
+    # budgets outermost: an interrupted study has every seed of its smaller budgets
+    return [("timing",)] + [(m, b, s) for b in a.budgets for s in a.seeds for m in a.methods]
 
 
 def unit_file(a, unit: tuple) -> Path:
@@ -301,7 +310,7 @@ def timing(a, data_) -> dict:
 def step_kinds(kind: str, run: dict) -> list[str]:
     """What each step of a run was, for the cost model: a ReLA step while lambda is 1 or between 0 and 1, else the
     method's own step (after the hand-over a cached run's step is a plain one)."""
-    if kind != "cached":
+    if not kind.startswith("cached"):
         return [kind] * len(run["lambda_per_step"] or [None] * run["unit"][1])
     return ["cached_lambda1" if lam >= 1.0 else "cached_mixed" if lam > 0.0 else "plain"
             for lam in run["lambda_per_step"]]
@@ -312,7 +321,7 @@ def compute(a, kind: str, run: dict, timing_: dict) -> dict:
     steps = step_kinds(kind, run)
     out = {}
     for clock, key in (("side_by_side", "seconds"), ("cpu", "cpu_seconds")):
-        pre = timing_["precompute_per_image"][key] * a.train_size if kind == "cached" else 0.0
+        pre = timing_["precompute_per_image"][key] * a.train_size if kind.startswith("cached") else 0.0
         out[clock] = pre + sum(timing_["kinds"][s][key] for s in steps)
     return out
 
@@ -341,7 +350,8 @@ def analyse(a, runs: dict, timing_: dict) -> dict:
                                **{clock: mean_sd([cost[(m, b, s)][clock] for s in seeds]) for clock in CLOCKS},
                                "own_cpu_seconds": mean_sd([runs[(m, b, s)]["train_cpu_seconds"] for s in seeds]),
                                "handover_step": [next((i for i, lam in enumerate(runs[(m, b, s)]["lambda_per_step"])
-                                                       if lam == 0.0), None) for s in seeds] if m == "cached" else None}
+                                                       if lam == 0.0), None) for s in seeds]
+                               if m.startswith("cached") else None}
                            for m in a.methods}
     equal = {}
     for clock in CLOCKS:  # every method read at the cached run's compute at each budget
@@ -350,9 +360,10 @@ def analyse(a, runs: dict, timing_: dict) -> dict:
             x = budgets[str(b)]["cached"][clock]["mean"]
             per = {m: [interpolate([(cost[(m, c, s)][clock], runs[(m, c, s)]["top1"]) for c in a.budgets], x)
                        for s in seeds] for m in a.methods}
-            diff = [c - t if c is not None and t is not None else None for c, t in zip(per["cached"], per["timm"])]
+            diff = {m: mean_sd([c - t if c is not None and t is not None else None for c, t in zip(per[m], per["timm"])])
+                    for m in a.methods if m.startswith("cached") and "timm" in per}
             points.append({"budget": b, "seconds": x, "top1": {m: mean_sd(v) for m, v in per.items()},
-                           "cached_minus_timm": mean_sd(diff)})
+                           "minus_timm": diff})
         equal[clock] = points
     return {"seeds": seeds, "budgets": budgets, "equal": equal}
 
@@ -378,21 +389,24 @@ def tables(result: dict) -> dict[str, str]:
     out = {"budgets": "\n".join(rows) + (
         f"\n\nTop-1 % of the student's classifier on {s['test_size']:,} test images at the end of each run (mean ± sd "
         f"over {n} seeds); CPU s: the run's steps at the interleaved medians below, the precompute of the "
-        f"{s['train_size']:,} training images included for the cached targets. ReLA's schedule: `{s['schedule']}` "
-        f"(its default), planned for each run; timm {s['timm']}.")}
-    rows = ["| at the cached run's compute of | clock | s | " + " | ".join(LABEL[m] for m in methods)
-            + " | cached - timm, points (per-seed differences) |", "|---:|:---|---:|" + "---:|" * len(methods) + "---:|"]
+        f"{s['train_size']:,} training images included for the cached targets. ReLA's schedules: `{s['schedule']}` "
+        f"(its default, lambda 1 until {s['switch_end_fraction']:.0%} of the run) and `decay`, each planned for each "
+        f"run; timm {s['timm']}.")}
+    cached = [m for m in methods if m.startswith("cached")] if "timm" in methods else []
+    rows = ["| at the cached run's compute of | clock | s | " + " | ".join(LABEL[m] for m in methods) + " | "
+            + "".join(f"{SHORT[m]} - timm, points (per-seed differences) | " for m in cached).rstrip(),
+            "|---:|:---|---:|" + "---:|" * (len(methods) + len(cached))]
     for clock in CLOCKS:
         for p in an["equal"][clock]:
-            d = p["cached_minus_timm"]
+            diffs = [p["minus_timm"][m] for m in cached]
             rows.append(f"| {p['budget']} steps | {CLOCKS[clock]} | {p['seconds']:.0f} | "
-                        + " | ".join(pm(p["top1"][m]) for m in methods)
-                        + (f" | {d['mean']:+.2f} ± {d['sd']:.2f} |" if d["mean"] is not None and d["sd"] is not None
-                           else " | – |"))
+                        + " | ".join(pm(p["top1"][m]) for m in methods) + " | "
+                        + "".join(f"{d['mean']:+.2f} ± {d['sd']:.2f} | " if d["mean"] is not None and d["sd"] is not None
+                                  else "– | " for d in diffs).rstrip())
     out["equal"] = "\n".join(rows) + (
         "\n\nEach method's top-1 read off its own accuracy-against-compute curve (its runs at every budget, per seed, "
         "linear between them; – where its runs did not reach that compute), at the compute the cached run of each "
-        "budget cost.")
+        "budget cost (the default schedule's).")
     k, pre = t["kinds"], t["precompute_per_image"]
     names = {"plain": "plain supervised", "timm": "timm FeatureDistillationTask (student + teacher forward)",
              "cached_lambda1": "ReLA, lambda 1 (your loss skipped)", "cached_mixed": "ReLA, 0 < lambda < 1"}
@@ -408,25 +422,28 @@ def tables(result: dict) -> dict[str, str]:
 
 def verdict(an: dict, methods: list[str]) -> str:
     """Who leads where, in words, from the numbers (so the page's sentence cannot drift from the file)."""
-    if not {"cached", "timm"} <= set(methods):
+    cached = [m for m in methods if m.startswith("cached")]
+    if "timm" not in methods or not cached:
         return ""
-    names = {"cached": "the cached targets", "timm": "timm's online distillation", "plain": "plain supervised training"}
 
     def count(cells: list[dict], who: str) -> int:
-        return sum(1 for c in cells if all(c[m]["mean"] is not None for m in ("cached", "timm"))
-                   and max(("cached", "timm"), key=lambda m: c[m]["mean"]) == who)
+        return sum(1 for c in cells if c[who]["mean"] is not None and c["timm"]["mean"] is not None
+                   and c[who]["mean"] > c["timm"]["mean"])
 
     steps = [{m: c[m]["top1"] for m in methods} for c in an["budgets"].values()]
-    text = [f"At equal steps, {names['cached']} are ahead of {names['timm']} at {count(steps, 'cached')} of "
-            f"{len(steps)} budgets"]
-    for clock in CLOCKS:
-        points = [p["top1"] for p in an["equal"][clock]]
-        both = sum(1 for p in points if p["timm"]["mean"] is not None)
-        text.append(f"at equal {CLOCKS[clock]}, at {count(points, 'cached')} of {both} points")
+    text = []
+    for m in cached:
+        part = [f"ReLA's cached targets under the {SHORT[m].split(', ')[-1]} schedule are ahead of timm's online "
+                f"distillation at {count(steps, m)} of {len(steps)} budgets at equal steps"]
+        for clock in CLOCKS:
+            points = [p["top1"] for p in an["equal"][clock]]
+            both = sum(1 for p in points if p["timm"]["mean"] is not None and p[m]["mean"] is not None)
+            part.append(f"at {count(points, m)} of {both} points at equal {CLOCKS[clock]}")
+        text.append(", ".join(part))
     if "plain" in methods:
-        best = sum(1 for c in steps if c["plain"]["mean"] >= max(c[m]["mean"] for m in ("cached", "timm")))
-        text.append(f"and {names['plain']} is ahead of both at {best} of {len(steps)} budgets")
-    return "; ".join(text[:-1]) + (", " if len(text) > 2 else "; ") + text[-1] + "."
+        best = sum(1 for c in steps if c["plain"]["mean"] >= max(c[m]["mean"] for m in ["timm", *cached]))
+        text.append(f"plain supervised training is ahead of every distillation at {best} of {len(steps)} budgets")
+    return "; ".join(text) + "."
 
 
 def figure(result: dict, path: Path) -> None:
