@@ -391,7 +391,7 @@ def tables(result: dict) -> dict[str, str]:
         f"over {n} seeds); CPU s: the run's steps at the interleaved medians below, the precompute of the "
         f"{s['train_size']:,} training images included for the cached targets. ReLA's schedules: `{s['schedule']}` "
         f"(its default, lambda 1 until {s['switch_end_fraction']:.0%} of the run) and `decay`, each planned for each "
-        f"run; timm {s['timm']}.")}
+        f"run; timm {s['timm']}." + handover_note(an, methods))}
     cached = [m for m in methods if m.startswith("cached")] if "timm" in methods else []
     rows = ["| at the cached run's compute of | clock | s | " + " | ".join(LABEL[m] for m in methods) + " | "
             + "".join(f"{SHORT[m]} - timm, points (per-seed differences) | " for m in cached).rstrip(),
@@ -418,6 +418,16 @@ def tables(result: dict) -> dict[str, str]:
         f"once; {t['steps_each']} steps of each kind, batch {s['batch_size']}, {s['threads']} thread.")
     out["verdict"] = verdict(an, methods)
     return out
+
+
+def handover_note(an: dict, methods: list[str]) -> str:
+    """When each cached run handed over to the cross-entropy alone (its first step at lambda 0), per budget."""
+    parts = []
+    for m in (m for m in methods if m.startswith("cached")):
+        steps = [(b, sorted(h for h in c[m]["handover_step"] if h is not None)) for b, c in an["budgets"].items()]
+        parts.append(f"{SHORT[m].split(', ')[-1]}: " + ", ".join(
+            f"{statistics.median(h):.0f} of {b}" if h else f"none of {b}" for b, h in steps))
+    return (" Hand-over (the first step at lambda 0, median over the seeds): " + "; ".join(parts) + ".") if parts else ""
 
 
 def verdict(an: dict, methods: list[str]) -> str:
