@@ -6,10 +6,18 @@ A page asks for a block by name between two markers, and this script writes the 
     ... (rewritten by this script; never edited by hand)
     <!-- /generated -->
 
-One small function per result file renders that file's blocks (:data:`RENDERERS`, ``@renders("demo.json")``); it
+One small function per result file renders that file's blocks (``RENDERERS``, ``@renders("demo.json")``); it
 may read a training record under ``benchmarks/prior_runs/`` as well. A file without its provenance (code commit,
 machine, per-seed paths: ``accelerate_ssl.results.provenance_problems``) is refused, and every block closes with the
 file, commit and machine it came from.
+
+A result file's figure, the PNG its benchmark drew from the same JSON (``budget_vit.json`` -> ``budget_vit.png``), is
+the block ``<stem>.figure``: place it beside the file's tables as any other block, and this script writes the image
+with its source line there (the link runs from the page to ``benchmarks/results/``; ``docs/hooks.py`` serves the PNG
+with the site)::
+
+    <!-- generated: budget_vit.figure -->
+    <!-- /generated -->
 
     python benchmarks/render.py           # rewrite every generated block of README.md and docs/
     python benchmarks/render.py --check   # exit 1 naming each block that differs from what the files give now
@@ -36,6 +44,11 @@ from accelerate_ssl.results import provenance_problems  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 MARKER = re.compile(r"<!-- generated: (?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /generated -->", re.S)
+
+#: the name ending of a figure block (``<stem>.figure``); every result file with a PNG has one, placed where wanted
+FIGURE = ".figure"
+#: in a rendered figure block, the folder of the PNGs as seen from the page (written per page by :func:`render_page`)
+FIGURE_DIR = "{results}"
 
 #: result file name -> the function rendering its blocks ``{block name: markdown}``
 RENDERERS: dict[str, Callable[["Result"], dict[str, str]]] = {}
@@ -762,24 +775,41 @@ for _path in sorted(RESULTS.glob("handover_*.json")):
 
 
 # ---------------------------------------------------------------------------------------------- the script
+def figure(r: Result) -> str:
+    """A result file's figure block: the PNG its benchmark drew from it, and the file's source line."""
+    png = r.path.with_suffix(".png")
+    return f"![The figure {png.name}, drawn from {r.path.name}]({FIGURE_DIR}/{png.name})\n\n" + r.source()
+
+
 def blocks() -> dict[str, str]:
-    """Every block, by name, rendered from the result files now."""
+    """Every block, by name, rendered from the result files now (with each file's figure block, if it has a PNG)."""
     missing = sorted(p.name for p in RESULTS.glob("*.json") if p.name not in RENDERERS)
     if missing:
         raise ValueError(f"result files without a renderer in benchmarks/render.py: {missing}")
     out: dict[str, str] = {}
     for name, fn in RENDERERS.items():
-        for block, text in fn(Result(RESULTS / name)).items():
+        result = Result(RESULTS / name)
+        made = fn(result)
+        if result.path.with_suffix(".png").is_file():
+            made[result.path.stem + FIGURE] = figure(result)
+        for block, text in made.items():
             assert block not in out, f"block {block} rendered twice"
             out[block] = text.strip()
     return out
 
 
 def render_page(text: str, rendered: dict[str, str], page: str = "") -> str:
+    """``text`` (the page ``page``, relative to the repository; default: one at its root) with every generated block
+    rewritten from ``rendered``."""
+    import posixpath
+
+    results = posixpath.relpath("benchmarks/results", posixpath.dirname(page) or ".")
+
     def fill(m: re.Match) -> str:
         if m.group("name") not in rendered:
             raise KeyError(f"{page}: no renderer makes the block {m.group('name')!r} (benchmarks/render.py)")
-        return f"<!-- generated: {m.group('name')} -->\n\n{rendered[m.group('name')]}\n\n<!-- /generated -->"
+        body = rendered[m.group("name")].replace(FIGURE_DIR, results)
+        return f"<!-- generated: {m.group('name')} -->\n\n{body}\n\n<!-- /generated -->"
     return MARKER.sub(fill, text)
 
 
@@ -791,10 +821,11 @@ def check() -> list[str]:
         used |= {m.group("name") for m in MARKER.finditer(text)}
         if render_page(text, rendered, str(page.relative_to(ROOT))) != text:
             stale = [m.group("name") for m in MARKER.finditer(text)
-                     if render_page(m.group(0), rendered) != m.group(0)]
+                     if render_page(m.group(0), rendered, str(page.relative_to(ROOT))) != m.group(0)]
             problems.append(f"{page.relative_to(ROOT)}: {', '.join(stale)} differ from the result files "
                             "(run: python benchmarks/render.py)")
-    problems += [f"block {name} is rendered but placed on no page" for name in sorted(set(rendered) - used)]
+    problems += [f"block {name} is rendered but placed on no page" for name in sorted(set(rendered) - used)
+                 if not name.endswith(FIGURE)]  # (a figure is placed where it helps)
     return problems
 
 

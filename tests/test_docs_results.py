@@ -125,3 +125,33 @@ def test_no_table_of_numbers_outside_a_generated_block():
         rows = [line for line in outside.splitlines() if line.startswith("|") and not set(line) <= set("|-: ")]
         numeric = [row for row in rows if re.search(r"\d", row)]
         assert numeric == [], f"{page.relative_to(ROOT)}: a table of numbers typed by hand: {numeric[:2]}"
+
+
+# ---------------------------------------------------------------------------------------------- figures, source lines
+def test_a_figure_block_shows_the_png_its_benchmark_drew_from_the_file():
+    """``<stem>.figure`` is the PNG beside ``<stem>.json``, linked from the page to where it lies, with the file's
+    source line; a figure nobody placed is no stale block."""
+    render = _render()
+    rendered = render.blocks()
+    pngs = {p.stem for p in render.RESULTS.glob("*.png") if (render.RESULTS / f"{p.stem}.json").is_file()}
+    assert {name[:-len(render.FIGURE)] for name in rendered if name.endswith(render.FIGURE)} == pngs
+    page = "<!-- generated: alignment.figure -->\n<!-- /generated -->\n"
+    for where, link in (("docs/benchmarks/checks.md", "../../benchmarks/results/alignment.png"),
+                        ("docs/index.md", "../benchmarks/results/alignment.png"),
+                        ("README.md", "benchmarks/results/alignment.png")):
+        text = render.render_page(page, rendered, where)
+        assert f"]({link})" in text and "*Source: `benchmarks/results/alignment.json`" in text, where
+        assert (ROOT / Path(where).parent / link).resolve() == render.RESULTS / "alignment.png"
+        assert render.render_page(text, rendered, where) == text  # rendered once, it stays
+    assert not [p for p in render.check() if ".figure" in p]
+
+
+def test_the_site_serves_each_figure_where_the_page_links_it():
+    from scripts import load_script
+
+    hooks = load_script("docs/hooks.py", "_hooks_for_tests")
+    text = "![a](../../benchmarks/results/alignment.png) and ![b](../benchmarks/results/x.png) ![c](other.png)"
+    out = hooks.figure_links(text, "benchmarks/checks.md")
+    assert "](../figures/alignment.png)" in out
+    assert "](../benchmarks/results/x.png)" in out and "](other.png)" in out  # not a file of benchmarks/results: as is
+    assert "](figures/alignment.png)" in hooks.figure_links("![a](../benchmarks/results/alignment.png)", "index.md")
