@@ -753,6 +753,15 @@ def train_demo_prior(r: Result) -> dict[str, str]:
             "images).\n\n" + r.source("Each row's own record is under `benchmarks/prior_runs/`.")}
 
 
+# ---------------------------------------------------------------------------------------------- against timm's KD
+@renders("timm_kd.json")
+def timm_kd(r: Result) -> dict[str, str]:
+    """``timm_kd.json`` (``timm_kd.py``): who leads where in words, top-1 and compute per budget, at equal compute,
+    and the cost of each kind of step."""
+    return {f"timm_kd.{name}": text + "\n\n" + r.source()
+            for name, text in benchmark("timm_kd").tables(r).items()}
+
+
 # ---------------------------------------------------------------------------------------------- the budget study
 def budget_tables(r: Result) -> dict[str, str]:
     """``budget_<student>.json`` (``budget.py``): its tables by name (``budget.tables``), each closed by its source."""
