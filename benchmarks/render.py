@@ -91,8 +91,9 @@ class Result(dict):
                              "new results get it from accelerate_ssl.results.write_results)")
         self.path = path
 
-    def source(self, note: str = "") -> str:
-        """The line closing every block: the file, its commit and machine, the command that measures it again."""
+    def source(self, note: str = "", command: Optional[str] = None) -> str:
+        """The line closing every block: the file, its commit and machine, the command that measures it again
+        (``command``: for a file that recorded another process's command line)."""
         block, machine = self["provenance"], self["provenance"]["machine"]
         commit = block["commit"][:10] if len(block["commit"]) == 40 else block["commit"]
         device = machine["device"] if machine["device"] in ("cpu",) or "NVIDIA" in str(machine["device"]) else "see file"
@@ -100,7 +101,7 @@ class Result(dict):
         capability = machine.get("cpu_capability")
         where = device + (f" ({'' if device == 'cpu' else 'CPU '}{capability})" if isinstance(capability, str)
                           and not capability.startswith("not") else "")
-        command = self.get("command") or (self.get("settings") or {}).get("command")
+        command = runnable(command or self.get("command") or (self.get("settings") or {}).get("command"))
         text = f"*Source: `{shown(self.path)}` · commit `{commit}` · {where}, torch {torch}"
         text += f" · `{command}`*" if command else "*"
         return text + (f" {note}" if note else "")
@@ -119,6 +120,15 @@ def benchmark(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def runnable(command: Optional[str]) -> Optional[str]:
+    """A recorded command line as a reader runs it from the repository: ``python benchmarks/x.py ...`` whichever
+    interpreter path or none the run was started with."""
+    if not command:
+        return command
+    command = re.sub(r"^\S*python3?\s+", "", command.strip())
+    return f"python {command}" if command.startswith("benchmarks/") else command
 
 
 def renders(name: str):
@@ -453,7 +463,10 @@ def gpu_demo(r: Result) -> dict[str, str]:
         f"{f2(r['plain']['curve'][-1]['top1'])} % after {r['plain']['curve'][-1]['step']} steps. Speed-up in wall-clock "
         f"{xs(r['speedup_wall']['speedup'])} on the mean curves (seeds "
         f"{', '.join(xs(p['speedup_wall']['speedup']) for p in seeds)}), {xs(r['speedup']['speedup'])} in steps; a ReLA "
-        f"step is {r['step_time_ratio']:.2f}x a plain step.\n\n" + r.source())}
+        f"step is {r['step_time_ratio']:.2f}x a plain step.\n\n"
+        # (the demo ran inside gpu.py's study section, and recorded gpu.py's arguments as its own command)
+        + r.source("The study section runs `accelerate-ssl demo --device cuda`.",
+                   command="python benchmarks/gpu.py --sections study"))}
 
 
 # ---------------------------------------------------------------------------------------------- target stores

@@ -155,3 +155,31 @@ def test_the_site_serves_each_figure_where_the_page_links_it():
     assert "](../figures/alignment.png)" in out
     assert "](../benchmarks/results/x.png)" in out and "](other.png)" in out  # not a file of benchmarks/results: as is
     assert "](figures/alignment.png)" in hooks.figure_links("![a](../benchmarks/results/alignment.png)", "index.md")
+
+
+def test_every_source_line_on_a_page_names_a_command_that_runs():
+    """The command closing a placed block is a benchmark script of this repository or an ``accelerate-ssl`` verb, as
+    a reader would type it (a run started as ``.venv/bin/python benchmarks/x.py`` or inside another script is shown
+    so)."""
+    import shlex
+
+    from accelerate_ssl.cli import build_parser
+
+    render = _render()
+    rendered = render.blocks()
+    verbs = set(next(a for a in build_parser()._actions if a.choices and hasattr(a, "add_parser")).choices)
+    placed = {m.group("name") for page in render.PAGES for m in render.MARKER.finditer(page.read_text())}
+    wrong = []
+    for name in sorted(placed):
+        for line in re.findall(r"^\*Source: .*$", rendered[name], re.M):
+            command = re.findall(r"`([^`]+)`\*", line)
+            words = shlex.split(command[-1]) if command else []
+            ok = (words[:1] == ["python"] and len(words) > 1 and (ROOT / words[1]).is_file()) or \
+                 (words[:1] == ["accelerate-ssl"] and len(words) > 1 and words[1] in verbs)
+            if command and not ok:
+                wrong.append((name, command[-1]))
+    assert wrong == []
+    assert render.runnable(".venv/bin/python benchmarks/x.py --a 1") == "python benchmarks/x.py --a 1"
+    assert render.runnable("benchmarks/x.py") == "python benchmarks/x.py"
+    assert render.runnable("accelerate-ssl demo --seeds 0") == "accelerate-ssl demo --seeds 0"
+
