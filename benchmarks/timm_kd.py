@@ -12,8 +12,9 @@ budget and seed:
   augmented view, every step (the task's own forward, wrapped as ``DistillationTeacher``);
 * ``cached``: ``rela.wrap(ce_loss)`` with ReLA over the prior's rows precomputed once on the clean training images
   (``precompute_targets``; the store opened as ``ReLA.from_prior`` opens it), ReLA's default schedule planned for the
-  run (``total_steps``) and its default hand-over: no teacher forward during training. The default holds lambda at 1
-  (the cross-entropy skipped) for most of the run;
+  run (``total_steps``) and its default hand-over: no teacher forward during training. The recipe's loop passes the
+  loss as a callable, for which the default is ``switch``: lambda held at 1 (the cross-entropy skipped) for most of
+  the run;
 * ``cached_decay``: the same with ``schedule="decay"``, under which the cross-entropy is computed on every step while
   lambda decays to 0 by half the run.
 
@@ -56,10 +57,10 @@ from accelerate_ssl.results import code_commit, save_figure, write_results  # no
 
 METHODS = ("plain", "timm", "cached", "cached_decay")
 LABEL = {"plain": "plain supervised", "timm": "timm FeatureDistillationTask (online teacher)",
-         "cached": "ReLA, cached targets (default schedule)", "cached_decay": "ReLA, cached targets (decay schedule)"}
+         "cached": "ReLA, cached targets (switch schedule)", "cached_decay": "ReLA, cached targets (decay schedule)"}
 #: the schedule each cached method runs (None: ReLA's default)
 CACHED_SCHEDULES = {"cached": None, "cached_decay": "decay"}
-SHORT = {"cached": "cached, default", "cached_decay": "cached, decay"}
+SHORT = {"cached": "cached, switch", "cached_decay": "cached, decay"}
 #: the kinds of step the timing unit measures, and the schedule each ReLA kind runs at
 KINDS = ("plain", "timm", "cached_lambda1", "cached_mixed")
 CLOCKS = {"side_by_side": "side-by-side wall-clock", "cpu": "CPU seconds"}
@@ -390,8 +391,9 @@ def tables(result: dict) -> dict[str, str]:
         f"\n\nTop-1 % of the student's classifier on {s['test_size']:,} test images at the end of each run (mean ± sd "
         f"over {n} seeds); CPU s: the run's steps at the interleaved medians below, the precompute of the "
         f"{s['train_size']:,} training images included for the cached targets. ReLA's schedules: `{s['schedule']}` "
-        f"(its default, lambda 1 until {s['switch_end_fraction']:.0%} of the run) and `decay`, each planned for each "
-        f"run; timm {s['timm']}." + handover_note(an, methods))}
+        f"(lambda 1 until {s['switch_end_fraction']:.0%} of the run; ReLA's default for a loss passed as a callable, as "
+        f"this loop passes it) and `decay` (its default for a loss computed before `wrap`), each planned for each run; "
+        f"timm {s['timm']}." + handover_note(an, methods))}
     cached = [m for m in methods if m.startswith("cached")] if "timm" in methods else []
     rows = ["| at the cached run's compute of | clock | s | " + " | ".join(LABEL[m] for m in methods) + " | "
             + "".join(f"{SHORT[m]} - timm, points (per-seed differences) | " for m in cached).rstrip(),
@@ -406,7 +408,7 @@ def tables(result: dict) -> dict[str, str]:
     out["equal"] = "\n".join(rows) + (
         "\n\nEach method's top-1 read off its own accuracy-against-compute curve (its runs at every budget, per seed, "
         "linear between them; – where its runs did not reach that compute), at the compute the cached run of each "
-        "budget cost (the default schedule's).")
+        "budget cost (under switch).")
     k, pre = t["kinds"], t["precompute_per_image"]
     names = {"plain": "plain supervised", "timm": "timm FeatureDistillationTask (student + teacher forward)",
              "cached_lambda1": "ReLA, lambda 1 (your loss skipped)", "cached_mixed": "ReLA, 0 < lambda < 1"}

@@ -34,6 +34,8 @@ FIGURE_PENDING = {
     "index.md": "the budget study's figure (budget_vit.figure), placed with the page's rewrite",
     "benchmarks/budget.md": "the budget study's figures, placed with the study's new results",
     "benchmarks/demo.md": "the demo's figure (demo.figure), placed with the page's rewrite",
+    "benchmarks/schedules-equal-steps.md": "the equal-step schedule studies' figures (handover_schedules_*.figure), "
+                                           "placed with the budget study's rewrite",
 }
 
 

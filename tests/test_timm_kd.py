@@ -56,7 +56,7 @@ def test_the_verdict_counts_a_lead_only_where_every_seed_has_it():
                       "cached_decay": cell(None, 40)}}
     an = {"budgets": budgets, "equal": {"side_by_side": [point], "cpu": [point]}}
     text = kd.verdict(an, ["plain", "timm", "cached", "cached_decay"])
-    assert ("under the default schedule, against timm's online distillation: at equal steps ahead at 1, behind at 0 "
+    assert ("under the switch schedule, against timm's online distillation: at equal steps ahead at 1, behind at 0 "
             "and split across the seeds at 1 of 2 budgets; at equal side-by-side wall-clock ahead at 1, behind at 0 and "
             "split across the seeds at 0 of 1 points") in text
     assert ("under the decay schedule, against timm's online distillation: at equal steps ahead at 0, behind at 1 and "
