@@ -6,10 +6,18 @@ A page asks for a block by name between two markers, and this script writes the 
     ... (rewritten by this script; never edited by hand)
     <!-- /generated -->
 
-One small function per result file renders that file's blocks (:data:`RENDERERS`, ``@renders("demo.json")``); it
+One small function per result file renders that file's blocks (``RENDERERS``, ``@renders("demo.json")``); it
 may read a training record under ``benchmarks/prior_runs/`` as well. A file without its provenance (code commit,
 machine, per-seed paths: ``accelerate_ssl.results.provenance_problems``) is refused, and every block closes with the
 file, commit and machine it came from.
+
+A result file's figure, the PNG its benchmark drew from the same JSON (``budget_vit.json`` -> ``budget_vit.png``), is
+the block ``<stem>.figure``: place it beside the file's tables as any other block, and this script writes the image
+with its source line there (the link runs from the page to ``benchmarks/results/``; ``docs/hooks.py`` serves the PNG
+with the site)::
+
+    <!-- generated: budget_vit.figure -->
+    <!-- /generated -->
 
     python benchmarks/render.py           # rewrite every generated block of README.md and docs/
     python benchmarks/render.py --check   # exit 1 naming each block that differs from what the files give now
@@ -42,6 +50,11 @@ CLOSE = re.compile(r"<!--\s*/\s*generated\s*-->", re.I)
 LIKE_A_MARKER = re.compile(r"<!--\s*/?\s*generated\b", re.I)
 #: what a page shows verbatim (fenced code, inline code): a marker written there is text about markers, not a block
 CODE = re.compile(r"^[ \t]*(`{3,}|~{3,}).*?^[ \t]*\1|(`+)(?:(?!\2)[^\n]|\n(?!\n))+?\2", re.S | re.M)
+
+#: the name ending of a figure block (``<stem>.figure``); every result file with a PNG has one, placed where wanted
+FIGURE = ".figure"
+#: in a rendered figure block, the folder of the PNGs as seen from the page (written per page by :func:`render_page`)
+FIGURE_DIR = "{results}"
 
 #: result file name -> the function rendering its blocks ``{block name: markdown}``
 RENDERERS: dict[str, Callable[["Result"], dict[str, str]]] = {}
@@ -84,8 +97,9 @@ class Result(dict):
                              "new results get it from accelerate_ssl.results.write_results)")
         self.path = path
 
-    def source(self, note: str = "") -> str:
-        """The line closing every block: the file, its commit and machine, the command that measures it again."""
+    def source(self, note: str = "", command: Optional[str] = None) -> str:
+        """The line closing every block: the file, its commit and machine, the command that measures it again
+        (``command``: for a file that recorded another process's command line)."""
         block, machine = self["provenance"], self["provenance"]["machine"]
         commit = block["commit"][:10] if len(block["commit"]) == 40 else block["commit"]
         device = machine["device"] if machine["device"] in ("cpu",) or "NVIDIA" in str(machine["device"]) else "see file"
@@ -93,7 +107,7 @@ class Result(dict):
         capability = machine.get("cpu_capability")
         where = device + (f" ({'' if device == 'cpu' else 'CPU '}{capability})" if isinstance(capability, str)
                           and not capability.startswith("not") else "")
-        command = self.get("command") or (self.get("settings") or {}).get("command")
+        command = runnable(command or self.get("command") or (self.get("settings") or {}).get("command"))
         text = f"*Source: `{shown(self.path)}` · commit `{commit}` · {where}, torch {torch}"
         text += f" · `{command}`*" if command else "*"
         return text + (f" {note}" if note else "")
@@ -112,6 +126,15 @@ def benchmark(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def runnable(command: Optional[str]) -> Optional[str]:
+    """A recorded command line as a reader runs it from the repository: ``python benchmarks/x.py ...`` whichever
+    interpreter path or none the run was started with."""
+    if not command:
+        return command
+    command = re.sub(r"^\S*python3?\s+", "", command.strip())
+    return f"python {command}" if command.startswith("benchmarks/") else command
 
 
 def renders(name: str):
@@ -446,7 +469,10 @@ def gpu_demo(r: Result) -> dict[str, str]:
         f"{f2(r['plain']['curve'][-1]['top1'])} % after {r['plain']['curve'][-1]['step']} steps. Speed-up in wall-clock "
         f"{xs(r['speedup_wall']['speedup'])} on the mean curves (seeds "
         f"{', '.join(xs(p['speedup_wall']['speedup']) for p in seeds)}), {xs(r['speedup']['speedup'])} in steps; a ReLA "
-        f"step is {r['step_time_ratio']:.2f}x a plain step.\n\n" + r.source())}
+        f"step is {r['step_time_ratio']:.2f}x a plain step.\n\n"
+        # (the demo ran inside gpu.py's study section, and recorded gpu.py's arguments as its own command)
+        + r.source("The study section runs `accelerate-ssl demo --device cuda`.",
+                   command="python benchmarks/gpu.py --sections study"))}
 
 
 # ---------------------------------------------------------------------------------------------- target stores
@@ -768,6 +794,15 @@ def train_demo_prior(r: Result) -> dict[str, str]:
             "images).\n\n" + r.source("Each row's own record is under `benchmarks/prior_runs/`.")}
 
 
+# ---------------------------------------------------------------------------------------------- against timm's KD
+@renders("timm_kd.json")
+def timm_kd(r: Result) -> dict[str, str]:
+    """``timm_kd.json`` (``timm_kd.py``): who leads where in words, top-1 and compute per budget, at equal compute,
+    and the cost of each kind of step."""
+    return {f"timm_kd.{name}": text + "\n\n" + r.source()
+            for name, text in benchmark("timm_kd").tables(r).items()}
+
+
 # ---------------------------------------------------------------------------------------------- the budget study
 def budget_tables(r: Result) -> dict[str, str]:
     """``budget_<student>.json`` (``budget.py``): its tables by name (``budget.tables``), each closed by its source."""
@@ -790,14 +825,24 @@ for _path in sorted(RESULTS.glob("handover_*.json")):
 
 
 # ---------------------------------------------------------------------------------------------- the script
+def figure(r: Result) -> str:
+    """A result file's figure block: the PNG its benchmark drew from it, and the file's source line."""
+    png = r.path.with_suffix(".png")
+    return f"![The figure {png.name}, drawn from {r.path.name}]({FIGURE_DIR}/{png.name})\n\n" + r.source()
+
+
 def blocks() -> dict[str, str]:
-    """Every block, by name, rendered from the result files now."""
+    """Every block, by name, rendered from the result files now (with each file's figure block, if it has a PNG)."""
     missing = sorted(p.name for p in RESULTS.glob("*.json") if p.name not in RENDERERS)
     if missing:
         raise ValueError(f"result files without a renderer in benchmarks/render.py: {missing}")
     out: dict[str, str] = {}
     for name, fn in RENDERERS.items():
-        for block, text in fn(Result(RESULTS / name)).items():
+        result = Result(RESULTS / name)
+        made = fn(result)
+        if result.path.with_suffix(".png").is_file():
+            made[result.path.stem + FIGURE] = figure(result)
+        for block, text in made.items():
             assert block not in out, f"block {block} rendered twice"
             out[block] = text.strip()
     return out
@@ -849,14 +894,18 @@ def parse_blocks(text: str) -> tuple[list[Block], list[str]]:
     return blocks, problems
 
 
-def block_text(name: str, rendered: dict[str, str]) -> str:
-    """Block ``name`` as this script writes it: its markers and what the result files give now."""
-    return f"<!-- generated: {name} -->\n\n{rendered[name]}\n\n<!-- /generated -->"
+def block_text(name: str, rendered: dict[str, str], page: str = "") -> str:
+    """Block ``name`` as this script writes it on the page ``page`` (relative to the repository): its markers and what
+    the result files give now, a figure's link relative to the page."""
+    import posixpath
+
+    body = rendered[name].replace(FIGURE_DIR, posixpath.relpath("benchmarks/results", posixpath.dirname(page) or "."))
+    return f"<!-- generated: {name} -->\n\n{body}\n\n<!-- /generated -->"
 
 
 def render_page(text: str, rendered: dict[str, str], page: str = "") -> str:
-    """``text`` with every generated block rewritten from ``rendered``; a marker that matches no block, or a block no
-    renderer makes, raises naming it."""
+    """``text`` (the page ``page``, relative to the repository; default: one at its root) with every generated block
+    rewritten from ``rendered``; a marker that matches no block, or a block no renderer makes, raises naming it."""
     blocks, problems = parse_blocks(text)
     unknown = [b.name for b in blocks if b.name not in rendered]
     if problems or unknown:
@@ -864,7 +913,7 @@ def render_page(text: str, rendered: dict[str, str], page: str = "") -> str:
                                                            for n in unknown]))
     out, last = [], 0
     for b in blocks:
-        out += [text[last:b.start], block_text(b.name, rendered)]
+        out += [text[last:b.start], block_text(b.name, rendered, page)]
         last = b.end
     return "".join(out + [text[last:]])
 
@@ -891,11 +940,12 @@ def check() -> list[str]:
         unknown = [b.name for b in found if b.name not in rendered]
         problems += [f"{where}: block {n!r} is made by no renderer (benchmarks/render.py); its numbers cannot be "
                      "checked" for n in unknown]
-        stale = [b.name for b in found if b.name in rendered and b.text != block_text(b.name, rendered)]
+        stale = [b.name for b in found if b.name in rendered and b.text != block_text(b.name, rendered, where)]
         if stale:
             problems.append(f"{where}: {', '.join(stale)} differ from the result files "
                             "(run: python benchmarks/render.py)")
-    problems += [f"block {name} is rendered but placed on no page" for name in sorted(set(rendered) - used)]
+    problems += [f"block {name} is rendered but placed on no page" for name in sorted(set(rendered) - used)
+                 if not name.endswith(FIGURE)]  # (a figure is placed where it helps)
     return problems
 
 

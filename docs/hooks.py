@@ -5,17 +5,25 @@
 - ``docs/cli.md``: the ``<!-- cli-reference -->`` marker becomes the reference of every ``accelerate-ssl`` command,
   written from the argparse parsers themselves (``accelerate_ssl.cli.build_parser``), so it cannot drift from
   ``--help``.
+- Figures: a page links a benchmark's PNG where it lies in the repository (``../../benchmarks/results/x.png``, what
+  ``benchmarks/render.py`` writes in a figure block, so the link works on GitHub too); the site serves each PNG of
+  ``benchmarks/results/`` as ``figures/x.png`` and the links are pointed there.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import posixpath
+import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI_MARKER = "<!-- cli-reference -->"
+RESULTS = ROOT / "benchmarks" / "results"
+FIGURES = "figures"  # where the site serves the PNGs of benchmarks/results
+FIGURE_LINK = re.compile(r"\]\((?P<path>[^)\s]*benchmarks/results/(?P<name>[\w.-]+\.png))\)")
 
 
 def _render_module():
@@ -33,10 +41,31 @@ def on_pre_build(config, **kwargs) -> None:
         raise PluginError("generated blocks differ from the result files:\n  " + "\n  ".join(problems))
 
 
+def on_files(files, config, **kwargs):
+    from mkdocs.structure.files import File
+
+    for png in sorted(RESULTS.glob("*.png")):
+        files.append(File.generated(config, f"{FIGURES}/{png.name}", abs_src_path=str(png)))
+    return files
+
+
 def on_page_markdown(markdown: str, page, config, files, **kwargs) -> str:
     if CLI_MARKER in markdown:
         markdown = markdown.replace(CLI_MARKER, cli_reference())
-    return markdown
+    return figure_links(markdown, page.file.src_uri)
+
+
+def figure_links(markdown: str, src_uri: str) -> str:
+    """Links from the page ``src_uri`` (relative to docs/) to a PNG of ``benchmarks/results/``, pointed at the site's
+    copy (``figures/``); a link that does not resolve to such a file is left alone (the strict build reports it)."""
+    here = (ROOT / "docs" / src_uri).parent
+
+    def point(m: re.Match) -> str:
+        if (here / m.group("path")).resolve() != (RESULTS / m.group("name")).resolve():
+            return m.group(0)
+        return "](" + posixpath.relpath(f"{FIGURES}/{m.group('name')}", posixpath.dirname(src_uri) or ".") + ")"
+
+    return FIGURE_LINK.sub(point, markdown)
 
 
 # ---------------------------------------------------------------------------------------------- the CLI reference

@@ -129,9 +129,9 @@ def _page_with(tmp_path, monkeypatch, render, text: str) -> Path:
                                      "<!-- Generated : {} -->"])
 def test_a_hand_edited_number_is_caught_whatever_the_markers_spacing(tmp_path, monkeypatch, opening):
     """A block whose opening marker is spaced otherwise is checked all the same, even when the same block sits,
-    correct, on another page (speedup.headline: on the README and on docs/index.md)."""
+    correct, on another page (budget_vit.summary: on the README and on docs/index.md)."""
     render = _render()
-    name = "speedup.headline"
+    name = "budget_vit.summary"
     page = _page_with(tmp_path, monkeypatch, render, "")
     right = render.block_text(name, _RENDERED)
     assert right in (ROOT / "README.md").read_text() and right in (ROOT / "docs" / "index.md").read_text()
@@ -194,3 +194,61 @@ def test_no_table_of_numbers_outside_a_generated_block():
         rows = [line for line in outside.splitlines() if line.startswith("|") and not set(line) <= set("|-: ")]
         numeric = [row for row in rows if re.search(r"\d", row)]
         assert numeric == [], f"{page.relative_to(ROOT)}: a table of numbers typed by hand: {numeric[:2]}"
+
+
+# ---------------------------------------------------------------------------------------------- figures, source lines
+def test_a_figure_block_shows_the_png_its_benchmark_drew_from_the_file():
+    """``<stem>.figure`` is the PNG beside ``<stem>.json``, linked from the page to where it lies, with the file's
+    source line; a figure nobody placed is no stale block."""
+    render = _render()
+    rendered = render.blocks()
+    pngs = {p.stem for p in render.RESULTS.glob("*.png") if (render.RESULTS / f"{p.stem}.json").is_file()}
+    assert {name[:-len(render.FIGURE)] for name in rendered if name.endswith(render.FIGURE)} == pngs
+    page = "<!-- generated: alignment.figure -->\n<!-- /generated -->\n"
+    for where, link in (("docs/benchmarks/checks.md", "../../benchmarks/results/alignment.png"),
+                        ("docs/index.md", "../benchmarks/results/alignment.png"),
+                        ("README.md", "benchmarks/results/alignment.png")):
+        text = render.render_page(page, rendered, where)
+        assert f"]({link})" in text and "*Source: `benchmarks/results/alignment.json`" in text, where
+        assert (ROOT / Path(where).parent / link).resolve() == render.RESULTS / "alignment.png"
+        assert render.render_page(text, rendered, where) == text  # rendered once, it stays
+    assert not [p for p in render.check() if ".figure" in p]
+
+
+def test_the_site_serves_each_figure_where_the_page_links_it():
+    from scripts import load_script
+
+    hooks = load_script("docs/hooks.py", "_hooks_for_tests")
+    text = "![a](../../benchmarks/results/alignment.png) and ![b](../benchmarks/results/x.png) ![c](other.png)"
+    out = hooks.figure_links(text, "benchmarks/checks.md")
+    assert "](../figures/alignment.png)" in out
+    assert "](../benchmarks/results/x.png)" in out and "](other.png)" in out  # not a file of benchmarks/results: as is
+    assert "](figures/alignment.png)" in hooks.figure_links("![a](../benchmarks/results/alignment.png)", "index.md")
+
+
+def test_every_source_line_on_a_page_names_a_command_that_runs():
+    """The command closing a placed block is a benchmark script of this repository or an ``accelerate-ssl`` verb, as
+    a reader would type it (a run started as ``.venv/bin/python benchmarks/x.py`` or inside another script is shown
+    so)."""
+    import shlex
+
+    from accelerate_ssl.cli import build_parser
+
+    render = _render()
+    rendered = render.blocks()
+    verbs = set(next(a for a in build_parser()._actions if a.choices and hasattr(a, "add_parser")).choices)
+    placed = {b.name for page in render.PAGES for b in render.parse_blocks(page.read_text())[0]}
+    wrong = []
+    for name in sorted(placed):
+        for line in re.findall(r"^\*Source: .*$", rendered[name], re.M):
+            command = re.findall(r"`([^`]+)`\*", line)
+            words = shlex.split(command[-1]) if command else []
+            ok = (words[:1] == ["python"] and len(words) > 1 and (ROOT / words[1]).is_file()) or \
+                 (words[:1] == ["accelerate-ssl"] and len(words) > 1 and words[1] in verbs)
+            if command and not ok:
+                wrong.append((name, command[-1]))
+    assert wrong == []
+    assert render.runnable(".venv/bin/python benchmarks/x.py --a 1") == "python benchmarks/x.py --a 1"
+    assert render.runnable("benchmarks/x.py") == "python benchmarks/x.py"
+    assert render.runnable("accelerate-ssl demo --seeds 0") == "accelerate-ssl demo --seeds 0"
+

@@ -115,9 +115,15 @@ __all__ = ["ReLA"]
 
 # ---------------------------------------------------------------------------------------------- ReLA
 class ReLA:
-    """ReLA for an existing training loop (see the module docstring for everything it does).
+    """ReLA for an existing training loop: ``loss = rela.wrap(your_loss)`` (the module docstring says everything it
+    does). ``ReLA.from_prior(prior, backbone, dataloader, total_steps=...)`` is the usual way to make one.
 
-    Args:
+    Its options, by what they decide: the **targets and data** (which rows, for which samples, pulled into which
+    features), the **schedule and hand-over** (how long the prior pulls and what happens when your loss takes over),
+    the transport **head**, the **checks** that the rows are the samples' own, and **performance** (host
+    synchronisations, where the rows live).
+
+    Args: Targets and data
         targets: a TargetStore, a sidecar folder, a path to either, or a float Tensor ``[N, d]`` (row i = dataset
             item i); or several priors' targets, a mapping ``{name: targets}`` or a list (named ``"0"``, ``"1"``, ...
             by position): each prior gets its own transport head, its own standardisation (its store's Eq. 41 PCA)
@@ -127,6 +133,34 @@ class ReLA:
             gives the feature dim by one dry forward (eval mode, no grad, state restored).
         dataloader: a DataLoader to track indices from (same as calling :meth:`track`); its dataset
             gives the feature dim when ``dataset`` is not given, and its length is checked.
+        capture: ``"output"`` (default): the hooked module's output is the feature; ``"input"``: its first input,
+            e.g. ``ReLA(store, model.get_classifier(), capture="input")`` for a timm classifier's pooled
+            pre-logits features. The hooked module must have parameters (they identify your optimiser).
+        feature_dim: the student feature dim, when neither ``dataset`` nor ``dataloader`` can give it.
+            Without any of the three the head is built at the first captured batch, and
+            :meth:`parameters` can only be called after that.
+        n_components: target dim after PCA. ``"auto"`` (default): the student feature dim, capped by the
+            target dim; an int: that many; ``None`` or 0: raw targets, no PCA and no z-scoring.
+        dense: the module of the student whose output is its feature map ``[B, C, h, w]`` (a ConvNet's last block):
+            adds the dense term (:mod:`accelerate_ssl.rela.dense`), each location of that map pulled toward the
+            prior's stored map through a dense transport head (a 1x1 conv), the views' boxes pooled when ``wrap``
+            gets ``geometry=``. Needs spatial stores. The dense head is built at the first ``wrap`` (it needs the
+            map's channels), so it is trained by ReLA's own AdamW unless your optimiser is created after that wrap
+            with ``rela.parameters()``.
+        dense_only: with ``dense=``, the student is pulled by the dense term alone: each prior's loss is its dense
+            term, and the global head still trains, on detached features, so that the alignment check keeps watching
+            the rows (its loss adds nothing to the value and no gradient to the student). Default False: the mean of
+            the global and the dense term.
+        balance: how several priors' losses make ReLA's loss (:func:`~accelerate_ssl.rela.term.combine_losses`):
+            ``"drop"`` (default: UNIC's teacher dropping, per sample every prior but the one with the highest loss
+            dropped with probability ``drop``) or ``"equal"`` (the mean of the priors' losses, each a cosine over its
+            own standardised rows). Measured on the demo's recipe (``docs/benchmarks/several-priors.md``), dropping was
+            ahead of equal weights on each of 3 seeds (by 0.10-0.26 points); one prior is the
+            same either way.
+        drop: the dropping probability of ``balance="drop"``.
+        seed: seeds the draws of ``balance="drop"`` (their generator is part of :meth:`state_dict`).
+
+    Args: Schedule and hand-over
         schedule: a :class:`~accelerate_ssl.schedules.Schedule` or a spec (``"switch"``, ``"switch:<end
             fraction>"``, ``"decay"``, ``"constant:<lambda>"``, ``"epochs:<fraction>"``), planned for ``total_steps``.
             Planned, ``switch`` and ``decay`` hand over inside the run (``switch`` by
@@ -135,19 +169,6 @@ class ReLA:
             first :meth:`wrap`'s loss: a callable gets ``switch`` (the cheap step while lambda is 1), a loss computed
             before ``wrap`` gets ``decay`` (its step costs the same whatever lambda is, so your loss is mixed in from
             the first step).
-        n_components: target dim after PCA. ``"auto"`` (default): the student feature dim, capped by the
-            target dim; an int: that many; ``None`` or 0: raw targets, no PCA and no z-scoring. (The demo's
-            64-d student did better with 16 than with 64 at 250 steps; "auto" is the size-agnostic choice.)
-        feature_dim: the student feature dim, when neither ``dataset`` nor ``dataloader`` can give it.
-            Without any of the three the head is built at the first captured batch, and
-            :meth:`parameters` can only be called after that.
-        head_lr, head_weight_decay: ReLA's own AdamW for the head (used only when your optimiser does
-            not hold ``rela.parameters()``); the papers' 1e-3 and 0.01.
-        head_optimizer: ``"auto"`` (decide at your optimiser's first step), ``"user"`` (your optimiser
-            must hold the head) or ``"own"`` (ReLA's AdamW; your optimiser must not hold it).
-        head_init: ``"fit"`` (default) sets the head, at the first ``wrap``, to the ridge-regression
-            solution from that batch's student features to its targets (:func:`fit_transport_head`);
-            ``"random"``: PyTorch's default ``nn.Linear`` initialisation, as in the papers.
         total_steps: the planned number of optimiser steps of the whole run, for a schedule given by name
             (``Decay`` and ``Switch`` scale their constants to it and hand over inside it, and the hand-over's heads
             warm-up is a fraction of it; without it the first ``wrap`` warns that lambda may never
@@ -159,27 +180,28 @@ class ReLA:
             with a planned end runs (this, or an ``epochs:`` schedule's switch), timm's mixup / cutmix is held off
             instead of refused, and mixes again once it is over (``docs/hosts/timm.md``). For a :class:`Schedule` instance,
             pass it to the instance (``Decay(..., end_step=n)``).
+        handover: what happens when lambda reaches 0 for good and your loss takes over (:class:`Handover`: reset your
+            momentum network to the student, warm your SSL heads on the frozen backbone, re-warm the learning rate);
+            :meth:`on_handover` adds a callback. Default: ``Handover()``: when the schedule skipped your loss before the
+            switch (lambda 1: ``switch``, ``epochs:``), your heads warm up for 5 % of a planned run.
+
+    Args: Head
+        head_init: ``"fit"`` (default) sets the head, at the first ``wrap``, to the ridge-regression
+            solution from that batch's student features to its targets (:func:`fit_transport_head`);
+            ``"random"``: PyTorch's default ``nn.Linear`` initialisation, as in the papers.
+        head_optimizer: ``"auto"`` (decide at your optimiser's first step), ``"user"`` (your optimiser
+            must hold the head) or ``"own"`` (ReLA's AdamW; your optimiser must not hold it).
+        head_lr, head_weight_decay: ReLA's own AdamW for the head (used only when your optimiser does
+            not hold ``rela.parameters()``); the papers' 1e-3 and 0.01.
         head_in_ddp: the head is a submodule of your DDP-wrapped model (solo-learn's mixin registers it so),
             so DDP already averages its gradients and ReLA must not average them a second time.
-        sync_every: the controller reads the ReLA loss on the host once every ``sync_every`` optimiser steps;
-            meanwhile each step's mean loss stays on the device, and at the read all of them are fed to the
-            controller in order (and averaged across processes in one call). ``1`` (default) is Alg. 1 as
-            printed, with one host synchronisation per step; on a GPU, e.g. ``sync_every=50`` removes it at
-            the cost of lambda trailing the losses by up to 50 steps.
-        capture: ``"output"`` (default): the hooked module's output is the feature; ``"input"``: its first input,
-            e.g. ``ReLA(store, model.get_classifier(), capture="input")`` for a timm classifier's pooled
-            pre-logits features. The hooked module must have parameters (they identify your optimiser).
-        targets_on_device: keep every (PCA-reduced) target on the student's device, ``rows x n_components x 4``
-            bytes (1.28 M x 256: 1.3 GB), so a lookup is a device gather that never waits for the host.
-            Default: rows are read from the store on the host, which needs the batch's indices on the host.
+
+    Args: Checks
         alignment_check: test, every 10 batches (after the first 2 with the fitted head, 10 with a random one), that
             the head's predictions are closer to each sample's own target than to another sample's of the batch, and
             warn once (:class:`~accelerate_ssl.rela.guard.MisalignmentWarning`) when they are confidently not: the rows
             are then most likely other samples' (:mod:`accelerate_ssl.rela.guard`). Three ``[B, n]`` reductions per
             batch, no host synchronisation.
-        prefetch: read the rows of each batch a tracked loader draws on a background thread, while the loop still
-            runs the steps before it (the loader knows a batch's indices before it yields it), so a store larger
-            than the page cache does not stall ``wrap`` on the disk. Rows are identical to a direct read.
         witness: the prior that made the targets re-embeds a few of the batch's own training inputs on the first 4
             steps and every 50 after, and training stops (:class:`~accelerate_ssl.rela.witness.MisalignmentError`)
             when their rows are confidently not theirs: independent of indexes, keys, sidecars and the head
@@ -188,28 +210,19 @@ class ReLA:
             given explicitly, ``input=`` the module that takes the images when ``capture="input"``). With several
             priors each has its own witness (its own prior re-embeds the inputs): ``True``, ``False``, a ``Witness``
             whose settings every prior's witness copies (with no ``prior=``), or a mapping ``{name: Witness | bool}``.
-        balance: how several priors' losses make ReLA's loss (:func:`~accelerate_ssl.rela.term.combine_losses`):
-            ``"drop"`` (default: UNIC's teacher dropping, per sample every prior but the one with the highest loss
-            dropped with probability ``drop``) or ``"equal"`` (the mean of the priors' losses, each a cosine over its
-            own standardised rows). Measured on the demo's recipe (``docs/benchmarks/several-priors.md``), dropping was
-            ahead of equal weights on each of 3 seeds (by 0.10-0.26 points); one prior is the
-            same either way.
-        drop: the dropping probability of ``balance="drop"``.
-        seed: seeds the draws of ``balance="drop"`` (their generator is part of :meth:`state_dict`).
-        dense: the module of the student whose output is its feature map ``[B, C, h, w]`` (a ConvNet's last block):
-            adds the dense term (:mod:`accelerate_ssl.rela.dense`), each location of that map pulled toward the
-            prior's stored map through a dense transport head (a 1x1 conv), the views' boxes pooled when ``wrap``
-            gets ``geometry=``. Needs spatial stores. The dense head is built at the first ``wrap`` (it needs the
-            map's channels), so it is trained by ReLA's own AdamW unless your optimiser is created after that wrap
-            with ``rela.parameters()``.
-        dense_only: with ``dense=``, the student is pulled by the dense term alone: each prior's loss is its dense
-            term, and the global head still trains, on detached features, so that the alignment check keeps watching
-            the rows (its loss adds nothing to the value and no gradient to the student). Default False: the mean of
-            the global and the dense term.
-        handover: what happens when lambda reaches 0 for good and your loss takes over (:class:`Handover`: reset your
-            momentum network to the student, warm your SSL heads on the frozen backbone, re-warm the learning rate);
-            :meth:`on_handover` adds a callback. Default: ``Handover()``: when the schedule skipped your loss before the
-            switch (lambda 1: ``switch``, ``epochs:``), your heads warm up for 5 % of a planned run.
+
+    Args: Performance
+        sync_every: the controller reads the ReLA loss on the host once every ``sync_every`` optimiser steps;
+            meanwhile each step's mean loss stays on the device, and at the read all of them are fed to the
+            controller in order (and averaged across processes in one call). ``1`` (default) is Alg. 1 as
+            printed, with one host synchronisation per step; on a GPU, e.g. ``sync_every=50`` removes it at
+            the cost of lambda trailing the losses by up to 50 steps.
+        targets_on_device: keep every (PCA-reduced) target on the student's device, ``rows x n_components x 4``
+            bytes (1.28 M x 256: 1.3 GB), so a lookup is a device gather that never waits for the host.
+            Default: rows are read from the store on the host, which needs the batch's indices on the host.
+        prefetch: read the rows of each batch a tracked loader draws on a background thread, while the loop still
+            runs the steps before it (the loader knows a batch's indices before it yields it), so a store larger
+            than the page cache does not stall ``wrap`` on the disk. Rows are identical to a direct read.
     """
 
     def __init__(
