@@ -51,14 +51,35 @@ from .results import cpu_model, save_figure, write_results
 
 DEFAULT_PRIOR = "shipped:digits-byol"  # trained on other data (scikit-learn digits), no label: a user's situation
 
-#: what training a shipped prior cost this project (its record under ``benchmarks/prior_runs``): printed on its own
-#: line, since a user who reuses the prior does not pay it (and it is not part of any comparison)
-PRIOR_TRAINING = {
-    "shipped:digits-byol": "2000 BYOL steps on the 1797 scikit-learn digits (other data), 28 min on 1 CPU thread",
-    "shipped:fashion-mnist-byol": "1000 BYOL steps on these Fashion-MNIST images, 37 min on 1 CPU thread",
-    "shipped:fashion-mnist-byol-20k": "20,000 BYOL steps on these Fashion-MNIST images, 90 min on 1 CPU thread",
-    "shipped:fashion-mnist-supervised": "7000 supervised steps WITH these images' labels, 33 min on 1 CPU thread",
+#: the training record of each prior trained by this project (under ``benchmarks/``, read from a checkout of the
+#: repository), with what it was trained on: what training it cost is printed on its own line (a user who reuses the
+#: prior does not pay it, and it is part of no comparison) and rendered on the pages (benchmarks/render.py)
+PRIOR_RECORDS = {
+    "shipped:digits-byol": ("prior_runs/digits_byol/train.json", "scikit-learn's digits (other data), no labels"),
+    "shipped:fashion-mnist-byol": ("results/train_demo_prior.json", "these Fashion-MNIST images, no labels"),
+    "shipped:fashion-mnist-byol-20k": ("prior_runs/byol_convnet_long/train_20k.json",
+                                       "these Fashion-MNIST images, no labels"),
+    "shipped:fashion-mnist-supervised": ("prior_runs/supervised_convnet/train.json",
+                                         "these Fashion-MNIST images WITH their labels"),
+    "checkpoint:benchmarks/prior_runs/supervised_small/prior.safetensors": (
+        "prior_runs/supervised_small/train.json", "these Fashion-MNIST images WITH their labels"),
 }
+
+
+def prior_training(spec: str) -> Optional[str]:
+    """What training the prior ``spec`` cost this project, from its training record (None: no record, or the
+    package is installed without the repository's ``benchmarks/``)."""
+    if spec not in PRIOR_RECORDS:
+        return None
+    path, data = PRIOR_RECORDS[spec]
+    file = REFERENCE_FILE.parents[1] / path
+    if not file.is_file():
+        return None
+    rec = json.loads(file.read_text())
+    threads = (rec.get("args") or {}).get("threads") or (rec.get("machine") or {}).get("torch_threads")
+    return (f"{rec['steps']:,} training steps on {data}, {rec['train_seconds'] / 60:.0f} min on "
+            f"{threads or 'its'} CPU thread{'s' if threads != 1 else ''} ({file.relative_to(REFERENCE_FILE.parents[2])})")
+
 
 #: settings whose values change the numbers: a run is placed among the reference seeds only when all of them are the
 #: reference's
@@ -488,7 +509,7 @@ def run(args) -> int:
         "settings": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "command"},
         "prior": prior.describe(),
         "targets": {"path": str(store_dir), "rows": len(store), "dim": store.dim, "precompute": precompute},
-        "prior_training": PRIOR_TRAINING.get(spec) if args.weights is None else None,
+        "prior_training": prior_training(spec) if args.weights is None else None,
         "plain": plain, "rela": rela,
         **{clock: compare(plain, rela, precompute, clock) for clock in CLOCKS},  # the mean curves
         "per_seed": [{k: v for k, v in r.items() if k not in ("plain", "rela")} for r in per_seed]

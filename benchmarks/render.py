@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from accelerate_ssl.atomic import atomic_write_text  # noqa: E402
+from accelerate_ssl import demo as demo_module  # noqa: E402  (the priors' training records)
 from accelerate_ssl.results import provenance_problems  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -72,13 +73,7 @@ PRIOR_KIND = {
 }
 
 #: the training record of each prior trained here (``benchmarks/prior_runs``, ``benchmarks/results``)
-PRIOR_RECORDS = {
-    "shipped:digits-byol": "prior_runs/digits_byol/train.json",
-    "shipped:fashion-mnist-byol": "results/train_demo_prior.json",
-    "shipped:fashion-mnist-byol-20k": "prior_runs/byol_convnet_long/train_20k.json",
-    "shipped:fashion-mnist-supervised": "prior_runs/supervised_convnet/train.json",
-    "checkpoint:benchmarks/prior_runs/supervised_small/prior.safetensors": "prior_runs/supervised_small/train.json",
-}
+PRIOR_RECORDS = {spec: path for spec, (path, _) in demo_module.PRIOR_RECORDS.items()}
 
 
 def shown(path: Path) -> str:

@@ -207,7 +207,9 @@ def test_default_prior_ships_and_loads():
     # a prior trained on other data (digits), label-free: a user's situation, not an upper bound; small enough to ship
     assert demo.DEFAULT_PRIOR == "shipped:digits-byol"
     assert shipped_prior_file("digits-byol").stat().st_size < 10 * 2**20
-    assert "other data" in demo.PRIOR_TRAINING[demo.DEFAULT_PRIOR]
+    told = demo.prior_training(demo.DEFAULT_PRIOR)  # from its training record, not typed
+    record = json.loads((demo.REFERENCE_FILE.parents[1] / demo.PRIOR_RECORDS[demo.DEFAULT_PRIOR][0]).read_text())
+    assert "other data" in told and f"{record['steps']:,} training steps" in told
     prior = create_prior(demo.DEFAULT_PRIOR)
     assert prior.describe()["family"] == "shipped" and len(prior.describe()["checkpoint_sha256"]) == 64
     x = torch.randint(0, 256, (2, 1, 28, 28), dtype=torch.uint8)
