@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     atomic_write_json(demo.REFERENCE_FILE, result, indent=2)  # reference() reads the seeds from this file
     args = argparse.Namespace(**{**defaults, **result["settings"], "seeds": [0]})
     result["reference"] = demo.reference(args, {k: result[k] for k in ("cpu", "machine")})
+    result["prior_training"] = demo.prior_training(result["settings"]["prior_spec"])  # from its record, as now
     atomic_write_json(demo.REFERENCE_FILE, result, indent=2)
     print(f"wrote {demo.REFERENCE_FILE} ({len(result['per_seed'])} seeds): {result['reference']['text']}")
     return 0
