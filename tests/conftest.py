@@ -27,6 +27,15 @@ def _seed():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _fresh_once_warnings(monkeypatch):
+    """Each test starts as a fresh process does for the warnings said once per process (launch.warn_once): a test
+    that expects one is not silenced by an earlier test that met the same cause."""
+    from accelerate_ssl import launch
+
+    monkeypatch.setattr(launch, "_WARNED", set())
+
+
 @pytest.fixture(scope="session")
 def fashion_mnist_available():
     from accelerate_ssl.data.datasets import fashion_mnist_dir, _find_idx

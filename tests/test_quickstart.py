@@ -95,7 +95,11 @@ def test_with_the_run_length_lambda_falls(tmp_path):
         warnings.simplefilter("error", UserWarning)
         rela, lambdas = _run(tmp_path, with_length=True)
     assert rela.steps == len(lambdas) >= 290
-    assert_hands_over(lambdas, len(lambdas))  # the default schedule hands over inside the planned run
+    # the loss is computed before wrap: the default is decay, the loss mixed in from the first step and lambda 0 for
+    # good by half the planned run
+    assert type(rela.schedule).__name__ == "Decay" and 0 < lambdas[0] <= 0.8
+    end = lambdas.index(0.0)
+    assert 0 < end <= round(len(lambdas) / 2) and set(lambdas[end:]) == {0.0}
 
 
 def test_without_the_run_length_it_warns_and_lambda_stays_high(tmp_path):

@@ -245,7 +245,7 @@ def training_function(config, args):
             if args.output_dir is not None:
                 output_dir = os.path.join(args.output_dir, output_dir)
             accelerator.save_state(output_dir)
-    assert rela.witness.last is not None and rela.witness.last["rows_witnessed"] >= 8, rela.witness.status  # test
+    assert rela.witness.status in ("aligned", "one view"), rela.witness.status  # test: the witness judged the rows (its verdict survives the resume)
     log.save(accelerator.process_index)  # test
     accelerator.end_training()
 
