@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-import harness  # noqa: E402  (benchmarks/: the studies' one student, shared with budget.py)
+import harness  # noqa: E402  (benchmarks/: the studies' one student and probe, shared with budget.py)
 from accelerate_ssl.atomic import atomic_write_json  # noqa: E402
 from accelerate_ssl.demo import prediction_interval  # noqa: E402
 from accelerate_ssl.recipes import steps_to_reach  # noqa: E402
@@ -124,29 +124,6 @@ def data(a):
     if a.canvas:
         train, test = Canvas(train, size=a.canvas, seed=1), Canvas(test, size=a.canvas, seed=2)
     return train, test, images_to_tensor(train.data), images_to_tensor(test.data)
-
-
-class Probe:
-    """The recipe's probe: linear on all training labels (the curve's number); kNN and 100 labels per class beside."""
-
-    def __init__(self, train, test, xtr, xte, seed: int, untrained: Path | None = None):
-        from accelerate_ssl.recipes import Probe as RecipeProbe
-
-        self.inner, self.last = RecipeProbe(xtr, train.targets, xte, test.targets, seed=seed, few_labels=100), {}
-        self.untrained, self.calls = untrained, 0
-
-    def __call__(self, backbone) -> float:
-        """The first call probes the seed's untrained student, the same network for every method of the seed: its
-        numbers are kept in ``untrained`` and read back by the seed's other runs instead of probing it again."""
-        first, self.calls = self.calls == 0, self.calls + 1
-        if first and self.untrained is not None and self.untrained.is_file():
-            self.last = json.loads(self.untrained.read_text())
-        else:
-            self.last = self.inner.evaluate(backbone)
-            if first and self.untrained is not None:
-                atomic_write_json(self.untrained, self.last)
-        self.last = dict(self.last)
-        return self.last.pop("linear_top1")
 
 
 def untrained_file(a, seed: int) -> Path:
@@ -222,7 +199,7 @@ def train_unit(a, kind: str, seed: int, train, test, xtr, xte) -> dict:
     from accelerate_ssl.recipes import train_ssl
 
     method, rela, teacher, opt = build(a, kind, seed, train, xtr)
-    probe = Probe(train, test, xtr, xte, seed, untrained_file(a, seed))
+    probe = harness.Probe(train, test, xtr, xte, seed, untrained_file(a, seed))
     try:
         log = train_ssl(method, batches(a, xtr, seed), a.steps, optimizer=opt,
                         view_generator=torch.Generator().manual_seed(seed + 1), rela=rela, rela_views="weak",
@@ -261,7 +238,7 @@ def lightly_train_unit(a, seed: int, train, test, xtr, xte) -> dict:
     load = os.getloadavg()
     subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     record = json.loads((out / "steps.json").read_text())
-    probe = Probe(train, test, xtr, xte, seed, untrained_file(a, seed))
+    probe = harness.Probe(train, test, xtr, xte, seed, untrained_file(a, seed))
     torch.manual_seed(seed)
     net = harness.student(a)
     curve = [{"step": 0, "top1": probe(net), "seconds": 0.0, "cpu_seconds": 0.0, **probe.last}]
