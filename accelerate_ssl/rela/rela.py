@@ -320,17 +320,12 @@ class ReLA:
                 raise ValueError(f"ReLA(end_step={end_step}) plans a schedule given by name; this one is your "
                                  f"{type(schedule).__name__} instance: pass end_step={end_step} to it instead, e.g. "
                                  f"{type(schedule).__name__}(..., end_step={end_step}).")
-            self.schedule = schedule
-        elif needs_run_length(self._schedule_name) and total_steps is None:
-            self._plan(1)  # the spec itself is checked now
-            self.schedule = Constant(1.0, end_step=end_step)  # a stand-in until set_total_steps(); wrap refuses it
+            self.schedule, self._planned = schedule, True  # yours, planned by you (_planned: by-name ones know the length)
+            if total_steps is not None:
+                self._plan_handover(total_steps, self.schedule)
         else:
-            self.schedule = self._plan(total_steps)
-        if total_steps is not None:
-            self._plan_handover(int(total_steps), self.schedule)
+            self._use_schedule(self._schedule_name)
         self.head_in_ddp = bool(head_in_ddp)
-        #: whether a by-name schedule knows the run length (warned about at the first wrap otherwise)
-        self._planned = self._schedule_name is None or total_steps is not None or not takes_run_length(self._schedule_name)
         self.sync_every = check_steps(sync_every, "sync_every")  # optimiser steps between host reads of the loss
         self._pending_losses: list[torch.Tensor] = []  # per-step mean ReLA losses not yet read on the host
         self.n_components = n_components
@@ -677,13 +672,16 @@ class ReLA:
             self._use_schedule(EAGER_DEFAULT_SCHEDULE)
 
     def _use_schedule(self, name: str) -> None:
-        """Plan the schedule ``name`` for the run length known so far (the default settled, or a checkpoint's)."""
+        """Plan the schedule given by ``name`` for the run length known so far (at construction; the default settled at
+        the first wrap, or a checkpoint's), and the hand-over with it."""
         self._schedule_name = name
         if self._total_steps is not None:
             self.schedule = self._plan(self._total_steps)
             self._plan_handover(self._total_steps, self.schedule)
             self._planned = True
         elif needs_run_length(name):
+            self._plan(1)  # the spec itself is checked now
+            # a stand-in until set_total_steps(); wrap refuses it
             self.schedule, self._planned = Constant(1.0, end_step=self._end_step), False
         else:
             self.schedule, self._planned = self._plan(None), not takes_run_length(name)
