@@ -377,48 +377,81 @@ def step_kinds(record: dict) -> list[str]:
     return [one if v >= 1.0 else "mixed" if v > 0.0 else "plain" for v in lam]
 
 
-def timing(r, data_, cache: Path, priors=("other",), steps: int = 30, chunk: int = 512) -> dict:
-    """The CPU and wall seconds of each kind of step (:data:`STEP_KINDS`), the kinds interleaved one by one in this
-    process on the same batches, and of each prior's precompute per image, in chunks of ``chunk`` training images
-    interleaved between the rounds: the costs a run's compute is modelled with (side by side, the ratios hold on a
-    shared machine whose load moves every run's own CPU seconds)."""
+def side_by_side(steps: dict, rounds: int, between=None, every: int = 3, warmup: int = 2) -> dict:
+    """The medians of each kind of step's wall and CPU seconds, the kinds' steps interleaved one by one in this
+    process, so that a shared machine's load moves every kind alike and their ratios hold.
+
+    ``steps``: kind -> a function of the round ``i`` that takes one step of that kind and returns its
+    ``train_ssl`` log (its ``step_seconds`` and ``step_cpu_seconds`` are read). ``warmup`` rounds are not counted;
+    ``between(i)`` (the precompute's chunks, :func:`precompute_cost`) runs after every ``every``-th counted round.
+    Returns ``{kind: {"seconds": median, "cpu_seconds": median}}``. Every study's timing is this loop (the budget
+    study's :func:`timing`, ``head_to_head.py``'s and ``timm_kd.py``'s units)."""
+    wall: dict = {k: [] for k in steps}
+    cpu: dict = {k: [] for k in steps}
+    for i in range(rounds + warmup):
+        for kind, step in steps.items():
+            log = step(i)
+            if i >= warmup:
+                wall[kind].append(log["step_seconds"][0])
+                cpu[kind].append(log["step_cpu_seconds"][0])
+        if between is not None and i >= warmup and (i - warmup) % every == 0:
+            between(i)
+    return {k: {"seconds": statistics.median(wall[k]), "cpu_seconds": statistics.median(cpu[k])} for k in steps}
+
+
+def precompute_cost(model, train, i: int, chunk: int, device: str = "cpu") -> tuple[float, float]:
+    """Wall and CPU seconds per image of ``model``'s precompute (``precompute_targets``, a temporary store) over a
+    chunk of ``chunk`` training images, which chunk moving with the round ``i`` (:func:`side_by_side`'s ``between``).
+    ``model``: one prior, or a list of priors written in one pass over the chunk as ``precompute_targets`` does."""
     import tempfile
 
     from accelerate_ssl.data import ArrayImageDataset
+    from accelerate_ssl.targets.precompute import precompute_targets
+
+    lo = (i * chunk) % (len(train) - chunk)
+    part = ArrayImageDataset(train.data[lo:lo + chunk].numpy(), train.targets[lo:lo + chunk].numpy())
+    with tempfile.TemporaryDirectory() as tmp:
+        many = isinstance(model, list)
+        t, c = time.perf_counter(), time.process_time()
+        precompute_targets(model, part, [Path(tmp) / f"s{j}" for j in range(len(model))] if many else Path(tmp) / "s",
+                           progress=False)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t) / chunk, (time.process_time() - c) / chunk
+
+
+def timing(r, data_, cache: Path, priors=("other",), steps: int = 30, chunk: int = 512) -> dict:
+    """The CPU and wall seconds of each kind of step (:data:`STEP_KINDS`) side by side (:func:`side_by_side`, the
+    same batches) and of each prior's precompute per image, in chunks of ``chunk`` training images between the
+    rounds: the costs a run's compute is modelled with (side by side, the ratios hold on a shared machine whose load
+    moves every run's own CPU seconds)."""
     from accelerate_ssl.priors import create_prior
     from accelerate_ssl.recipes import train_ssl
-    from accelerate_ssl.targets.precompute import precompute_targets
 
     prior = priors[0]
     kinds = {"plain": Run(None, steps, 0), "mixed": Run(prior, steps, 0, "constant:0.5"),
              "callable": Run(prior, steps, 0, "constant:1"), "eager": Run(prior, steps, 0, "constant:1", loss="eager")}
-    built = {k: (*build(r, data_, run, cache), batches(r, data_[2], 0), [], []) for k, run in kinds.items()}
+    built = {k: (*build(r, data_, run, cache), batches(r, data_[2], 0)) for k, run in kinds.items()}
     models = {p: create_prior(prior_spec(r, cache, p)).to(r.device) for p in priors}
     per_image: dict[str, list[tuple[float, float]]] = {p: [] for p in priors}
     g = torch.Generator().manual_seed(1)
     torch.set_num_threads(r.threads)
     load = os.getloadavg()
-    train = data_[0]
-    for i in range(steps + 2):
-        for kind, (method, rela, opt, source, wall, cpu) in built.items():
-            log = train_ssl(method, source, 1, optimizer=opt, view_generator=g, rela=rela, rela_views="byol",
-                            rela_step="eager" if kind == "eager" else "one-view")
-            if i >= 2:  # warm-up steps excluded
-                wall.append(log["step_seconds"][0])
-                cpu.append(log["step_cpu_seconds"][0])
-        if i >= 2 and (i - 2) % 3 == 0:
-            lo = (i * chunk) % (len(train) - chunk)
-            part = ArrayImageDataset(train.data[lo:lo + chunk].numpy(), train.targets[lo:lo + chunk].numpy())
-            for p, model in models.items():
-                with tempfile.TemporaryDirectory() as tmp:
-                    t, c = time.perf_counter(), time.process_time()
-                    precompute_targets(model, part, Path(tmp) / "s", progress=False)
-                    per_image[p].append(((time.perf_counter() - t) / chunk, (time.process_time() - c) / chunk))
+
+    def step(kind):
+        method, rela, opt, source = built[kind]
+        return lambda i: train_ssl(method, source, 1, optimizer=opt, view_generator=g, rela=rela, rela_views="byol",
+                                   rela_step="eager" if kind == "eager" else "one-view")
+
+    def between(i):
+        for p, model in models.items():
+            per_image[p].append(precompute_cost(model, data_[0], i, chunk, r.device))
+
+    times = side_by_side({k: step(k) for k in built}, steps, between)
     for _, rela, *_ in built.values():
         if rela is not None:
             rela.close()
-    med = {k: {"step_seconds": statistics.median(v[4]), "step_cpu_seconds": statistics.median(v[5])}
-           for k, v in built.items()}
+    med = {k: {"step_seconds": v["seconds"], "step_cpu_seconds": v["cpu_seconds"]} for k, v in times.items()}
     pre = {p: {"seconds_per_image": statistics.median(w for w, _ in v),
                "cpu_seconds_per_image": statistics.median(c for _, c in v)} for p, v in per_image.items()}
     return {"steps_each": steps, "kinds": med, "precompute": pre, "load_average": [load, os.getloadavg()],

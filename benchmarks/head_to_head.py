@@ -117,20 +117,13 @@ def numeric_settings(a) -> dict:
 
 # ---------------------------------------------------------------------------------------------- data, probe, prior
 def data(a):
-    from accelerate_ssl.data import Canvas, FashionMNIST
-    from accelerate_ssl.recipes import images_to_tensor
-
-    train, test = FashionMNIST("train", limit=a.train_size), FashionMNIST("test", limit=a.test_size)
-    if a.canvas:
-        train, test = Canvas(train, size=a.canvas, seed=1), Canvas(test, size=a.canvas, seed=2)
-    return train, test, images_to_tensor(train.data), images_to_tensor(test.data)
+    """(train, test, train images, test images): the harness's data, on ``--canvas`` canvases."""
+    return harness.data(a)
 
 
 def untrained_file(a, seed: int) -> Path:
     """The probe of the seed's untrained student (same draw for every method), under the settings that decide it."""
-    net = f"w{'-'.join(map(str, a.widths))}" if a.student == "convnet" else a.student
-    key = f"c{a.canvas}-{a.train_size}-{a.test_size}-{net}-seed{seed}"
-    return Path(a.runs) / f"untrained-{key}.json"
+    return harness.untrained_file(a, Path(a.runs), seed)
 
 
 def store_dir(a, prior: str) -> Path:
@@ -189,19 +182,13 @@ def build(a, kind: str, seed: int, train, xtr, schedule=None):
     return method, rela, teacher, torch.optim.AdamW(params, lr=a.lr, weight_decay=0.01)
 
 
-def batches(a, xtr, seed: int):
-    from accelerate_ssl.recipes import shuffled_batches, tensor_batches
-
-    return tensor_batches(xtr.to(a.device), shuffled_batches(len(xtr), a.batch_size, seed))
-
-
 def train_unit(a, kind: str, seed: int, train, test, xtr, xte) -> dict:
     from accelerate_ssl.recipes import train_ssl
 
     method, rela, teacher, opt = build(a, kind, seed, train, xtr)
     probe = harness.Probe(train, test, xtr, xte, seed, untrained_file(a, seed))
     try:
-        log = train_ssl(method, batches(a, xtr, seed), a.steps, optimizer=opt,
+        log = train_ssl(method, harness.batches(a, xtr, seed), a.steps, optimizer=opt,
                         view_generator=torch.Generator().manual_seed(seed + 1), rela=rela, rela_views="weak",
                         checkpoints=a.probes, probe=probe, checkpoint_extras=lambda: dict(probe.last), teacher=teacher,
                         progress=f"{kind} seed {seed}")
@@ -252,45 +239,33 @@ def lightly_train_unit(a, seed: int, train, test, xtr, xte) -> dict:
 
 
 def timing_unit(a, train, xtr) -> dict:
-    """Median step time of each kind, the kinds' steps interleaved one by one (same batches), and the precompute's
-    time per image from chunks of 1024 training scenes interleaved between rounds."""
-    import tempfile
-
-    from accelerate_ssl.data import ArrayImageDataset
+    """Median step time of each kind, the kinds' steps interleaved one by one on the same batches
+    (``harness.side_by_side``), and the precompute's time per image from chunks of 1024 training scenes between
+    rounds."""
     from accelerate_ssl.recipes import train_ssl
     from accelerate_ssl.schedules import Constant
-    from accelerate_ssl.targets.precompute import precompute_targets
     from accelerate_ssl.priors import create_prior
 
-    kinds = {k: (*build(a, k, 0, train, xtr, Constant(1.0)), batches(a, xtr, 0), [], [])
+    kinds = {k: (*build(a, k, 0, train, xtr, Constant(1.0)), harness.batches(a, xtr, 0))
              for k in ("plain", "cached", "online")[:3 if len(a.priors) == 1 else 2]}
-    priors, per_image = {p: create_prior(p).to(a.device) for p in a.priors}, []
+    priors, per_image = [create_prior(p).to(a.device) for p in a.priors], []
     g = torch.Generator().manual_seed(1)
-    for i in range(a.timing_steps + 2):
-        for kind, (method, rela, teacher, opt, source, wall, cpu) in kinds.items():
-            log = train_ssl(method, source, 1, optimizer=opt, view_generator=g, rela=rela, rela_views="weak",
-                            teacher=teacher)
-            if i >= 2:  # warm-up steps excluded
-                wall.append(log["step_seconds"][0])
-                cpu.append(log["step_cpu_seconds"][0])
-        if i >= 2 and (i - 2) % 3 == 0:
-            lo = (i * 1024) % (len(train) - 1024)
-            chunk = ArrayImageDataset(train.data[lo:lo + 1024].numpy(), train.targets[lo:lo + 1024].numpy())
-            with tempfile.TemporaryDirectory() as tmp:
-                t = time.perf_counter()
-                many = len(priors) > 1  # several priors: one pass over the chunk, as precompute_targets does them
-                precompute_targets(list(priors.values()) if many else priors[a.priors[0]], chunk,
-                                   [Path(tmp) / f"s{i}" for i in range(len(priors))] if many else Path(tmp) / "s",
-                                   progress=False)
-                if torch.device(a.device).type == "cuda":
-                    torch.cuda.synchronize()
-                per_image.append((time.perf_counter() - t) / 1024)
+
+    def step(kind):
+        method, rela, teacher, opt, source = kinds[kind]
+        return lambda i: train_ssl(method, source, 1, optimizer=opt, view_generator=g, rela=rela, rela_views="weak",
+                                   teacher=teacher)
+
+    def between(i):  # several priors: one pass over the chunk, as precompute_targets does them
+        per_image.append(harness.precompute_cost(priors if len(priors) > 1 else priors[0], train, i, 1024, a.device)[0])
+
+    times = harness.side_by_side({k: step(k) for k in kinds}, a.timing_steps, between)
     for _, rela, *_ in kinds.values():
         if rela is not None:
             rela.close()
     return {"steps_each": a.timing_steps, "precompute_seconds_per_image": statistics.median(per_image),
-            "kinds": {k: {"median_step_seconds": statistics.median(v[5]), "median_step_cpu_seconds": statistics.median(v[6])}
-                      for k, v in kinds.items()}}
+            "kinds": {k: {"median_step_seconds": v["seconds"], "median_step_cpu_seconds": v["cpu_seconds"]}
+                      for k, v in times.items()}}
 
 
 # ---------------------------------------------------------------------------------------------- analysis

@@ -41,7 +41,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -51,6 +50,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+
+import harness  # noqa: E402  (benchmarks/: the studies' side-by-side timing)
 
 from accelerate_ssl.atomic import atomic_write_json  # noqa: E402
 from accelerate_ssl.results import code_commit, save_figure, write_results  # noqa: E402
@@ -266,45 +267,40 @@ def run_unit(a, unit: tuple, data_) -> None:
 
 
 def timing(a, data_) -> dict:
-    """Median time of each kind of step, the kinds interleaved one by one (same batches, same views), and of the
-    precompute per image, from chunks of 1024 training images between rounds."""
-    from accelerate_ssl.data import ArrayImageDataset
+    """Median time of each kind of step, the kinds' steps interleaved one by one (``harness.side_by_side``: same
+    batches, and the same views in a round), and of the precompute per image, from chunks of 1024 training images
+    between rounds."""
     from accelerate_ssl.priors import create_prior
     from accelerate_ssl.recipes import WEAK_VIEWS, shuffled_batches, tensor_batches, train_ssl
     from accelerate_ssl.schedules import Constant
-    from accelerate_ssl.targets.precompute import precompute_targets
 
     train, _, xtr, _ = data_
     schedules = {"cached_lambda1": Constant(1.0), "cached_mixed": Constant(0.5)}
     kinds = {}
     for kind in KINDS:
         method, rela, opt, _ = build(a, kind.split("_")[0], 0, train, 10 ** 6, schedules.get(kind))
-        kinds[kind] = (method, rela, opt, tensor_batches(xtr, shuffled_batches(len(xtr), a.batch_size, 0)), [], [])
-    prior, pre = create_prior(a.prior), {"seconds": [], "cpu_seconds": []}
-    for i in range(a.timing_steps + 2):
-        g = torch.Generator().manual_seed(i)  # every kind the same views this round
-        for kind, (method, rela, opt, batches, wall, cpu) in kinds.items():
-            g.manual_seed(i)
-            log = train_ssl(method, batches, 1, optimizer=opt, view_generator=g, views=WEAK_VIEWS, rela=rela,
-                            rela_views="weak")
-            if i >= 2:  # warm-up rounds excluded
-                wall.append(log["step_seconds"][0])
-                cpu.append(log["step_cpu_seconds"][0])
-        if i >= 2 and (i - 2) % 4 == 0:
-            lo = (i * 1024) % (len(train) - 1024)
-            chunk = ArrayImageDataset(train.data[lo:lo + 1024].numpy(), train.targets[lo:lo + 1024].numpy())
-            with tempfile.TemporaryDirectory() as tmp:
-                t, c = time.perf_counter(), time.process_time()
-                precompute_targets(prior, chunk, Path(tmp) / "s", progress=False)
-                pre["seconds"].append((time.perf_counter() - t) / 1024)
-                pre["cpu_seconds"].append((time.process_time() - c) / 1024)
+        kinds[kind] = (method, rela, opt, tensor_batches(xtr, shuffled_batches(len(xtr), a.batch_size, 0)))
+    prior, pre = create_prior(a.prior), []
+    g = torch.Generator()
+
+    def step(kind):
+        method, rela, opt, source = kinds[kind]
+
+        def one(i):
+            g.manual_seed(i)  # every kind the same views this round
+            return train_ssl(method, source, 1, optimizer=opt, view_generator=g, views=WEAK_VIEWS, rela=rela,
+                             rela_views="weak")
+        return one
+
+    times = harness.side_by_side({k: step(k) for k in kinds}, a.timing_steps,
+                                 lambda i: pre.append(harness.precompute_cost(prior, train, i, 1024)), every=4)
     for _, rela, *_ in kinds.values():
         if rela is not None:
             rela.close()
     return {"steps_each": a.timing_steps,
-            "precompute_per_image": {k: statistics.median(v) for k, v in pre.items()},
-            "kinds": {k: {"seconds": statistics.median(v[4]), "cpu_seconds": statistics.median(v[5])}
-                      for k, v in kinds.items()}}
+            "precompute_per_image": {"seconds": statistics.median(w for w, _ in pre),
+                                     "cpu_seconds": statistics.median(c for _, c in pre)},
+            "kinds": times}
 
 
 # ---------------------------------------------------------------------------------------------- analysis
