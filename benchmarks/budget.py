@@ -127,8 +127,8 @@ def resolve(schedule: str) -> str:
     return f"switch:{SWITCH_END_FRACTION:g}" if DEFAULT_SCHEDULE == "switch" else DEFAULT_SCHEDULE
 
 
-def plan(a) -> list[tuple[str, Run]]:
-    """Every run of the study as (arm, Run), tier by tier and seed by seed within a tier (``--tiers``, ``--arms`` and
+def plan(a) -> list[tuple[int, str, Run]]:
+    """Every run of the study as (tier, arm, Run), tier by tier and seed by seed within a tier (``--tiers``, ``--arms`` and
     ``--seeds`` select)."""
     out = []
     full = a.recipe.full
@@ -147,7 +147,7 @@ def plan(a) -> list[tuple[str, Run]]:
                         harness.probes_along(steps)
                     run = Run(None, steps, seed, probes=probes) if prior is None else \
                         Run(prior, steps, seed, resolve(schedule), loss=loss, probes=probes)
-                    out.append((key, run))
+                    out.append((tier, key, run))
     return out
 
 
@@ -352,9 +352,12 @@ def summary(result: dict) -> str:
     an = result["analysis"]
     g, lines = goals(an), []
     if not result.get("complete", True):
+        tiers = result.get("runs_by_tier") or {}
         seeds = len(an["arms"].get(default_arm(), {}).get("seeds", []))
-        lines.append(f"**Incomplete**: {result['runs_done']} of the {result['runs_planned']} planned runs are measured "
-                     f"(the default arm on {seeds} seed{'s' if seeds != 1 else ''}); the figures below are those runs'.")
+        lines.append(f"**Incomplete**: {result['runs_done']} of the {result['runs_planned']} planned runs are measured ("
+                     + "; ".join(f"tier {t}: {d} of {n}" for t, (d, n) in sorted(tiers.items(), key=lambda kv: int(kv[0])))
+                     + f"; the default arm on {seeds} seed{'s' if seeds != 1 else ''}); the figures below are those "
+                     "runs', and a column names its seeds when fewer than 5.")
     if "reach" in g:
         r = g["reach"]
         if r["mean"] is not None:
@@ -367,7 +370,9 @@ def summary(result: dict) -> str:
                          f"accuracy: {r['reason']}.")
     if "front" in g:
         miss = [x for x in g["front"]["budgets"] if not x["within_sd"]]
-        lines.append("At every budget measured it ends within one standard deviation of the best arm there." if not miss
+        where = ", ".join(f"{x['budget']:g}" for x in g["front"]["budgets"])
+        lines.append(f"At every budget where each of its seeds is measured ({where} of the full plain run's compute) it "
+                     "ends within one standard deviation of the best arm there." if not miss
                      else "It ends more than one standard deviation below the best arm at " + ", ".join(
                          f"{x['budget']:g} ({x['gap']:+.2f} points against {arm_label(x['best_arm'], an['arms'][x['best_arm']])})"
                          for x in miss) + ".")
@@ -419,7 +424,7 @@ def main(argv=None) -> None:
     data = harness.data(a.recipe)
     timing_file = a.runs / "timing.json"
     if a.timing:
-        priors = sorted({run.prior for _, run in todo if run.prior}, key=list(harness.PRIORS).index)
+        priors = sorted({run.prior for *_, run in todo if run.prior}, key=list(harness.PRIORS).index)
         for p in priors:
             harness.prepare_prior(a.recipe, data, a.cache, p)
         record = {**harness.timing(a.recipe, data, a.cache, priors, a.timing_steps),
@@ -429,18 +434,22 @@ def main(argv=None) -> None:
         print(json.dumps({k: record[k] for k in ("kinds", "precompute", "relative_cpu")}, indent=1))
         return
     if not a.gather:
-        for i, (_, run) in enumerate(todo):
+        for i, (*_, run) in enumerate(todo):
             if i % a.worker[1] == a.worker[0]:
                 harness.run_unit(a.recipe, data, run, a.runs, a.cache)
         if a.worker[1] > 1:
             print("budget.py: this worker's runs are done; `--gather` writes the results.")
             return
-    files = {run: a.runs / f"{run.name()}.json" for _, run in todo}
+    files = {run: a.runs / f"{run.name()}.json" for *_, run in todo}
     runs: dict[str, list[dict]] = {}
-    for key, run in todo:
+    for _, key, run in todo:
         if files[run].is_file():
             runs.setdefault(key, []).append(json.loads(files[run].read_text()))
     done = sum(len(v) for v in runs.values())
+    by_tier: dict[str, list[int]] = {}
+    for tier, _, run in todo:
+        by_tier.setdefault(str(tier), [0, 0])[1] += 1
+        by_tier[str(tier)][0] += files[run].is_file()
     if not any(r["run"]["steps"] == a.recipe.full for r in runs.get("plain", [])):
         print("budget.py: no full plain run finished yet: nothing to compare with, no results file written.")
         return
@@ -452,13 +461,13 @@ def main(argv=None) -> None:
                   "probe": harness.prior_probe(a.recipe, data, a.cache, p)}
               for p in harness.PRIORS if harness.store_dir(a.recipe, a.cache, p).with_suffix(".json").is_file()}
     result = {"command": "python benchmarks/" + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-              "complete": done == len(todo), "runs_done": done, "runs_planned": len(todo),
+              "complete": done == len(todo), "runs_done": done, "runs_planned": len(todo), "runs_by_tier": by_tier,
               "settings": {"recipe": harness.recipe_settings(a.recipe), "at": a.at, "default_schedule": DEFAULT_SCHEDULE,
                            "plan": [[t, arm_key(p, s, l), list(n), list(seeds)] for t, p, s, l, n, seeds in PLANS[a.student]],
                            "default_spec": resolve("default")},
               "timing": timing, "analysis": analyse(a, runs, timing), "measured": analyse(a, runs, None),
               "priors": priors,
-              "runs": {files[run].stem: r for key, run in todo if files[run].is_file() for r in [json.loads(files[run].read_text())]}}
+              "runs": {files[run].stem: r for *_, run in todo if files[run].is_file() for r in [json.loads(files[run].read_text())]}}
     result["analysis"]["goals"] = goals(result["analysis"])
     write_results(a.out, result, device=a.device if a.device != "cpu" else None,
                   per_seed=["runs.*.curve", "analysis.arms.*.compute_to_full_plain.per_seed"])
