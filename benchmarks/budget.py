@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import harness  # noqa: E402
-from harness import PRIOR_LABEL, PROBES, Run, mean_sd  # noqa: E402
+from harness import PRIOR_LABEL, PROBES, Run, mean_sd, seeds_text  # noqa: E402
 
 from accelerate_ssl.recipes import steps_to_reach, value_at  # noqa: E402
 from accelerate_ssl.results import save_figure, write_results  # noqa: E402
@@ -387,6 +387,9 @@ def summary(result: dict) -> str:
 
 
 def figure(result: dict, path: Path) -> None:
+    """Accuracy against compute: each arm's mean over its seeds (where every seed's runs reach that compute), a band of
+    one sd around it; the prior trained on other data under each schedule (left), the default recipe with each prior
+    (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -394,27 +397,38 @@ def figure(result: dict, path: Path) -> None:
 
     an = result["analysis"]
     arms = an["arms"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
-    groups = [("schedules, prior trained on other data", [k for k in arms if k == "plain" or arms[k]["prior"] == "other"]),
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
+    groups = [("schedules, prior trained on other data (digits BYOL)",
+               [k for k in arms if k == "plain" or arms[k]["prior"] == "other"]),
               ("the default recipe with each prior", [k for k in arms if k == "plain" or
                                                      (k.split(":")[1:] == ["default", "callable"])])]
     for ax, (title, keys) in zip(axes, groups):
         for i, k in enumerate(keys):
             env = arms[k]["curves"]["top1"]
             xs = sorted({round(x, 3) for c in env.values() for x, _ in c})
-            mean = [(x, statistics.fmean(vs)) for x in xs
-                    if len(vs := [v for c in env.values() if (v := curve_at(c, x)) is not None]) == len(env)]
-            if mean:
-                ax.plot(*zip(*mean), color="black" if k == "plain" else f"C{i}", lw=2 if "default" in k else 1.2,
-                        ls="--" if k == "plain" else "-", label=arm_label(k, arms[k]).replace("`", ""))
-        ax.axhline(an["target_top1"], color="gray", ls=":", lw=1, label="full plain run")
+            pts = [(x, vs) for x in xs if len(vs := [v for c in env.values() if (v := curve_at(c, x)) is not None]) == len(env)]
+            if not pts:
+                continue
+            color = "black" if k == "plain" else f"C{i}"
+            label = arm_label(k, arms[k]).replace("`", "")
+            if ax is axes[0] and k != "plain":
+                label = label.split(", ", 1)[1]
+            ax.plot([x for x, _ in pts], [statistics.fmean(v) for _, v in pts], color=color,
+                    lw=2.2 if "default" in k else 1.2, ls="--" if k == "plain" else "-",
+                    label=f"{label} ({seeds_text(len(env))})")
+            if len(env) > 1:
+                ax.fill_between([x for x, _ in pts], [statistics.fmean(v) - statistics.stdev(v) for _, v in pts],
+                                [statistics.fmean(v) + statistics.stdev(v) for _, v in pts], color=color, alpha=0.12, lw=0)
+        ax.axhline(an["target_top1"], color="gray", ls=":", lw=1, label="the full plain run's accuracy")
         ax.axvline(1.0, color="gray", ls=":", lw=0.8)
-        ax.set_xlabel("compute, fraction of the full plain run (CPU seconds, precompute included)")
+        ax.set_xlabel("compute, of the full plain run (precompute included)")
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=7, loc="lower right")
+        ax.grid(alpha=0.25)
     axes[0].set_ylabel("linear probe top-1 %")
     fig.suptitle(f"{result['settings']['recipe']['student']} student, {result['settings']['recipe']['ssl']}: "
-                 "accuracy against compute (mean over seeds)", fontsize=11)
+                 "accuracy against compute (mean over seeds, band: one sd)", fontsize=11)
+    fig.tight_layout()
     save_figure(fig, path)
 
 
