@@ -123,3 +123,22 @@ def test_a_rerun_resumes_and_a_run_of_another_recipe_is_refused(study):
             budget.main(flags)  # the plan meets it before training anything
     finally:
         mp.undo()
+
+
+def test_side_by_side_interleaves_the_kinds_round_by_round_and_counts_no_warm_up():
+    """The one timing loop every study uses: kinds in turn within a round, warm-up rounds not counted, ``between`` after
+    every ``every``-th counted round, medians of what each kind's steps reported."""
+    calls, between = [], []
+
+    def kind(name, seconds):
+        def step(i):
+            calls.append((i, name))
+            return {"step_seconds": [seconds[i]], "step_cpu_seconds": [2 * seconds[i]]}
+        return step
+
+    a = [100.0, 100.0, 1.0, 2.0, 3.0, 4.0, 50.0]  # the first two rounds are the warm-up: their 100 s never count
+    b = [100.0, 100.0, 10.0, 10.0, 30.0, 20.0, 20.0]
+    out = harness.side_by_side({"a": kind("a", a), "b": kind("b", b)}, rounds=5, between=between.append, every=2)
+    assert calls == [(i, k) for i in range(7) for k in ("a", "b")]
+    assert between == [2, 4, 6]
+    assert out == {"a": {"seconds": 3.0, "cpu_seconds": 6.0}, "b": {"seconds": 20.0, "cpu_seconds": 40.0}}
