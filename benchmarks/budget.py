@@ -379,13 +379,20 @@ def summary(result: dict) -> str:
             lines.append(f"The default recipe with the prior trained on other data does not reach the full plain run's "
                          f"accuracy: {r['reason']}.")
     if "front" in g:
-        miss = [x for x in g["front"]["budgets"] if not x["within_sd"]]
-        where = ", ".join(f"{x['budget']:g}" for x in g["front"]["budgets"])
-        lines.append(f"At every budget where each of its seeds is measured ({where} of the full plain run's compute) it "
-                     "ends within one standard deviation of the best arm there." if not miss
-                     else "It ends more than one standard deviation below the best arm at " + ", ".join(
-                         f"{x['budget']:g} ({x['gap']:+.2f} points against {arm_label(x['best_arm'], an['arms'][x['best_arm']])})"
-                         for x in miss) + ".")
+        rows = g["front"]["budgets"]
+        miss = [x for x in rows if not x["within_sd"]]
+        budgets = ", ".join(f"{x['budget']:g}" for x in rows)
+        where = f"({budgets} of the full plain run's compute)"
+        if not miss:
+            lines.append(f"At every budget where each of its seeds is measured {where} it ends within one standard "
+                         "deviation of the best arm there.")
+        else:
+            lines.append(f"Of the budgets where each of its seeds is measured {where}, it ends within one standard "
+                         f"deviation of the best arm at {len(rows) - len(miss)}; more than one below it at " + ", ".join(
+                             f"{x['budget']:g} ({x['gap']:+.2f} points against "
+                             f"{arm_label(x['best_arm'], an['arms'][x['best_arm']])}"
+                             f"{seeds_note(an['arms'][x['best_arm']])}, whose sd there is {x['best_sd'] or 0:.2f})"
+                             for x in miss) + ".")
     if g.get("untrained"):
         n = len(an["arms"][default_arm("random")]["seeds"])
         lines.append(f"With an untrained prior ({seeds_text(n)}), the default recipe at equal compute against plain SSL: "
@@ -417,7 +424,7 @@ def figure(result: dict, path: Path) -> None:
     for ax, (title, keys) in zip(axes, groups):
         for i, k in enumerate(keys):
             env = arms[k]["curves"]["top1"]
-            xs = sorted({round(x, 3) for c in env.values() for x, _ in c})
+            xs = sorted({x for c in env.values() for x, _ in c})
             pts = [(x, vs) for x in xs if len(vs := [v for c in env.values() if (v := curve_at(c, x)) is not None]) == len(env)]
             if not pts:
                 continue
