@@ -116,11 +116,6 @@ def numeric_settings(a) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- data, probe, prior
-def data(a):
-    """(train, test, train images, test images): the harness's data, on ``--canvas`` canvases."""
-    return harness.data(a)
-
-
 def untrained_file(a, seed: int) -> Path:
     """The probe of the seed's untrained student (same draw for every method), under the settings that decide it."""
     return harness.untrained_file(a, Path(a.runs), seed)
@@ -474,7 +469,7 @@ def main(argv=None) -> int:
     t_start, load = time.perf_counter(), os.getloadavg()
     torch.set_num_threads(a.threads)
     Path(a.runs).mkdir(parents=True, exist_ok=True)
-    train, test, xtr, xte = data(a)
+    train, test, xtr, xte = harness.data(a)  # on --canvas canvases
     while a.worker[0] and not all(store_dir(a, p).with_suffix(".json").is_file() for p in a.priors):
         time.sleep(10)  # worker 0 makes the store
     precompute = prepare_targets(a, train)
