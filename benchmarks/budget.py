@@ -12,8 +12,9 @@ loss as a callable or computed eagerly (a loss computed before ``wrap`` gets ``d
 under it every step computes the loss, whatever its form), each run for several lengths so that every arm's curve spans 10 % to past 100 % of the full plain run's
 compute; every run probed at a quarter, half and three quarters of it and at its end (``harness.probes_along``).
 
-Analysis (:func:`analyse`): an arm's curve for one seed is the running maximum of the piecewise-linear curve through all
-its probe points by compute (what the best run of that arm had reached at that cost); per arm the mean ± sd over seeds
+Analysis (:func:`analyse`): an arm's curve for one seed is, at each compute, the best accuracy any of its runs had
+reached by then, each run's accuracy linear between its probe points (:func:`envelope`: a run of the arm never lowers
+it); per arm the mean ± sd over seeds
 at each ``--at`` budget, the best arm there, and ``compute_to_full_plain``: the compute at which each seed's curve first
 reaches the full plain run's mean accuracy (null with the reason where it never does), as a fraction of its compute.
 
@@ -167,12 +168,51 @@ def points(record: dict, full_cpu: float, timing: dict | None, train_size: int) 
     return [(x / full_cpu, {k: c[k] for k in PROBES}) for x, c in zip(xs, record["curve"])]
 
 
-def envelope(pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The running maximum of a curve by compute: the best accuracy reached at or below each compute."""
-    out, best = [], float("-inf")
-    for x, y in sorted(pts):
-        best = max(best, y)
-        out.append((x, best))
+def run_best(pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The best accuracy one run had reached by each compute: the running maximum of the piecewise-linear curve through
+    its probe points (a rising segment that climbs past the earlier best adds the point where it crosses it)."""
+    pts = sorted(pts)
+    out, best = [pts[0]], pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if y1 > best:
+            if y0 < best:
+                out.append((x0 + (best - y0) / (y1 - y0) * (x1 - x0), best))
+            out.append((x1, y1))
+            best = y1
+        else:
+            out.append((x1, best))
+    return out
+
+
+def _on(curve: list[tuple[float, float]], x: float):
+    """A run's best-so-far curve at ``x``: None before its first probe, its last value past its end."""
+    if x < curve[0][0]:
+        return None
+    return curve[-1][1] if x >= curve[-1][0] else value_at(curve, x)
+
+
+def envelope(runs: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """An arm's curve for one seed: at each compute, the best accuracy any of its runs had reached by then (each run's
+    :func:`run_best`; a run counts from its first probe and keeps its best past its end). Exact: the upper envelope of
+    the runs' piecewise-linear curves, with the points where two of them cross; where a run starts above the others
+    the curve steps up. Adding a run never lowers it."""
+    curves = [run_best(r) for r in runs if r]
+    xs = sorted({x for c in curves for x, _ in c})
+    grid = set(xs)
+    for a, b in zip(xs, xs[1:]):  # every curve alive on [a, b] is linear there: add where two of them cross
+        lines = [(_on(c, a), _on(c, b)) for c in curves if _on(c, a) is not None]
+        for i, (ya, yb) in enumerate(lines):
+            for za, zb in lines[i + 1:]:
+                d = (ya - za) - (yb - zb)
+                if d and 0.0 < (ya - za) / d < 1.0:
+                    grid.add(a + (ya - za) / d * (b - a))
+    out = []
+    for x in sorted(grid):
+        alive = [v for c in curves if (v := _on(c, x)) is not None]
+        before = [v for c in curves if c[0][0] < x and (v := _on(c, x)) is not None]
+        if before and max(before) < max(alive):  # a run starts here above the rest: the curve steps up at x
+            out.append((x, max(before)))
+        out.append((x, max(alive)))
     return out
 
 
@@ -190,7 +230,7 @@ def longest(curves: dict, seeds: list, reach: list) -> str:
 
 
 def analyse(a, runs: dict[str, list[dict]], timing: dict | None) -> dict:
-    """Per arm and seed: the curve (envelope of every probe point by compute) of each probe; per arm the values at each
+    """Per arm and seed: the curve (:func:`envelope` of its runs by compute) of each probe; per arm the values at each
     budget, compute_to_full_plain; the best arm at each budget. Compute modelled from ``timing`` (None: as each run
     measured it)."""
     full_steps = a.recipe.full
@@ -201,9 +241,10 @@ def analyse(a, runs: dict[str, list[dict]], timing: dict | None) -> dict:
     arms = {}
     for key, rs in runs.items():
         seeds = sorted({r["run"]["seed"] for r in rs})
-        per_seed = {s: [p for r in rs if r["run"]["seed"] == s for p in points(r, full_cpu, timing, a.recipe.train_size)]
+        per_seed = {s: [points(r, full_cpu, timing, a.recipe.train_size) for r in rs if r["run"]["seed"] == s]
                     for s in seeds}
-        curves = {k: {s: envelope([(x, v[k]) for x, v in per_seed[s]]) for s in seeds} for k in PROBES}
+        curves = {k: {s: envelope([[(x, v[k]) for x, v in run] for run in per_seed[s]]) for s in seeds}
+                  for k in PROBES}
         at = {}
         for b in a.at:
             vals = [curve_at(curves["top1"][s], b) for s in seeds]

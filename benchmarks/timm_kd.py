@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-import harness  # noqa: E402  (benchmarks/: the studies' side-by-side timing)
+import harness  # noqa: E402  (benchmarks/: the studies' batches and side-by-side timing)
 
 from accelerate_ssl.atomic import atomic_write_json  # noqa: E402
 from accelerate_ssl.results import code_commit, save_figure, write_results  # noqa: E402
@@ -88,6 +88,7 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     a.worker = tuple(map(int, a.worker.split("/")))
     a.budgets = sorted(set(a.budgets))
+    a.device = "cpu"  # the study's runs are on the CPU; harness.batches puts each batch there
     return a
 
 
@@ -228,12 +229,12 @@ def top1(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def train_run(a, kind: str, steps: int, seed: int, data_) -> dict:
-    from accelerate_ssl.recipes import WEAK_VIEWS, shuffled_batches, tensor_batches, train_ssl, warmup_cosine_lr
+    from accelerate_ssl.recipes import WEAK_VIEWS, train_ssl, warmup_cosine_lr
 
     train, test, xtr, xte = data_
     method, rela, opt, net = build(a, kind, seed, train, steps)
     try:
-        log = train_ssl(method, tensor_batches(xtr, shuffled_batches(len(xtr), a.batch_size, seed)), steps,
+        log = train_ssl(method, harness.batches(a, xtr, seed), steps,
                         optimizer=opt, view_generator=torch.Generator().manual_seed(seed + 1), views=WEAK_VIEWS,
                         rela=rela, rela_views="weak", lr=warmup_cosine_lr(a.lr, steps), checkpoints=[steps],
                         probe=lambda _: top1(net, xte, test.targets), progress=f"{kind} {steps} seed {seed}")
@@ -271,7 +272,7 @@ def timing(a, data_) -> dict:
     batches, and the same views in a round), and of the precompute per image, from chunks of 1024 training images
     between rounds."""
     from accelerate_ssl.priors import create_prior
-    from accelerate_ssl.recipes import WEAK_VIEWS, shuffled_batches, tensor_batches, train_ssl
+    from accelerate_ssl.recipes import WEAK_VIEWS, train_ssl
     from accelerate_ssl.schedules import Constant
 
     train, _, xtr, _ = data_
@@ -279,7 +280,7 @@ def timing(a, data_) -> dict:
     kinds = {}
     for kind in KINDS:
         method, rela, opt, _ = build(a, kind.split("_")[0], 0, train, 10 ** 6, schedules.get(kind))
-        kinds[kind] = (method, rela, opt, tensor_batches(xtr, shuffled_batches(len(xtr), a.batch_size, 0)))
+        kinds[kind] = (method, rela, opt, harness.batches(a, xtr, 0))
     prior, pre = create_prior(a.prior), []
     g = torch.Generator()
 

@@ -142,3 +142,26 @@ def test_side_by_side_interleaves_the_kinds_round_by_round_and_counts_no_warm_up
     assert calls == [(i, k) for i in range(7) for k in ("a", "b")]
     assert between == [2, 4, 6]
     assert out == {"a": {"seconds": 3.0, "cpu_seconds": 6.0}, "b": {"seconds": 20.0, "cpu_seconds": 40.0}}
+
+
+def test_an_arms_curve_is_the_best_any_of_its_runs_had_reached_and_a_run_never_lowers_it():
+    """Each run linear between its probes; the arm's curve at a compute is the best any run had reached by then."""
+    long = [(0.0, 40.0), (0.3, 70.0), (0.6, 76.0), (0.9, 78.0)]
+    short = [(0.0, 40.0), (0.4, 74.0), (0.8, 74.5)]  # ends below the long run, between two of its probes
+    alone, both = budget.envelope([long]), budget.envelope([long, short])
+    for x in (0.1, 0.3, 0.37, 0.45, 0.6, 0.75, 0.8, 0.85, 0.9):
+        assert budget.curve_at(both, x) >= budget.curve_at(alone, x) - 1e-9
+    assert budget.curve_at(both, 0.75) == pytest.approx(77.0)  # the long run's own line, not one through the short end
+    assert budget.curve_at(both, 0.4) == pytest.approx(74.0)  # the short run is ahead there
+    x = 24.0 / 65.0  # where short's 40 -> 74 over [0, 0.4] crosses long's 70 -> 76 over [0.3, 0.6]
+    assert any(abs(cx - x) < 1e-9 for cx, _ in both)
+    assert budget.curve_at(both, 0.35) == pytest.approx(71.0) and budget.curve_at(both, 0.38) == pytest.approx(72.3)
+    # a run that dips keeps its best; one that starts above the others steps the curve up where it starts
+    assert budget.run_best([(0.0, 50.0), (0.5, 70.0), (1.0, 60.0), (1.5, 80.0)]) == \
+        [(0.0, 50.0), (0.5, 70.0), (1.0, 70.0), (1.25, 70.0), (1.5, 80.0)]
+    late = budget.envelope([[(0.0, 40.0), (0.5, 60.0)], [(0.4, 70.0), (0.8, 71.0)]])
+    assert budget.curve_at(late, 0.39) == pytest.approx(40.0 + 20.0 * 0.39 / 0.5)
+    assert budget.steps_to_reach(late, 65.0) == pytest.approx(0.4)
+    # probes of several runs at one compute: the best of them
+    assert budget.curve_at(budget.envelope([[(0.0, 30.0), (0.1, 50.0)], [(0.0, 30.0), (0.1, 57.0), (0.2, 60.0)]]),
+                           0.1) == pytest.approx(57.0)
