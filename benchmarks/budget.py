@@ -267,6 +267,8 @@ def analyse(a, runs: dict[str, list[dict]], timing: dict | None) -> dict:
         arms[key] = {"prior": first["prior"], "schedule": first["schedule"], "loss": first["loss"], "seeds": seeds,
                      "curves": {k: {str(s): c for s, c in v.items()} for k, v in curves.items()},
                      "at": at, "compute_to_full_plain": to_full, "end_by_length": ends, "compute_by_length": cost,
+                     "seeds_by_length": {str(n): sorted(r["run"]["seed"] for r in rs if r["run"]["steps"] == n)
+                                         for n in lengths},
                      "handover_step": {str(n): [r.get("handover_step") for r in rs if r["run"]["steps"] == n]
                                        for n in lengths},
                      "rela_step_fraction": {str(n): statistics.fmean(r.get("rela_steps", 0) / n for r in rs
@@ -290,7 +292,8 @@ def default_arm(prior: str = "other", loss: str = "callable") -> str:
 def goals(an: dict) -> dict:
     """The study's goals, read off its analysis: the default recipe with the prior trained on other data reaches the
     full plain run's accuracy within :data:`REACH_BAR` of its compute; at every budget it ends within one sd of the
-    best arm there; what an untrained prior buys at equal compute."""
+    best arm there (and where it is not judged); what the hand-over bought (the default's longest runs against
+    ``constant:1``'s, the same runs up to it); what an untrained prior buys at equal compute."""
     arms, out = an["arms"], {}
     d = arms.get(default_arm())
     if d:
@@ -302,7 +305,17 @@ def goals(an: dict) -> dict:
                 mine, gap = d["at"][b], d["at"][b]["mean"] - best["mean"]
                 rows.append({"budget": float(b), "default": mine["mean"], "best_arm": best["arm"], "best": best["mean"],
                              "best_sd": best["sd"], "gap": gap, "within_sd": -gap <= (best["sd"] or 0.0)})
-        out["front"] = {"met": bool(rows) and all(r["within_sd"] for r in rows), "budgets": rows}
+        out["front"] = {"met": bool(rows) and all(r["within_sd"] for r in rows), "budgets": rows,
+                        "not_judged": [float(b) for b in an["best_at"] if b not in d["at"]]}
+    const = arms.get(arm_key("other", "constant:1", "callable"))
+    if d and const:  # the same runs up to the hand-over: what the plain steps after it bought, at their ends
+        same = [n for n in d["end_by_length"] if d["seeds_by_length"][n] == const.get("seeds_by_length", {}).get(n)]
+        if same:
+            n = max(same, key=int)
+            out["handover"] = {"steps": int(n), "seeds": d["seeds_by_length"][n],
+                               "default": d["end_by_length"][n]["top1"], "default_compute": d["compute_by_length"][n],
+                               "constant": const["end_by_length"][n]["top1"],
+                               "constant_compute": const["compute_by_length"][n]}
     rnd, plain = arms.get(default_arm("random")), arms.get("plain")
     if rnd and plain:
         out["untrained"] = [{"budget": float(b), "random": rnd["at"][b]["mean"], "plain": plain["at"][b]["mean"],
@@ -434,6 +447,15 @@ def summary(result: dict) -> str:
                              f"{arm_label(x['best_arm'], an['arms'][x['best_arm']])}"
                              f"{seeds_note(an['arms'][x['best_arm']])}, whose sd there is {x['best_sd'] or 0:.2f})"
                              for x in miss) + ".")
+        if g["front"]["not_judged"]:
+            lines.append("Not judged at " + ", ".join(f"{b:g}" for b in g["front"]["not_judged"]) + ", where another "
+                         "arm is measured but not every seed of the default's runs reaches that compute.")
+    if g.get("handover"):
+        h = g["handover"]
+        lines.append(f"What the hand-over bought: the default's {h['steps']}-step runs are `constant:1`'s up to it (the "
+                     f"same steps, {seeds_text(len(h['seeds']))}); at their ends the default is at {cell(h['default'])} % "
+                     f"for {h['default_compute']['mean']:.2f} of the compute, `constant:1` at {cell(h['constant'])} % "
+                     f"for {h['constant_compute']['mean']:.2f}.")
     if g.get("untrained"):
         n = len(an["arms"][default_arm("random")]["seeds"])
         lines.append(f"With an untrained prior ({seeds_text(n)}), the default recipe at equal compute against plain SSL: "

@@ -102,8 +102,17 @@ def test_the_analysis_reads_compute_to_full_plain_and_the_front_off_the_curves(s
             assert v["mean"] == pytest.approx(sum(v["per_seed"]) / len(v["per_seed"]))
     for b, best in an["best_at"].items():
         assert best["mean"] == max(arm["at"][b]["mean"] for arm in an["arms"].values() if b in arm["at"])
+    # what the hand-over bought: the default's runs against constant:1's of the same length and seeds, at their ends
+    h = budget.goals(an)["handover"]
+    ends = {k: [r["curve"][-1]["top1"] for r in result["runs"].values() if r["run"]["prior"] == "other"
+                and r["run"]["schedule"] == s and r["run"]["steps"] == 6 and r["run"]["loss"] == "callable"]
+            for k, s in (("default", an["arms"]["other:default:callable"]["schedule"]), ("constant", "constant:1"))}
+    assert h["steps"] == 6 and h["seeds"] == [0, 1]
+    assert h["default"]["mean"] == pytest.approx(sum(ends["default"]) / 2)
+    assert h["constant"]["mean"] == pytest.approx(sum(ends["constant"]) / 2)
     tables = budget.tables(result)
     assert {"front", "reach", "summary", "ends", "cost", "priors"} <= set(tables) and "(default)" in tables["front"]
+    assert "What the hand-over bought: the default's 6-step runs" in tables["summary"]
 
 
 def test_a_rerun_resumes_and_a_run_of_another_recipe_is_refused(study):
