@@ -342,7 +342,7 @@ def cell(v: dict | None, bold: bool = False) -> str:
 
 
 def seeds_note(arm: dict) -> str:
-    return "" if len(arm["seeds"]) >= 5 else f" ({len(arm['seeds'])} seeds)"
+    return "" if len(arm["seeds"]) >= 5 else f" ({seeds_text(len(arm['seeds']))})"
 
 
 def tables(result: dict) -> dict[str, str]:
