@@ -200,7 +200,7 @@ def envelope(runs: list[list[tuple[float, float]]]) -> list[tuple[float, float]]
     xs = sorted({x for c in curves for x, _ in c})
     grid = set(xs)
     for a, b in zip(xs, xs[1:]):  # every curve alive on [a, b] is linear there: add where two of them cross
-        lines = [(_on(c, a), _on(c, b)) for c in curves if _on(c, a) is not None]
+        lines = [(_on(c, a), _on(c, b)) for c in curves if c[0][0] <= a]
         for i, (ya, yb) in enumerate(lines):
             for za, zb in lines[i + 1:]:
                 d = (ya - za) - (yb - zb)
@@ -208,11 +208,12 @@ def envelope(runs: list[list[tuple[float, float]]]) -> list[tuple[float, float]]
                     grid.add(a + (ya - za) / d * (b - a))
     out = []
     for x in sorted(grid):
-        alive = [v for c in curves if (v := _on(c, x)) is not None]
-        before = [v for c in curves if c[0][0] < x and (v := _on(c, x)) is not None]
-        if before and max(before) < max(alive):  # a run starts here above the rest: the curve steps up at x
+        alive = [(c[0][0], _on(c, x)) for c in curves if c[0][0] <= x]
+        top = max(v for _, v in alive)
+        before = [v for start, v in alive if start < x]
+        if before and max(before) < top:  # a run starts here above the rest: the curve steps up at x
             out.append((x, max(before)))
-        out.append((x, max(alive)))
+        out.append((x, top))
     return out
 
 
@@ -309,7 +310,7 @@ def goals(an: dict) -> dict:
                         "not_judged": [float(b) for b in an["best_at"] if b not in d["at"]]}
     const = arms.get(arm_key("other", "constant:1", "callable"))
     if d and const:  # the same runs up to the hand-over: what the plain steps after it bought, at their ends
-        same = [n for n in d["end_by_length"] if d["seeds_by_length"][n] == const.get("seeds_by_length", {}).get(n)]
+        same = [n for n in d["end_by_length"] if d["seeds_by_length"][n] == const["seeds_by_length"].get(n)]
         if same:
             n = max(same, key=int)
             out["handover"] = {"steps": int(n), "seeds": d["seeds_by_length"][n],
